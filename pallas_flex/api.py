@@ -1,0 +1,187 @@
+"""The public entry points: validate, canonicalize, dispatch to a backend."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flex.kernels.config import resolve_options
+from pallas_flex.kernels.forward import flex_attention_forward
+from pallas_flex.kernels.reference import reference_attention
+from pallas_flex.kernels.tile_mods import check_tile_compatible
+from pallas_flex.kernels.xla_blockwise import blockwise_attention
+from pallas_flex.masks.block_mask import BlockMask, create_block_mask
+from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+
+BACKENDS = ("pallas", "interpret", "xla", "reference")
+_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_DEFAULT_MASK_BLOCK = 128
+
+
+def default_backend() -> str:
+    """"pallas" on a CUDA GPU, else "xla"."""
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+
+
+def _validate_inputs(q, k, v):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if not hasattr(x, "shape") or len(x.shape) != 4:
+            raise ValueError(f"{name} must be a 4-D array [B, S, H, D], got shape "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    batch, q_len, q_heads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"k and v must have batch {batch} (q's), got {k.shape[0]} and {v.shape[0]}")
+    if k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same length, got {k.shape[1]} and {v.shape[1]}")
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(f"k and v must have the same number of heads, got {k.shape[2]} "
+                         f"and {v.shape[2]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[3]}")
+    if q_heads % k.shape[2]:
+        raise ValueError(f"q's heads ({q_heads}) must be a multiple of k's heads ({k.shape[2]}) "
+                         "for grouped-query attention")
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise ValueError(f"q, k, v must be non-empty, got {q.shape}, {k.shape}, {v.shape}")
+
+
+def _validate_block_mask(block_mask, q, k):
+    if not isinstance(block_mask, BlockMask):
+        raise ValueError(f"block_mask must be a pallas_flex.BlockMask, got "
+                         f"{type(block_mask).__name__}")
+    batch, q_len, q_heads, _ = q.shape
+    kv_len = k.shape[1]
+    mask_batch, mask_heads, mask_q_len, mask_kv_len = block_mask.shape
+    if (mask_q_len, mask_kv_len) != (q_len, kv_len):
+        raise ValueError(f"block_mask was built for Q_LEN={mask_q_len}, KV_LEN={mask_kv_len}, "
+                         f"but q and k have lengths {q_len} and {kv_len}")
+    if mask_batch not in (1, batch):
+        raise ValueError(f"block_mask has batch {mask_batch}; expected 1 or {batch}")
+    if mask_heads not in (1, q_heads):
+        raise ValueError(f"block_mask has {mask_heads} heads; expected 1 or {q_heads} "
+                         "(query heads)")
+
+
+def _resolve_scale(scale, head_dim):
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, jax.core.Tracer) or not isinstance(scale, (int, float)):
+        raise ValueError(f"scale must be a Python float (a compile-time constant), got "
+                         f"{type(scale).__name__}; fold a traced scale into a score_mod")
+    return float(scale)
+
+
+@functools.partial(jax.jit, static_argnames=("backend", "scale", "options"))
+def _forward(q, k, v, block_mask, score_program, *, backend, scale, options):
+    if backend in ("pallas", "interpret"):
+        return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
+                                      options=options, interpret=backend == "interpret")
+    if backend == "xla":
+        return blockwise_attention(q, k, v, block_mask, score_program, scale=scale)
+    out, lse = reference_attention(q, k, v, mask_mod=block_mask.mask_mod,
+                                   score_mod=score_program, scale=scale)
+    return out.astype(q.dtype), lse
+
+
+def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
+                   return_lse=False, backend=None, kernel_options=None):
+    """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
+
+    Args:
+      q: [B, Sq, Hq, D]; k: [B, Skv, Hkv, D]; v: [B, Skv, Hkv, Dv]; Hq a multiple of
+        Hkv (GQA/MQA); float32, bfloat16 or float16, all the same.
+      score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, scalar semantics.
+      block_mask: a `BlockMask` from `create_block_mask` (None: no mask).
+      scale: Python float; defaults to 1/sqrt(D).
+      return_lse: also return lse [B, Hq, Sq] (float32, natural log; -inf for fully
+        masked rows, whose output is zero).
+      backend: "pallas" (GPU), "interpret" (Pallas interpret mode), "xla" (blockwise,
+        any device), "reference" (dense); None picks "pallas" on GPU, else "xla".
+      kernel_options: dict overriding `KernelOptions` fields (block_q, block_kv,
+        num_warps, num_stages).
+    Returns:
+      out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True.
+
+    Example:
+      >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
+      >>> out = pf.flex_attention(q, k, v, block_mask=bm)
+    """
+    _validate_inputs(q, k, v)
+    batch, q_len, q_heads, head_dim = q.shape
+    if block_mask is None:
+        block_mask = create_block_mask(None, None, None, q_len, k.shape[1],
+                                       block_size=_DEFAULT_MASK_BLOCK)
+    _validate_block_mask(block_mask, q, k)
+    score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    options = resolve_options(kernel_options, max(head_dim, v.shape[3]))
+    if backend in ("pallas", "interpret"):
+        check_tile_compatible(block_mask.mask_mod)
+        check_tile_compatible(score_program)
+    out, lse = _forward(q, k, v, block_mask, score_program, backend=backend,
+                        scale=_resolve_scale(scale, head_dim), options=options)
+    return (out, lse) if return_lse else out
+
+
+def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
+              return_lse=False, backend=None, kernel_options=None):
+    """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
+
+    Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
+    -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
+    `block_mask` (to reuse one across layers), not both.
+
+    Example:
+      >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
+      ...                    score_mod=pf.masks.alibi(num_heads))
+    """
+    _validate_inputs(q, k, v)
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("pass either mask_mod or block_mask, not both (a BlockMask "
+                         "already carries its mask_mod)")
+    if mask_mod is not None:
+        program = make_mod_program(mask_mod, MASK)
+        block_size = _DEFAULT_MASK_BLOCK
+        if kernel_options and isinstance(kernel_options, dict):
+            block_size = (kernel_options.get("block_q", block_size),
+                          kernel_options.get("block_kv", block_size))
+        block_mask = create_block_mask(
+            program, q.shape[0] if program.uses_batch else None,
+            q.shape[2] if program.uses_head else None, q.shape[1], k.shape[1],
+            block_size=block_size)
+    return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
+                          backend=backend, kernel_options=kernel_options)
+
+
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Exactly merges two attention results over disjoint key sets.
+
+    Args:
+      out_a, out_b: [B, S, H, Dv] attention outputs over key sets A and B.
+      lse_a, lse_b: [B, H, S] their log-sum-exps (natural log; -inf = no keys).
+    Returns:
+      (out [B, S, H, Dv] in out_a's dtype, lse [B, H, S] float32) of attention over A ∪ B.
+    """
+    if out_a.shape != out_b.shape:
+        raise ValueError(f"out_a and out_b must have the same shape, got {out_a.shape} "
+                         f"and {out_b.shape}")
+    expected = (out_a.shape[0], out_a.shape[2], out_a.shape[1])
+    for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
+        if lse.shape != expected:
+            raise ValueError(f"{name} must have shape [B, H, S] = {expected}, got {lse.shape}")
+    lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight_a = jnp.swapaxes(jnp.exp(lse_a - safe), 1, 2)[..., None]
+    weight_b = jnp.swapaxes(jnp.exp(lse_b - safe), 1, 2)[..., None]
+    out = out_a.astype(jnp.float32) * weight_a + out_b.astype(jnp.float32) * weight_b
+    return out.astype(out_a.dtype), lse

@@ -1,0 +1,66 @@
+"""Kernel tuning: one frozen config, with defaults from a per-GPU-generation table.
+
+Users override any field through `kernel_options={"block_q": 64, ...}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """Tile sizes and Triton launch parameters of the attention kernels.
+
+    block_q, block_kv: query/key rows per tile; powers of two. They must divide the
+      BlockMask's block size (a 128x128 BlockMask runs with 128x64 tiles: each mask
+      block is walked as two kernel tiles).
+    num_warps, num_stages: Triton warps per program and software-pipelining depth.
+    """
+
+    block_q: int = 128
+    block_kv: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def replace(self, **changes) -> "KernelOptions":
+        return dataclasses.replace(self, **changes)
+
+
+# Hopper (sm_90) forward defaults by padded head dim, measured on the H100 (see
+# benchmarks/results/). Larger head dims need smaller tiles to fit registers.
+_HOPPER_FORWARD = {
+    64: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
+    256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+}
+
+
+def default_forward_options(head_dim: int) -> KernelOptions:
+    for limit in sorted(_HOPPER_FORWARD):
+        if head_dim <= limit:
+            return _HOPPER_FORWARD[limit]
+    return _HOPPER_FORWARD[max(_HOPPER_FORWARD)]
+
+
+def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
+    """Merges user `kernel_options` (dict or KernelOptions) over the default."""
+    options = default_forward_options(head_dim)
+    if kernel_options is None:
+        return options
+    if isinstance(kernel_options, KernelOptions):
+        return kernel_options
+    if not isinstance(kernel_options, dict):
+        raise ValueError(f"kernel_options must be a dict or KernelOptions, got "
+                         f"{type(kernel_options).__name__}")
+    known = {field.name for field in dataclasses.fields(KernelOptions)}
+    unknown = set(kernel_options) - known
+    if unknown:
+        raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "
+                         f"expected some of {sorted(known)}")
+    options = options.replace(**kernel_options)
+    for name in ("block_q", "block_kv"):
+        size = getattr(options, name)
+        if not isinstance(size, int) or size < 1 or size & (size - 1):
+            raise ValueError(f"kernel_options[{name!r}] must be a power of two, got {size!r}")
+    return options

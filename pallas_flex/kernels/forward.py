@@ -1,0 +1,153 @@
+"""Block-sparse FlexAttention forward: a Pallas (Triton) kernel.
+
+Grid (query tile, query head, batch), query tiles fastest so that programs running at
+the same time share one head's K/V in L2, and in reverse order so that the longest rows
+of a causal mask start first. Each program loads its query tile once, then
+walks the BlockMask row of its query block: first the *full* KV blocks (no mask_mod
+call), then the *partial* ones (mask_mod on the tile, plus the sequence-tail mask).
+Blocks the mask leaves empty are never visited. GQA: query head h reads KV head
+h // (Hq // Hkv).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels.padding import pad_axis, padded_head_dim
+from pallas_flex.kernels.tile_mods import (
+    apply_mask_on_tile, apply_score_on_tile, captured_inputs)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
+                    full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
+                    mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
+                    mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads):
+    num_mask_refs = len(mask_program.consts)
+    num_score_refs = len(score_program.consts) if score_program is not None else 0
+    mask_refs = refs[:num_mask_refs]
+    score_refs = refs[num_mask_refs:num_mask_refs + num_score_refs]
+    out_ref, lse_ref = refs[num_mask_refs + num_score_refs:]
+
+    q_tile = pl.num_programs(0) - 1 - pl.program_id(0)
+    head, batch = pl.program_id(1), pl.program_id(2)
+    table_batch = 0 if broadcast_batch else batch
+    table_head = 0 if broadcast_heads else head
+    mask_row = q_tile // (mask_block_q // block_q)
+    precision = online_softmax.dot_precision(q_ref.dtype)
+
+    q = q_ref[...]  # [block_q, D]
+    q_idx = q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
+    # Mods always see in-range indices; padded query rows are sliced off afterwards.
+    q_idx = jnp.minimum(q_idx, q_len - 1)
+
+    def visit_tile(kv_start, state, masked):
+        k = k_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, D]
+        v = v_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, Dv]
+        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                 preferred_element_type=jnp.float32, precision=precision)
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+        if score_program is None:
+            scores = scores * (scale * online_softmax.LOG2_E)
+        else:
+            scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
+                                         head, q_idx, kv_idx_in_range) * online_softmax.LOG2_E
+        if masked:
+            keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
+                                      kv_idx_in_range) & (kv_idx < kv_len)
+            scores = jnp.where(keep, scores, -jnp.inf)
+        return online_softmax.update(state, scores, v, precision)
+
+    def walk(num_blocks_ref, indices_ref, state, masked):
+        def visit_block(j, state):
+            kv_block = indices_ref[table_batch, table_head, mask_row, j]
+            # A mask block may span several kernel tiles along KV.
+            for tile in range(mask_block_kv // block_kv):
+                state = visit_tile(kv_block * mask_block_kv + tile * block_kv, state, masked)
+            return state
+        num_blocks = num_blocks_ref[table_batch, table_head, mask_row]
+        return lax.fori_loop(0, num_blocks, visit_block, state)
+
+    state = online_softmax.initial_state(block_q, out_ref.shape[-1])
+    state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
+    state = walk(kv_num_blocks_ref, kv_indices_ref, state, masked=True)
+    out, lse = online_softmax.finalize(state)
+    out_ref[...] = out.astype(out_ref.dtype)
+    lse_ref[...] = lse
+
+
+def _reverse(tile, num_tiles):
+    return num_tiles - 1 - tile
+
+
+def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
+                           options: KernelOptions, interpret: bool):
+    """out [B, Sq, Hq, Dv] (q's dtype) and lse [B, Hq, Sq] (float32) of FlexAttention.
+
+    Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
+    equal Sq and Skv, and its batch/head dims are the real ones or 1.
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    mask_block_q, mask_block_kv = block_mask.block_size
+    num_q_blocks, num_kv_blocks = block_mask.num_blocks
+    block_q = min(options.block_q, mask_block_q)
+    block_kv = min(options.block_kv, mask_block_kv)
+    group = q_heads // kv_heads
+
+    # Triton tiles need power-of-two extents: pad head dims with zeros (which add nothing
+    # to q.k or to the output), and sequences up to whole mask blocks.
+    padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
+    q = pad_axis(pad_axis(q, 3, padded_dim), 1, num_q_blocks * mask_block_q)
+    k = pad_axis(pad_axis(k, 3, padded_dim), 1, num_kv_blocks * mask_block_kv)
+    v = pad_axis(pad_axis(v, 3, padded_value_dim), 1, num_kv_blocks * mask_block_kv)
+    padded_q_len, padded_kv_len = q.shape[1], k.shape[1]
+
+    mask_program = block_mask.mask_mod
+    captured = captured_inputs(mask_program) + captured_inputs(score_program)
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
+              block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    kernel = functools.partial(
+        _forward_kernel, mask_program=mask_program, score_program=score_program,
+        scale=scale, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+        mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
+        broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
+        broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1)
+
+    num_q_tiles = padded_q_len // block_q
+    whole = pl.no_block_spec
+    in_specs = [
+        pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
+        pl.BlockSpec((None, padded_kv_len, None, padded_dim),
+                     lambda i, h, b: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
+                     lambda i, h, b: (b, 0, h // group, 0)),
+    ] + [whole] * (len(tables) + len(captured))
+    out_specs = [
+        pl.BlockSpec((None, block_q, None, padded_value_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
+        pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, _reverse(i, num_q_tiles))),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, padded_value_dim), q.dtype),
+        jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
+    ]
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_q_tiles, q_heads, batch),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=options.num_warps,
+                                             num_stages=options.num_stages),
+        interpret=interpret,
+        name="flex_attention_forward",
+    )(q, k, v, *tables, *captured)
+    return out[:, :q_len, :, :value_dim], lse[:, :, :q_len]

@@ -1,0 +1,54 @@
+"""Online softmax in base 2, shared by the Pallas kernels and the XLA blockwise path.
+
+Scores arrive already multiplied by log2(e), so `exp2` replaces `exp` (one MUFU op on
+NVIDIA GPUs). Rows that have seen only masked scores keep `max = -inf`; subtracting a
+stand-in 0 instead keeps `exp2(-inf - -inf)` from producing NaN, and such rows end as
+zeros with `lse = -inf`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+
+def initial_state(block_q: int, value_dim: int):
+    """(running max [block_q], running sum [block_q], accumulator [block_q, Dv])."""
+    return (jnp.full((block_q,), -jnp.inf, jnp.float32),
+            jnp.zeros((block_q,), jnp.float32),
+            jnp.zeros((block_q, value_dim), jnp.float32))
+
+
+def update(state, scores_log2, v, precision=None):
+    """Folds one tile: scores_log2 [block_q, block_kv] (-inf where masked), v [block_kv, Dv]."""
+    running_max, running_sum, accumulator = state
+    new_max = jnp.maximum(running_max, jnp.max(scores_log2, axis=1))
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = jnp.exp2(running_max - safe_max)
+    probabilities = jnp.exp2(scores_log2 - safe_max[:, None])
+    running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
+    accumulator = accumulator * correction[:, None] + jax.lax.dot_general(
+        probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32, precision=precision)
+    return new_max, running_sum, accumulator
+
+
+def finalize(state):
+    """out [block_q, Dv] (float32) and natural-log lse [block_q]."""
+    running_max, running_sum, accumulator = state
+    has_mass = running_sum > 0.0
+    out = accumulator / jnp.where(has_mass, running_sum, 1.0)[:, None]
+    safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
+    lse = jnp.where(has_mass, (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * LN_2,
+                    -jnp.inf)
+    return out, lse
+
+
+def dot_precision(dtype):
+    """float32 inputs get full-precision dots (not TF32); 16-bit inputs need no hint."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

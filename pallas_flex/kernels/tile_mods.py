@@ -1,0 +1,180 @@
+"""Evaluates a traced mod on a whole tile of scores inside a Pallas kernel.
+
+A mod is written for scalars and traced into a scalar jaxpr (see
+`masks/mod_program.py`). Inside a kernel there is no `vmap` over Triton programs, so
+this module replays that jaxpr on tiles instead: every scalar operation becomes the
+same operation on broadcast arrays (`q_idx` is a `[block_q, 1]` column, `kv_idx` a
+`[1, block_kv]` row, so work that depends on one index only stays on a vector), and a
+read `array[i, j]` of a captured array becomes a gather-load from that array's kernel
+input ref. Anything else on a captured array (arithmetic on the whole array) has no
+tile meaning and is rejected with a message saying how to rewrite the mod.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+# Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
+# are the identity (the scalar program's `x[i]` is `dynamic_slice` then `squeeze`).
+_SIZE_ONE_RESHAPES = {"squeeze", "reshape", "expand_dims", "broadcast_in_dim"}
+# Primitives that wrap a sub-jaxpr with the same semantics as inlining it.
+_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+                "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+class CapturedRef:
+    """A captured array living in a kernel input ref.
+
+    0-d arrays travel as shape `[1]` refs (kernels need at least one dimension).
+    """
+
+    def __init__(self, ref, shape: tuple[int, ...]):
+        self.ref = ref
+        self.shape = shape
+
+    def load_scalar(self):
+        return self.ref[0]
+
+    def gather(self, indices):
+        """`array[indices]` for index tiles that broadcast against each other.
+
+        Indices are clamped into range first, as XLA's dynamic_slice does, so a mod that
+        reads past the end of a short array gets the same value on every backend
+        instead of reading outside the buffer.
+        """
+        indices = [jnp.clip(i, 0, size - 1) for i, size in zip(indices, self.shape)]
+        shape = np.broadcast_shapes(*(jnp.shape(i) for i in indices))
+        if not shape:
+            return self.ref[tuple(indices)]
+        indices = tuple(jnp.broadcast_to(i, shape) for i in indices)
+        return self.ref[indices]
+
+
+def _as_array(value, aval):
+    if isinstance(value, CapturedRef):
+        return value
+    return jnp.asarray(value, dtype=aval.dtype)
+
+
+def _elementwise(equation, operands):
+    """Binds a scalar primitive on operands broadcast to their common tile shape."""
+    shape = np.broadcast_shapes(*(jnp.shape(x) for x in operands))
+    operands = [jnp.broadcast_to(x, shape) if jnp.shape(x) != shape else x for x in operands]
+    return equation.primitive.bind(*operands, **equation.params)
+
+
+def _read_captured(value, name: str, primitive: str):
+    if value.shape == ():
+        return value.load_scalar()
+    raise ValueError(
+        f"mod {name!r} applies {primitive!r} to a whole captured array of shape "
+        f"{value.shape}; inside a mod, captured arrays may only be indexed with scalar "
+        "indices (e.g. table[h, q_idx]). Compute derived arrays outside the mod and "
+        "close over the result."
+    )
+
+
+def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str):
+    """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays."""
+    environment = {}
+
+    def read(atom):
+        if isinstance(atom, jex_core.Literal):
+            return _as_array(atom.val, atom.aval)
+        return environment[atom]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        environment[var] = value
+    for var, value in zip(jaxpr.invars, args):
+        environment[var] = value
+
+    for equation in jaxpr.eqns:
+        operands = [read(atom) for atom in equation.invars]
+        primitive = equation.primitive.name
+        if primitive in _CALL_PARAMS:
+            inner = equation.params[_CALL_PARAMS[primitive]]
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            inner_consts = getattr(inner, "consts", ())
+            outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name)
+        elif primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef):
+            if any(size != 1 for size in equation.params["slice_sizes"]):
+                raise ValueError(f"mod {name!r} slices a captured array; index it with "
+                                 "scalar indices instead")
+            outputs = [operands[0].gather(operands[1:])]
+        elif primitive in _SIZE_ONE_RESHAPES and all(
+                np.prod(v.aval.shape, dtype=int) == 1 for v in equation.outvars):
+            outputs = [operands[0].load_scalar() if isinstance(operands[0], CapturedRef)
+                       else operands[0]]
+        else:
+            operands = [_read_captured(x, name, primitive) if isinstance(x, CapturedRef) else x
+                        for x in operands]
+            if any(np.prod(v.aval.shape, dtype=int) != 1 for v in equation.outvars):
+                raise ValueError(
+                    f"mod {name!r} builds an array with {primitive!r}; mods must compute "
+                    "one scalar from scalars (precompute arrays outside and index them)"
+                )
+            outputs = _elementwise(equation, operands)
+            if not equation.primitive.multiple_results:
+                outputs = [outputs]
+        for var, value in zip(equation.outvars, outputs):
+            environment[var] = value
+
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx):
+    """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]."""
+    consts = [CapturedRef(ref, jnp.shape(c)) for ref, c in zip(captured_refs, program.consts)]
+    (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name)
+    return jnp.broadcast_to(mask, (q_idx.shape[0], kv_idx.shape[1]))
+
+
+def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
+    """score_mod applied to score [block_q, block_kv] (float32)."""
+    consts = [CapturedRef(ref, jnp.shape(c)) for ref, c in zip(captured_refs, program.consts)]
+    (result,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (score, b, h, q_idx, kv_idx),
+                                        program.name)
+    return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
+
+
+def captured_inputs(program):
+    """The arrays to pass as kernel inputs for `program`'s captured arrays (0-d -> [1])."""
+    if program is None:
+        return []
+    return [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in program.consts]
+
+
+def check_tile_compatible(program) -> None:
+    """Raises the tile interpreter's error at trace time, before any kernel is built."""
+    if program is None:
+        return
+    consts = [CapturedRef(_ShapeOnlyRef(jnp.shape(c), c.dtype), jnp.shape(c))
+              for c in program.consts]
+    args = [jnp.zeros((4, 1), jnp.int32) for _ in range(4)]
+    args[0] = args[1] = jnp.int32(0)
+    args[3] = jnp.zeros((1, 8), jnp.int32)
+    if program.kind == "score":
+        args = [jnp.zeros((4, 8), jnp.float32)] + args
+    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name))
+
+
+class _ShapeOnlyRef:
+    """Stands in for a kernel ref when checking a program outside a kernel."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            index = (index,)
+        shape = np.broadcast_shapes(*(jnp.shape(i) for i in index))
+        return jnp.zeros(shape, self.dtype)
+
+
+__all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
+           "check_tile_compatible", "evaluate_jaxpr_on_tiles", "CapturedRef"]

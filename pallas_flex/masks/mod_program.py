@@ -1,0 +1,171 @@
+"""A mod traced once, with the arrays it closes over hoisted out as explicit inputs.
+
+A user's `mask_mod(b, h, q_idx, kv_idx)` or `score_mod(score, b, h, q_idx, kv_idx)` is
+a Python closure. Kernels cannot capture arrays, and baking captured arrays in as
+constants would recompile on every new value (new document ids each batch, new ALiBi
+slopes each step) and hide them from `jax.grad`. So each mod is traced once on scalar
+arguments into a jaxpr, and the arrays it captured become `consts`: pytree leaves that
+travel into the kernels as ordinary inputs (and get gradients as ordinary inputs).
+
+Two programs compare equal when their jaxprs print the same, whatever their constant
+values: that is what lets `jit` reuse a compiled kernel for a new closure of the same
+shape.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+MASK = "mask"
+SCORE = "score"
+
+_ARGUMENT_NAMES = {
+    MASK: ("b", "h", "q_idx", "kv_idx"),
+    SCORE: ("score", "b", "h", "q_idx", "kv_idx"),
+}
+
+
+class _JaxprStructure:
+    """Hashable key of a jaxpr: its printed text (constant *values* are not printed)."""
+
+    def __init__(self, jaxpr: jex_core.Jaxpr):
+        self.jaxpr = jaxpr
+        self.text = str(jaxpr)
+
+    def __eq__(self, other):
+        return isinstance(other, _JaxprStructure) and self.text == other.text
+
+    def __hash__(self):
+        return hash(self.text)
+
+
+@jax.tree_util.register_pytree_node_class
+class ModProgram:
+    """A traced mask_mod or score_mod.
+
+    Attributes:
+      kind: "mask" or "score".
+      jaxpr: the mod's jaxpr on scalar int32 indices (and a float32 score), with one
+        constvar per captured array.
+      consts: the captured arrays, in `jaxpr.constvars` order (pytree leaves).
+      name: the mod's `__name__`, for error messages and reprs.
+      uses_batch, uses_head: whether the mod reads `b` / `h`; when it does not, a
+        BlockMask built from it broadcasts over that axis.
+    """
+
+    def __init__(self, kind: str, structure: _JaxprStructure, consts, name: str):
+        self.kind = kind
+        self._structure = structure
+        self.consts = tuple(consts)
+        self.name = name
+
+    @property
+    def jaxpr(self) -> jex_core.Jaxpr:
+        return self._structure.jaxpr
+
+    def _reads_argument(self, position: int) -> bool:
+        argument = self.jaxpr.invars[position]
+        return any(
+            argument in equation.invars for equation in self.jaxpr.eqns
+        ) or argument in self.jaxpr.outvars
+
+    @property
+    def uses_batch(self) -> bool:
+        return self._reads_argument(0 if self.kind == MASK else 1)
+
+    @property
+    def uses_head(self) -> bool:
+        return self._reads_argument(1 if self.kind == MASK else 2)
+
+    def __call__(self, *args):
+        """Evaluates the mod with scalar semantics (vmap it for arrays of indices)."""
+        (result,) = jax.core.eval_jaxpr(self.jaxpr, self.consts, *args)
+        return result
+
+    def tree_flatten(self):
+        return self.consts, (self.kind, self._structure, self.name)
+
+    @classmethod
+    def tree_unflatten(cls, aux, consts):
+        kind, structure, name = aux
+        return cls(kind, structure, consts, name)
+
+    def __repr__(self):
+        return f"ModProgram({self.kind}_mod={self.name}, captured={len(self.consts)})"
+
+
+def _check_arity(function: Callable, kind: str, argument_name: str) -> None:
+    expected = len(_ARGUMENT_NAMES[kind])
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return  # Builtins and some C callables have no signature; tracing will tell.
+    try:
+        signature.bind(*range(expected))
+    except TypeError:
+        names = ", ".join(_ARGUMENT_NAMES[kind])
+        raise ValueError(
+            f"{argument_name} must take {expected} positional arguments ({names}); "
+            f"{getattr(function, '__name__', function)!r} has signature {signature}"
+        ) from None
+
+
+def make_mod_program(function, kind: str, argument_name: str | None = None) -> ModProgram:
+    """Traces `function` as a mask_mod (`kind="mask"`) or score_mod (`kind="score"`)."""
+    argument_name = argument_name or f"{kind}_mod"
+    if isinstance(function, ModProgram):
+        if function.kind != kind:
+            raise ValueError(
+                f"{argument_name} must be a {kind}_mod, got a traced {function.kind}_mod"
+            )
+        return function
+    if not callable(function):
+        raise ValueError(f"{argument_name} must be callable, got {type(function).__name__}")
+    _check_arity(function, kind, argument_name)
+
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    example_args = [index] * 4
+    if kind == SCORE:
+        example_args = [jax.ShapeDtypeStruct((), jnp.float32)] + example_args
+    name = getattr(function, "__name__", type(function).__name__)
+    try:
+        closed_jaxpr, out_shape = jax.make_jaxpr(function, return_shape=True)(*example_args)
+    except jax.errors.TracerBoolConversionError as error:
+        raise ValueError(
+            f"{argument_name} {name!r} uses Python control flow on its arguments; "
+            "use jnp.where / & / | instead of if/and/or"
+        ) from error
+    if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
+        raise ValueError(
+            f"{argument_name} {name!r} must return one scalar for scalar indices, got {out_shape}"
+        )
+    if kind == MASK and out_shape.dtype != jnp.bool_:
+        raise ValueError(
+            f"{argument_name} {name!r} must return a bool, got {out_shape.dtype} "
+            "(compare, e.g. `q_idx >= kv_idx`, rather than returning numbers)"
+        )
+    if kind == SCORE and not jnp.issubdtype(out_shape.dtype, jnp.floating):
+        raise ValueError(
+            f"{argument_name} {name!r} must return a floating score, got {out_shape.dtype}"
+        )
+    consts = [jnp.asarray(c) if isinstance(c, (np.ndarray, np.generic)) else c
+              for c in closed_jaxpr.consts]
+    return ModProgram(kind, _JaxprStructure(closed_jaxpr.jaxpr), consts, name)
+
+
+def vmap_mask(program: ModProgram) -> Callable[..., Any]:
+    """mask(b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
+    over_kv = jax.vmap(program, in_axes=(None, None, None, 0))
+    return jax.vmap(over_kv, in_axes=(None, None, 0, None))
+
+
+def vmap_score(program: ModProgram) -> Callable[..., Any]:
+    """score(s [Q, K], b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
+    over_kv = jax.vmap(program, in_axes=(0, None, None, None, 0))
+    return jax.vmap(over_kv, in_axes=(0, None, None, 0, None))

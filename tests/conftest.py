@@ -1,0 +1,86 @@
+"""Shared helpers: random inputs, the float64 golden value, dtype-derived tolerances."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_flex.kernels.reference import reference_attention
+
+# Backends every attention test runs on. "pallas" needs a CUDA GPU (the device machine);
+# CPU runs deselect it with `-m "not gpu"`.
+BACKENDS = ["interpret", "xla", pytest.param("pallas", marks=pytest.mark.gpu)]
+
+# Small tiles so that short test sequences still span many blocks, tails included.
+SMALL_TILES = {"block_q": 16, "block_kv": 16}
+
+# float32 kernels keep float32 arithmetic throughout (full-precision dots): compared with
+# the float64 value they land within a few float32 ulps of the output scale.
+FLOAT32_TOLERANCE = 2e-5
+
+
+def random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, head_dim, value_dim, dtype):
+    keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+    q = jax.random.normal(keys[0], (batch, q_len, q_heads, head_dim), jnp.float32)
+    k = jax.random.normal(keys[1], (batch, kv_len, kv_heads, head_dim), jnp.float32)
+    v = jax.random.normal(keys[2], (batch, kv_len, kv_heads, value_dim), jnp.float32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype)
+
+
+def golden(q, k, v, mask_mod=None, score_mod=None, scale=None):
+    """The dense result in float64 (numpy arrays), from the same low-precision inputs."""
+    with jax.enable_x64(True):
+        q64, k64, v64 = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v))
+        dense = jax.jit(lambda q, k, v: reference_attention(
+            q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale))
+        out, lse = dense(q64, k64, v64)
+        return np.asarray(out), np.asarray(lse)
+
+
+def dense_low_precision(q, k, v, mask_mod=None, score_mod=None, scale=None):
+    """What plain XLA attention does in q's dtype: scores, softmax and p.v all rounded to
+    the input dtype (mods still see float32 scores). The accuracy bar for 16-bit inputs."""
+    return jax.jit(lambda q, k, v: _dense_low_precision(q, k, v, mask_mod, score_mod, scale))(
+        q, k, v)
+
+
+def _dense_low_precision(q, k, v, mask_mod, score_mod, scale):
+    dtype = q.dtype
+    q_heads, kv_heads = q.shape[2], k.shape[2]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    k = jnp.repeat(k, q_heads // kv_heads, axis=2)
+    v = jnp.repeat(v, q_heads // kv_heads, axis=2)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=dtype) * jnp.asarray(scale, dtype)
+    batch, q_len, kv_len = q.shape[0], q.shape[1], k.shape[1]
+    b, h, qi, ki = np.meshgrid(np.arange(batch), np.arange(q_heads), np.arange(q_len),
+                               np.arange(kv_len), indexing="ij")
+    b, h, qi, ki = (jnp.asarray(x, jnp.int32) for x in (b, h, qi, ki))
+    if score_mod is not None:
+        scores = jax.vmap(score_mod)(scores.astype(jnp.float32).ravel(), b.ravel(), h.ravel(),
+                                     qi.ravel(), ki.ravel()).reshape(scores.shape).astype(dtype)
+    if mask_mod is not None:
+        mask = jax.vmap(mask_mod)(b.ravel(), h.ravel(), qi.ravel(), ki.ravel()).reshape(scores.shape)
+        scores = jnp.where(mask, scores, -jnp.inf)
+    weights = jax.nn.softmax(scores, axis=-1)
+    weights = jnp.where(jnp.isnan(weights), 0, weights).astype(dtype)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v, preferred_element_type=dtype)
+
+
+def rmse(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.sqrt(np.mean((a - b) ** 2)))
+
+
+def assert_close_to_golden(out, expected, q, k, v, mask_mod=None, score_mod=None, scale=None):
+    """float32: elementwise within FLOAT32_TOLERANCE. 16-bit: RMSE against float64 no worse
+    than the dense XLA computation's in that dtype."""
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert np.isfinite(out).all(), "output has NaN or inf"
+    if q.dtype == jnp.float32:
+        np.testing.assert_allclose(out, expected, atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+        return
+    baseline = dense_low_precision(q, k, v, mask_mod, score_mod, scale)
+    ours, theirs = rmse(out, expected), rmse(baseline, expected)
+    assert ours <= theirs, f"RMSE {ours:.3g} worse than dense {q.dtype} XLA's {theirs:.3g}"
