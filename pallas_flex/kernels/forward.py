@@ -66,15 +66,17 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = jnp.where(keep, scores, -jnp.inf)
         return online_softmax.update(state, scores, v, precision)
 
+    tiles_per_block = mask_block_kv // block_kv
+
     def walk(num_blocks_ref, indices_ref, state, masked):
-        def visit_block(j, state):
-            kv_block = indices_ref[table_batch, table_head, mask_row, j]
-            # A mask block may span several kernel tiles along KV.
-            for tile in range(mask_block_kv // block_kv):
-                state = visit_tile(kv_block * mask_block_kv + tile * block_kv, state, masked)
-            return state
-        num_blocks = num_blocks_ref[table_batch, table_head, mask_row]
-        return lax.fori_loop(0, num_blocks, visit_block, state)
+        # One flat loop over kernel tiles (a mask block may span several along KV): a
+        # single-tile loop body is what Triton's software pipeliner handles best.
+        def visit(tile, state):
+            kv_block = indices_ref[table_batch, table_head, mask_row, tile // tiles_per_block]
+            kv_start = kv_block * mask_block_kv + (tile % tiles_per_block) * block_kv
+            return visit_tile(kv_start, state, masked)
+        num_tiles = num_blocks_ref[table_batch, table_head, mask_row] * tiles_per_block
+        return lax.fori_loop(0, num_tiles, visit, state)
 
     state = online_softmax.initial_state(block_q, out_ref.shape[-1])
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
