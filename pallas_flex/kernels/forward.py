@@ -40,7 +40,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     head, batch = pl.program_id(1), pl.program_id(2)
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
-    mask_row = q_tile // (mask_block_q // block_q)
+    mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
     precision = online_softmax.dot_precision(q_ref.dtype)
 
     q = q_ref[...]  # [block_q, D]
@@ -72,8 +72,15 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         # One flat loop over kernel tiles (a mask block may span several along KV): a
         # single-tile loop body is what Triton's software pipeliner handles best.
         def visit(tile, state):
-            kv_block = indices_ref[table_batch, table_head, mask_row, tile // tiles_per_block]
-            kv_start = kv_block * mask_block_kv + (tile % tiles_per_block) * block_kv
+            if tiles_per_block == 1:
+                return visit_tile(indices_ref[table_batch, table_head, mask_row, tile]
+                                  * mask_block_kv, state, masked)
+            # lax.div/rem, not // and %: the indices are non-negative, and jnp's floored
+            # remainder does not lower to Triton.
+            block = indices_ref[table_batch, table_head, mask_row,
+                                lax.div(tile, jnp.int32(tiles_per_block))]
+            kv_start = (block * mask_block_kv
+                        + lax.rem(tile, jnp.int32(tiles_per_block)) * block_kv)
             return visit_tile(kv_start, state, masked)
         num_tiles = num_blocks_ref[table_batch, table_head, mask_row] * tiles_per_block
         return lax.fori_loop(0, num_tiles, visit, state)
