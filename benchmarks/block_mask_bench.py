@@ -63,6 +63,7 @@ def run_torch():
     import torch
     from torch.nn.attention.flex_attention import create_block_mask
 
+    compiled_create_block_mask = torch.compile(create_block_mask, dynamic=False)
     rows = []
     for length in LENGTHS:
         ids = torch.from_numpy(document_ids(length)).cuda()
@@ -71,8 +72,8 @@ def run_torch():
             return (q_idx >= kv_idx) & (ids[q_idx] == ids[kv_idx])
 
         def build(length=length, mask_mod=mask_mod):
-            return create_block_mask(mask_mod, None, None, length, length, device="cuda",
-                                     _compile=True)
+            return compiled_create_block_mask(mask_mod, None, None, length, length,
+                                              device="cuda")
         try:
             seconds = _median_seconds(build, lambda bm: torch.cuda.synchronize())
             rows.append(dict(framework="torch", length=length, ms=seconds * 1e3,
@@ -86,6 +87,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--framework", choices=["jax", "torch"])
     parser.add_argument("--out")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds per framework")
     args = parser.parse_args()
     if args.framework:
         rows = run_jax() if args.framework == "jax" else run_torch()
@@ -94,9 +96,13 @@ def main():
     rows = []
     for framework in ("jax", "torch"):
         env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
-        result = subprocess.run([sys.executable, "-m", "benchmarks.block_mask_bench",
-                                 "--framework", framework], capture_output=True, text=True,
-                                env=env)
+        try:
+            result = subprocess.run([sys.executable, "-m", "benchmarks.block_mask_bench",
+                                     "--framework", framework], capture_output=True,
+                                    text=True, env=env, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{framework}: no result within {args.timeout} s")
+            continue
         lines = [line for line in result.stdout.splitlines() if line.startswith("ROWS ")]
         if not lines:
             print(f"{framework} failed:\n{result.stderr[-2000:]}")

@@ -95,11 +95,9 @@ def _compiled_create_block_mask():
 
 
 def build_block_mask(mask_mod, seq_len: int):
-    """The BlockMask over [1, 1, S, S] (broadcast over batch and heads), compiled so the
-    dense mask is never materialized."""
-    if "_compile" in inspect.signature(create_block_mask).parameters:
-        return create_block_mask(mask_mod, None, None, seq_len, seq_len, device=DEVICE,
-                                 _compile=True)
+    """The BlockMask over [1, 1, S, S] (broadcast over batch and heads), built by
+    `torch.compile(create_block_mask)` (torch 2.11 deprecates `_compile=True`, which
+    stalled at S=16384 on the H100), so the dense mask is never materialized."""
     return _compiled_create_block_mask()(mask_mod, None, None, seq_len, seq_len,
                                          device=DEVICE)
 
