@@ -7,7 +7,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
@@ -78,16 +80,61 @@ def _resolve_scale(scale, head_dim):
     return float(scale)
 
 
-@functools.partial(jax.jit, static_argnames=("backend", "scale", "options"))
-def _forward(q, k, v, block_mask, score_program, *, backend, scale, options):
+def _forward_impl(q, k, v, block_mask, score_program, config):
+    backend, scale, options = config
     if backend in ("pallas", "interpret"):
         return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                       options=options, interpret=backend == "interpret")
-    if backend == "xla":
-        return blockwise_attention(q, k, v, block_mask, score_program, scale=scale)
-    out, lse = reference_attention(q, k, v, mask_mod=block_mask.mask_mod,
-                                   score_mod=score_program, scale=scale)
-    return out.astype(q.dtype), lse
+    return blockwise_attention(q, k, v, block_mask, score_program, scale=scale)
+
+
+def _zero_cotangent(x):
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.zeros_like(x)
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _fused_attention(q, k, v, block_mask, score_program, config):
+    """(out, lse) with gradients from the fused backward kernels; residuals are out, lse."""
+    return _forward_impl(q, k, v, block_mask, score_program, config)
+
+
+def _fused_attention_forward(q, k, v, block_mask, score_program, config):
+    out, lse = _forward_impl(q, k, v, block_mask, score_program, config)
+    return (out, lse), (q, k, v, block_mask, score_program, out, lse)
+
+
+def _fused_attention_backward(config, residuals, cotangents):
+    backend, scale, options = config
+    q, k, v, block_mask, score_program, out, lse = residuals
+    d_out, d_lse = cotangents
+    # The "xla" backend has no GPU kernels: its backward runs the same kernels through
+    # Pallas's interpreter (still O(S) memory, just not fast).
+    d_q, d_k, d_v, const_grads = flex_attention_backward(
+        q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
+        options=options, interpret=backend != "pallas")
+    d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
+    d_score_program = None
+    if score_program is not None:
+        d_score_program = jax.tree.map(_zero_cotangent, score_program)
+        d_score_program.consts = tuple(
+            grad if grad is not None else _zero_cotangent(const)
+            for grad, const in zip(const_grads, score_program.consts))
+    return d_q, d_k, d_v, d_block_mask, d_score_program
+
+
+_fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _attention(q, k, v, block_mask, score_program, *, config):
+    backend, scale, _ = config
+    if backend == "reference":  # dense, differentiated by plain autodiff: the oracle
+        out, lse = reference_attention(q, k, v, mask_mod=block_mask.mask_mod,
+                                       score_mod=score_program, scale=scale)
+        return out.astype(q.dtype), lse
+    return _fused_attention(q, k, v, block_mask, score_program, config)
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
@@ -127,8 +174,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     if backend in ("pallas", "interpret"):
         check_tile_compatible(block_mask.mask_mod)
         check_tile_compatible(score_program)
-    out, lse = _forward(q, k, v, block_mask, score_program, backend=backend,
-                        scale=_resolve_scale(scale, head_dim), options=options)
+    config = (backend, _resolve_scale(scale, head_dim), options)
+    out, lse = _attention(q, k, v, block_mask, score_program, config=config)
     return (out, lse) if return_lse else out
 
 

@@ -27,18 +27,46 @@ _CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
                 "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
+class CaptureLog:
+    """Where a mod read its captured arrays: one *site* per read, in program order.
+
+    In recording mode each read loads from the kernel ref and is remembered; in replay
+    mode the values come from `replay_values` instead, which makes the mod a pure function
+    of those values (so `jax.vjp` can differentiate it with respect to them, inside a
+    kernel, without differentiating through memory reads).
+    """
+
+    def __init__(self, replay_values=None):
+        self.replay_values = replay_values
+        self.sites = []  # (captured position, index tuple)
+        self.values = []
+
+    def read(self, captured, indices):
+        if self.replay_values is not None:
+            value = self.replay_values[len(self.sites)]
+        elif not indices:
+            value = captured.ref[0]
+        else:
+            value = captured.ref[indices]
+        self.sites.append((captured.position, indices))
+        self.values.append(value)
+        return value
+
+
 class CapturedRef:
     """A captured array living in a kernel input ref.
 
     0-d arrays travel as shape `[1]` refs (kernels need at least one dimension).
     """
 
-    def __init__(self, ref, shape: tuple[int, ...]):
+    def __init__(self, ref, shape: tuple[int, ...], position: int = 0, log=None):
         self.ref = ref
         self.shape = shape
+        self.position = position
+        self.log = log if log is not None else CaptureLog()
 
     def load_scalar(self):
-        return self.ref[0]
+        return self.log.read(self, ())
 
     def gather(self, indices):
         """`array[indices]` for index tiles that broadcast against each other.
@@ -49,10 +77,9 @@ class CapturedRef:
         """
         indices = [jnp.clip(i, 0, size - 1) for i, size in zip(indices, self.shape)]
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in indices))
-        if not shape:
-            return self.ref[tuple(indices)]
-        indices = tuple(jnp.broadcast_to(i, shape) for i in indices)
-        return self.ref[indices]
+        if shape:
+            indices = [jnp.broadcast_to(i, shape) for i in indices]
+        return self.log.read(self, tuple(indices))
 
 
 def _as_array(value, aval):
@@ -127,19 +154,47 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str):
     return [read(atom) for atom in jaxpr.outvars]
 
 
+def _captured(program, refs, log):
+    return [CapturedRef(ref, jnp.shape(c), position, log)
+            for position, (ref, c) in enumerate(zip(refs, program.consts))]
+
+
 def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx):
     """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]."""
-    consts = [CapturedRef(ref, jnp.shape(c)) for ref, c in zip(captured_refs, program.consts)]
+    consts = _captured(program, captured_refs, CaptureLog())
     (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name)
     return jnp.broadcast_to(mask, (q_idx.shape[0], kv_idx.shape[1]))
 
 
 def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
     """score_mod applied to score [block_q, block_kv] (float32)."""
-    consts = [CapturedRef(ref, jnp.shape(c)) for ref, c in zip(captured_refs, program.consts)]
+    consts = _captured(program, captured_refs, CaptureLog())
     (result,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (score, b, h, q_idx, kv_idx),
                                         program.name)
     return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
+
+
+def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
+    """The modded score and its VJP, for the backward kernels.
+
+    Returns `(modded [block_q, block_kv], vjp, sites)`: `vjp(cotangent)` gives the
+    cotangent of `score` and one cotangent per site in `sites` (a list of
+    `(captured position, indices)` reads of captured arrays), already summed over the
+    tile dimensions the site's indices do not vary along.
+    """
+    recording = CaptureLog()
+    evaluate_jaxpr_on_tiles(program.jaxpr, _captured(program, captured_refs, recording),
+                            (score, b, h, q_idx, kv_idx), program.name)
+
+    def modded(score, site_values):
+        replay = CaptureLog(replay_values=site_values)
+        (result,) = evaluate_jaxpr_on_tiles(
+            program.jaxpr, _captured(program, captured_refs, replay),
+            (score, b, h, q_idx, kv_idx), program.name)
+        return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
+
+    result, vjp = jax.vjp(modded, score, list(recording.values))
+    return result, vjp, recording.sites
 
 
 def captured_inputs(program):
@@ -153,8 +208,8 @@ def check_tile_compatible(program) -> None:
     """Raises the tile interpreter's error at trace time, before any kernel is built."""
     if program is None:
         return
-    consts = [CapturedRef(_ShapeOnlyRef(jnp.shape(c), c.dtype), jnp.shape(c))
-              for c in program.consts]
+    consts = _captured(program, [_ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
+                       CaptureLog())
     args = [jnp.zeros((4, 1), jnp.int32) for _ in range(4)]
     args[0] = args[1] = jnp.int32(0)
     args[3] = jnp.zeros((1, 8), jnp.int32)

@@ -1,0 +1,369 @@
+"""Block-sparse FlexAttention backward: two Pallas (Triton) kernels, FlashAttention-2 style.
+
+With P = softmax(mask(score_mod(S))) recomputed per tile from the saved lse, and
+delta = rowsum(dO * O) - dlse:
+
+  dV = P^T dO          dP = dO V^T          dS' = P * (dP - delta)
+  dS = dS' * d score_mod / d score         dQ = dS K * scale      dK = dS^T Q * scale
+
+* The dK/dV kernel owns one KV tile and walks the BlockMask's transposed tables (the
+  query blocks of its KV block: full ones without the mask_mod, then partial ones).
+  It writes dK/dV per *query* head; GQA groups are summed outside.
+* The dQ kernel owns one query tile and walks the KV tables, like the forward.
+  It also accumulates the gradients of arrays the score_mod captured (learnable
+  biases): each read `table[i, j]` inside the mod is a *site*, its cotangent comes from
+  `jax.vjp` of the mod on the tile, summed over the tile dimensions its indices do not
+  vary along, and is scatter-added into a float32 buffer. On the GPU the scatter is a
+  Triton atomic add: a second pass would have to recompute the whole attention tile
+  again, while the atomics touch one address per distinct index (one per tile for
+  `slopes[h]`). The order of atomic adds is not fixed, so these gradients can differ
+  in the last bits from run to run; dQ, dK, dV are deterministic.
+
+The score_mod's own derivative is `jax.vjp` of the mod traced on the tile: no
+hand-written rules.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels.padding import pad_axis, padded_head_dim
+from pallas_flex.kernels.tile_mods import (
+    apply_mask_on_tile, captured_inputs, score_vjp_on_tile)
+
+
+def _split_refs(refs, counts):
+    groups, start = [], 0
+    for count in counts:
+        groups.append(refs[start:start + count])
+        start += count
+    groups.append(refs[start:])
+    return groups
+
+
+def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
+                    mask_program, mask_refs, score_program, score_refs, scale, kv_len,
+                    precision):
+    """Recomputes one tile's probabilities and returns (P, dS, score_vjp, sites).
+
+    q [bq, D], k [bk, D], v [bk, Dv], d_out [bq, Dv], lse_log2/delta [bq, 1];
+    q_idx [bq, 1], kv_idx [1, bk] (unclamped). dS already includes the score_mod's
+    derivative and `scale`; `score_vjp`/`sites` give the captured-array cotangents.
+    """
+    q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
+    kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32, precision=precision) * scale
+    score_vjp, sites = None, ()
+    if score_program is not None:
+        scores, score_vjp, sites = score_vjp_on_tile(score_program, score_refs, scores, batch,
+                                                     head, q_idx_in_range, kv_idx_in_range)
+    logits = scores * online_softmax.LOG2_E
+    if masked:
+        keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
+                                  kv_idx_in_range) & (kv_idx < kv_len)
+        logits = jnp.where(keep, logits, -jnp.inf)
+    probabilities = jnp.exp2(logits - lse_log2)  # lse_log2 = +inf on rows to ignore
+    d_probabilities = lax.dot_general(d_out, v, (((1,), (1,)), ((), ())),
+                                      preferred_element_type=jnp.float32, precision=precision)
+    d_modded = probabilities * (d_probabilities - delta)
+    site_cotangents = ()
+    if score_vjp is not None:
+        d_scores, site_cotangents = score_vjp(d_modded)
+    else:
+        d_scores = d_modded
+    return probabilities, d_scores * scale, site_cotangents, sites
+
+
+def _scatter_add(target_ref, indices, value, interpret):
+    """target[indices] += value, with repeated indices accumulating."""
+    if interpret:
+        # Interpret mode runs programs one after another; a whole-array scatter-add is
+        # exact where the atomic's interpret rule would drop repeated indices.
+        full = target_ref[...]
+        target_ref[...] = full.at[indices if indices else (0,)].add(value)
+    else:
+        plgpu.atomic_add(target_ref, indices if indices else (0,), value)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, kv_num_blocks_ref,
+               kv_indices_ref, full_kv_num_blocks_ref, full_kv_indices_ref, *, mask_refs,
+               score_refs, dq_ref, grad_refs, mask_program, score_program,
+               differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
+               mask_block_kv, broadcast_batch, broadcast_heads, interpret):
+    """grad_refs: per captured score array, its float32 gradient buffer (or None)."""
+    q_tile = pl.num_programs(0) - 1 - pl.program_id(0)
+    head, batch = pl.program_id(1), pl.program_id(2)
+    table_batch = 0 if broadcast_batch else batch
+    table_head = 0 if broadcast_heads else head
+    mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
+    precision = online_softmax.dot_precision(q_ref.dtype)
+
+    q = q_ref[...]
+    d_out = d_out_ref[...]
+    lse_log2 = lse_ref[...][:, None]
+    delta = delta_ref[...][:, None]
+    q_idx = jnp.minimum(q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
+                        q_len - 1)
+    tiles_per_block = mask_block_kv // block_kv
+
+    def visit_tile(kv_start, d_q, masked):
+        k = k_ref[pl.ds(kv_start, block_kv), :]
+        v = v_ref[pl.ds(kv_start, block_kv), :]
+        kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        _, d_scores, site_cotangents, sites = _tile_gradients(
+            q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
+            head=head, masked=masked, mask_program=mask_program, mask_refs=mask_refs,
+            score_program=score_program, score_refs=score_refs, scale=scale, kv_len=kv_len,
+            precision=precision)
+        for site in differentiable_sites:
+            position, indices = sites[site]
+            _scatter_add(grad_refs[position], indices,
+                         site_cotangents[site].astype(jnp.float32), interpret)
+        return d_q + lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                     preferred_element_type=jnp.float32, precision=precision)
+
+    def walk(num_blocks_ref, indices_ref, d_q, masked):
+        def visit(tile, d_q):
+            block = indices_ref[table_batch, table_head, mask_row,
+                                lax.div(tile, jnp.int32(tiles_per_block))]
+            start = block * mask_block_kv + lax.rem(tile, jnp.int32(tiles_per_block)) * block_kv
+            return visit_tile(start, d_q, masked)
+        num_tiles = num_blocks_ref[table_batch, table_head, mask_row] * tiles_per_block
+        return lax.fori_loop(0, num_tiles, visit, d_q)
+
+    d_q = jnp.zeros(q.shape, jnp.float32)
+    d_q = walk(full_kv_num_blocks_ref, full_kv_indices_ref, d_q, masked=False)
+    d_q = walk(kv_num_blocks_ref, kv_indices_ref, d_q, masked=True)
+    dq_ref[...] = d_q.astype(dq_ref.dtype)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_blocks_ref,
+                 q_indices_ref, full_q_num_blocks_ref, full_q_indices_ref, *refs,
+                 mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
+                 mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads):
+    num_mask = len(mask_program.consts)
+    num_score = len(score_program.consts) if score_program is not None else 0
+    mask_refs, score_refs, (dk_ref, dv_ref) = _split_refs(refs, (num_mask, num_score))
+    kv_tile = pl.program_id(0)
+    head, batch = pl.program_id(1), pl.program_id(2)
+    table_batch = 0 if broadcast_batch else batch
+    table_head = 0 if broadcast_heads else head
+    mask_column = lax.div(kv_tile, jnp.int32(mask_block_kv // block_kv))
+    precision = online_softmax.dot_precision(q_ref.dtype)
+
+    k = k_ref[...]
+    v = v_ref[...]
+    kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    tiles_per_block = mask_block_q // block_q
+
+    def visit_tile(q_start, state, masked):
+        d_k, d_v = state
+        rows = pl.ds(q_start, block_q)
+        q = q_ref[rows, :]
+        d_out = d_out_ref[rows, :]
+        lse_log2 = lse_ref[rows][:, None]
+        delta = delta_ref[rows][:, None]
+        q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
+                            q_len - 1)
+        probabilities, d_scores, _, _ = _tile_gradients(
+            q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
+            head=head, masked=masked, mask_program=mask_program, mask_refs=mask_refs,
+            score_program=score_program, score_refs=score_refs, scale=scale, kv_len=kv_len,
+            precision=precision)
+        d_v = d_v + lax.dot_general(probabilities.astype(d_out.dtype), d_out,
+                                    (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32, precision=precision)
+        d_k = d_k + lax.dot_general(d_scores.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32, precision=precision)
+        return d_k, d_v
+
+    def walk(num_blocks_ref, indices_ref, state, masked):
+        def visit(tile, state):
+            block = indices_ref[table_batch, table_head, mask_column,
+                                lax.div(tile, jnp.int32(tiles_per_block))]
+            start = block * mask_block_q + lax.rem(tile, jnp.int32(tiles_per_block)) * block_q
+            return visit_tile(start, state, masked)
+        num_tiles = num_blocks_ref[table_batch, table_head, mask_column] * tiles_per_block
+        return lax.fori_loop(0, num_tiles, visit, state)
+
+    state = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+    state = walk(full_q_num_blocks_ref, full_q_indices_ref, state, masked=False)
+    state = walk(q_num_blocks_ref, q_indices_ref, state, masked=True)
+    dk_ref[...] = state[0]
+    dv_ref[...] = state[1]
+
+
+def _differentiable_sites(score_program, captured_shapes):
+    """Which of the score_mod's reads hit floating captured arrays (those get gradients).
+
+    Traced once outside the kernel on a dummy tile, so the kernel knows its outputs."""
+    if score_program is None:
+        return (), ()
+    from pallas_flex.kernels.tile_mods import CaptureLog, _captured, _ShapeOnlyRef
+    from pallas_flex.kernels.tile_mods import evaluate_jaxpr_on_tiles
+
+    def trace():
+        log = CaptureLog()
+        refs = [_ShapeOnlyRef(shape, c.dtype)
+                for shape, c in zip(captured_shapes, score_program.consts)]
+        args = (jnp.zeros((2, 2), jnp.float32), jnp.int32(0), jnp.int32(0),
+                jnp.zeros((2, 1), jnp.int32), jnp.zeros((1, 2), jnp.int32))
+        evaluate_jaxpr_on_tiles(score_program.jaxpr, _captured(score_program, refs, log), args,
+                                score_program.name)
+        return [position for position, _ in log.sites]
+
+    positions = trace()
+    floating = [jnp.issubdtype(c.dtype, jnp.floating) for c in score_program.consts]
+    sites = tuple(i for i, position in enumerate(positions) if floating[position])
+    return sites, tuple(sorted({positions[i] for i in sites}))
+
+
+def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, *,
+                            scale: float, options: KernelOptions, interpret: bool):
+    """Gradients (dq, dk, dv, d_score_consts) of FlexAttention.
+
+    d_score_consts has one entry per captured array of `score_program` (None for arrays
+    that are not floating point, which get no gradient).
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    mask_block_q, mask_block_kv = block_mask.block_size
+    num_q_blocks, num_kv_blocks = block_mask.num_blocks
+    block_q = min(options.block_q, mask_block_q)
+    block_kv = min(options.block_kv, mask_block_kv)
+    group = q_heads // kv_heads
+
+    # delta = rowsum(dO * O) - dlse: the lse output's own gradient folds in here.
+    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    if d_lse is not None:
+        delta = delta - d_lse
+    # Rows with lse = -inf (nothing attended) and padded rows get +inf: P = exp2(s - inf) = 0.
+    lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * online_softmax.LOG2_E)
+
+    padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
+    padded_q_len, padded_kv_len = num_q_blocks * mask_block_q, num_kv_blocks * mask_block_kv
+    q_p = pad_axis(pad_axis(q, 3, padded_dim), 1, padded_q_len)
+    d_out_p = pad_axis(pad_axis(d_out.astype(q.dtype), 3, padded_value_dim), 1, padded_q_len)
+    k_p = pad_axis(pad_axis(k, 3, padded_dim), 1, padded_kv_len)
+    v_p = pad_axis(pad_axis(v, 3, padded_value_dim), 1, padded_kv_len)
+    lse_log2 = jnp.pad(lse_log2, ((0, 0), (0, 0), (0, padded_q_len - q_len)),
+                       constant_values=jnp.inf)
+    delta = pad_axis(delta, 2, padded_q_len)
+
+    mask_program = block_mask.mask_mod
+    mask_inputs = captured_inputs(mask_program)
+    score_inputs = captured_inputs(score_program)
+    score_shapes = [x.shape for x in score_inputs]
+    sites, grad_positions = _differentiable_sites(score_program, score_shapes)
+    common = dict(mask_program=mask_program, score_program=score_program, scale=scale,
+                  q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
+                  mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
+                  broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
+                  broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1)
+    compiler_params = plgpu.CompilerParams(num_warps=options.num_warps,
+                                           num_stages=options.num_stages)
+    whole = pl.no_block_spec
+    num_q_tiles, num_kv_tiles = padded_q_len // block_q, padded_kv_len // block_kv
+
+    def reverse(tile):
+        return num_q_tiles - 1 - tile
+
+    # -- dQ (and captured-array gradients) --------------------------------------------
+    # Gradient buffers, one per captured array that gets one, zero-initialised through
+    # input/output aliasing (kernel outputs start uninitialised).
+    grad_buffers = [jnp.zeros(score_shapes[position], jnp.float32) for position in grad_positions]
+    # Sites index the buffers by the captured array's position among the score consts;
+    # map positions to buffer slots.
+    slot_of = {position: slot for slot, position in enumerate(grad_positions)}
+    site_list = tuple(sites)
+
+    def dq_kernel(*refs):
+        tables = refs[:10]
+        mask_refs = refs[10:10 + len(mask_inputs)]
+        score_refs = refs[10 + len(mask_inputs):10 + len(mask_inputs) + len(score_inputs)]
+        dq_ref, *buffer_refs = refs[10 + len(mask_inputs) + len(score_inputs) + len(grad_buffers):]
+        grad_refs = [None] * len(score_inputs)
+        for position, slot in slot_of.items():
+            grad_refs[position] = buffer_refs[slot]
+        _dq_kernel(*tables, mask_refs=mask_refs, score_refs=score_refs, dq_ref=dq_ref,
+                   grad_refs=grad_refs, differentiable_sites=site_list, interpret=interpret,
+                   **common)
+
+    q_row_spec = pl.BlockSpec((None, block_q, None, padded_dim),
+                              lambda i, h, b: (b, reverse(i), h, 0))
+    d_out_row_spec = pl.BlockSpec((None, block_q, None, padded_value_dim),
+                                  lambda i, h, b: (b, reverse(i), h, 0))
+    vector_row_spec = pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, reverse(i)))
+    kv_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_dim),
+                                 lambda i, h, b: (b, 0, h // group, 0))
+    v_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
+                                lambda i, h, b: (b, 0, h // group, 0))
+    kv_tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
+                 block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    num_dq_inputs = 10 + len(mask_inputs) + len(score_inputs)
+    dq_outputs = pl.pallas_call(
+        dq_kernel,
+        grid=(num_q_tiles, q_heads, batch),
+        in_specs=[q_row_spec, kv_whole_spec, v_whole_spec, d_out_row_spec, vector_row_spec,
+                  vector_row_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)
+                                                + len(grad_buffers)),
+        out_specs=[q_row_spec] + [whole] * len(grad_buffers),
+        out_shape=[jax.ShapeDtypeStruct(q_p.shape, jnp.float32)]
+        + [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in grad_buffers],
+        input_output_aliases={num_dq_inputs + slot: 1 + slot for slot in range(len(grad_buffers))},
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="flex_attention_backward_dq",
+    )(q_p, k_p, v_p, d_out_p, lse_log2, delta, *kv_tables, *mask_inputs, *score_inputs,
+      *grad_buffers)
+    d_q, *grads = dq_outputs
+
+    # -- dK, dV per query head -------------------------------------------------------
+    q_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_dim),
+                                lambda j, h, b: (b, 0, h, 0))
+    d_out_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_value_dim),
+                                    lambda j, h, b: (b, 0, h, 0))
+    vector_whole_spec = pl.BlockSpec((None, None, padded_q_len), lambda j, h, b: (b, h, 0))
+    k_tile_spec = pl.BlockSpec((None, block_kv, None, padded_dim),
+                               lambda j, h, b: (b, j, h // group, 0))
+    v_tile_spec = pl.BlockSpec((None, block_kv, None, padded_value_dim),
+                               lambda j, h, b: (b, j, h // group, 0))
+    q_tables = (block_mask.q_num_blocks, block_mask.q_indices,
+                block_mask.full_q_num_blocks, block_mask.full_q_indices)
+    d_k, d_v = pl.pallas_call(
+        functools.partial(_dkdv_kernel, **common),
+        grid=(num_kv_tiles, q_heads, batch),
+        in_specs=[q_whole_spec, k_tile_spec, v_tile_spec, d_out_whole_spec, vector_whole_spec,
+                  vector_whole_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)),
+        out_specs=[pl.BlockSpec((None, block_kv, None, padded_dim),
+                                lambda j, h, b: (b, j, h, 0)),
+                   pl.BlockSpec((None, block_kv, None, padded_value_dim),
+                                lambda j, h, b: (b, j, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), jnp.float32),
+                   jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
+                                        jnp.float32)],
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="flex_attention_backward_dkdv",
+    )(q_p, k_p, v_p, d_out_p, lse_log2, delta, *q_tables, *mask_inputs, *score_inputs)
+
+    def sum_groups(x):  # [B, S, Hq, D] -> [B, S, Hkv, D]
+        return x.reshape(batch, x.shape[1], kv_heads, group, x.shape[3]).sum(axis=3)
+
+    d_q = d_q[:, :q_len, :, :head_dim].astype(q.dtype)
+    d_k = sum_groups(d_k[:, :kv_len, :, :head_dim]).astype(k.dtype)
+    d_v = sum_groups(d_v[:, :kv_len, :, :value_dim]).astype(v.dtype)
+    const_grads = [None] * len(score_inputs)
+    for position, slot in slot_of.items():
+        original = score_program.consts[position]
+        const_grads[position] = grads[slot].reshape(jnp.shape(original)).astype(original.dtype)
+    return d_q, d_k, d_v, const_grads
