@@ -7,7 +7,9 @@ Each framework runs in its own subprocess, one after the other, and writes JSON 
 temporary file: JAX (pallas_flex, cuDNN, optionally the XLA path) with
 `XLA_PYTHON_CLIENT_PREALLOCATE=false`, then PyTorch FlexAttention when `torch` is
 importable. The merged rows, the device, the versions, the date and the git commit go to
-`benchmarks/results/<date>-<device>-<suite>.json` (or `--out`). See benchmarks/README.md.
+`benchmarks/results/<date>-<device>-<suite>.json` (`--mode fwd`) or
+`<date>-<device>-<suite>_backward.json` (`--mode fwd_bwd`, e.g. forward_backward.json), or
+`--out`. See benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -31,10 +33,9 @@ RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 # Above this, ours and a reference disagree by more than bf16 rounding can explain
 # (outputs are averages of N(0, 1) values, |out| < 8, where one bf16 ulp is <= 1/32).
 DISAGREEMENT = 0.05
-
-FLOP_NOTE = ("TFLOP/s = 4*B*Hq*S^2*D*density / time; density = exact fraction of (q, kv) "
-             "pairs the mask allows (FLOPs counted on the unmasked share, as PyTorch "
-             "FlexAttention reports)")
+# fwd_bwd: above this, a gradient differs by more than bf16 rounding explains, relative to
+# the reference's largest |element| (the backward's bf16 P and dS tiles give ~0.5% at most).
+GRAD_DISAGREEMENT = 0.02
 
 
 # -- running the frameworks ------------------------------------------------------------------
@@ -62,6 +63,9 @@ def run_jax(args, workdir: Path) -> dict:
                                           "--repeats", str(args.repeats)]
     if args.xla:
         argv.append("--xla")
+    if args.jax_mha:
+        argv.append("--jax-mha")
+    argv += ["--time-budget-s", str(args.time_budget_s)]
     if args.backend:
         argv += ["--backend", args.backend]
     # JAX would otherwise take 75% of GPU memory, and torch runs on the same GPU next.
@@ -105,11 +109,31 @@ def _ratio(numerator_ms, denominator_ms):
     return numerator_ms / denominator_ms
 
 
+def _grad_sample_differences(ours: dict | None, theirs: dict | None) -> dict:
+    """Per gradient (dq, dk, dv): the largest |ours - theirs| over the sampled elements,
+    and that relative to the largest |theirs| there."""
+    absolute, relative = {}, {}
+    for name in sorted(set(ours or {}) & set(theirs or {})):
+        differences = [abs(a - b) for a, b in zip(ours[name], theirs[name])]
+        if not differences:
+            continue
+        scale = max(abs(b) for b in theirs[name])
+        absolute[name] = max(differences)
+        relative[name] = (absolute[name] / scale if scale > 0 else
+                          0.0 if absolute[name] == 0 else float("inf"))
+    if not absolute:
+        return {}
+    return {"grad_max_abs_diff_vs_ours_samples": absolute,
+            "grad_rel_diff_vs_ours_samples": relative,
+            "grad_max_rel_diff_vs_ours_samples": max(relative.values())}
+
+
 def merge(jax_result: dict, torch_result: dict) -> list[dict]:
     torch_rows = {_key(row): row for row in torch_result.get("rows", [])}
     merged = []
     for jax_row in jax_result["rows"]:
-        row = {key: value for key, value in jax_row.items() if key != "ours_samples"}
+        row = {key: value for key, value in jax_row.items()
+               if key not in ("ours_samples", "ours_grad_samples")}
         torch_row = torch_rows.get(_key(jax_row))
         if torch_row is None:
             row["torch"] = {"status": torch_result.get("status", "n/a"),
@@ -123,9 +147,13 @@ def merge(jax_result: dict, torch_result: dict) -> list[dict]:
             if ours_samples and torch_samples:
                 row["torch"]["max_abs_diff_vs_ours_samples"] = max(
                     abs(a - b) for a, b in zip(ours_samples, torch_samples))
+            row["torch"].update(_grad_sample_differences(
+                jax_row.get("ours_grad_samples"), torch_row.get("torch_grad_samples")))
         ours_ms = _ms(row.get("ours"))
         row["torch_ms_over_ours_ms"] = _ratio(_ms(row["torch"]), ours_ms)
         row["cudnn_ms_over_ours_ms"] = _ratio(_ms(row.get("cudnn")), ours_ms)
+        if "jax_mha" in row:
+            row["jax_mha_ms_over_ours_ms"] = _ratio(_ms(row["jax_mha"]), ours_ms)
         merged.append(row)
     return merged
 
@@ -145,19 +173,36 @@ def _ratio_cell(value) -> str:
 
 
 def _largest_difference(row):
+    """The largest |ours - reference| of the output (cuDNN, mha: whole; torch: samples)."""
     differences = [entry[key] for entry, key in (
         (row.get("cudnn") or {}, "max_abs_diff_vs_ours"),
+        (row.get("jax_mha") or {}, "max_abs_diff_vs_ours"),
         (row.get("torch") or {}, "max_abs_diff_vs_ours_samples")) if key in entry]
+    return max(differences) if differences else None
+
+
+def _largest_grad_difference(row):
+    """fwd_bwd: the largest relative gradient difference to any reference."""
+    differences = [entry[key] for entry, key in (
+        (row.get("cudnn") or {}, "grad_max_rel_diff_vs_ours"),
+        (row.get("jax_mha") or {}, "grad_max_rel_diff_vs_ours"),
+        (row.get("torch") or {}, "grad_max_rel_diff_vs_ours_samples")) if key in entry]
     return max(differences) if differences else None
 
 
 def format_table(rows: list[dict], header: list[str]) -> str:
     with_xla = any("xla" in row for row in rows)
+    with_mha = any("jax_mha" in row for row in rows)
+    with_grads = any(row.get("mode") == "fwd_bwd" for row in rows)
     columns = ["shape", "variant", "density", "ours ms", "ours TFLOP/s", "cuDNN ms",
                "torch ms", "torch/ours", "cuDNN/ours"]
+    if with_mha:
+        columns.append("jax_mha ms")
     if with_xla:
         columns.append("xla ms")
     columns.append("max|diff|")
+    if with_grads:
+        columns.append("grad rel|diff|")
     table = [columns]
     for row in rows:
         ours = row.get("ours") or {}
@@ -174,10 +219,16 @@ def format_table(rows: list[dict], header: list[str]) -> str:
             _ratio_cell(row.get("torch_ms_over_ours_ms")),
             _ratio_cell(row.get("cudnn_ms_over_ours_ms")),
         ]
+        if with_mha:
+            cells.append(_time_cell(row.get("jax_mha")))
         if with_xla:
             cells.append(_time_cell(row.get("xla")))
         cells.append("-" if difference is None else
                       f"{difference:.4f}" + (" !" if difference > DISAGREEMENT else ""))
+        if with_grads:
+            grad_difference = _largest_grad_difference(row)
+            cells.append("-" if grad_difference is None else f"{grad_difference:.4f}" + (
+                " !" if grad_difference > GRAD_DISAGREEMENT else ""))
         table.append(cells)
     widths = [max(len(line[i]) for line in table) for i in range(len(columns))]
 
@@ -189,7 +240,7 @@ def format_table(rows: list[dict], header: list[str]) -> str:
     lines += [render(line) for line in table[1:]]
     notes = []
     for row in rows:
-        for name in ("ours", "cudnn", "torch", "xla"):
+        for name in ("ours", "cudnn", "torch", "jax_mha", "xla"):
             entry = row.get(name)
             if isinstance(entry, dict) and "error" in entry:
                 notes.append(f"  {row['shape']['name']} {row['variant']['name']} {name}: "
@@ -198,6 +249,11 @@ def format_table(rows: list[dict], header: list[str]) -> str:
         if difference is not None and difference > DISAGREEMENT:
             notes.append(f"  {row['shape']['name']} {row['variant']['name']}: outputs differ "
                          f"by {difference:.4f} (> {DISAGREEMENT}): check the variant's mods")
+        grad_difference = _largest_grad_difference(row)
+        if grad_difference is not None and grad_difference > GRAD_DISAGREEMENT:
+            notes.append(f"  {row['shape']['name']} {row['variant']['name']}: gradients "
+                         f"differ by {grad_difference:.4f} of their largest element "
+                         f"(> {GRAD_DISAGREEMENT}): see grad_rel_diff_* in the JSON")
     if notes:
         lines += ["", "notes:"] + notes
     return "\n".join(lines)
@@ -264,14 +320,24 @@ def parse_args(argv=None):
                         help="JAX: timed loops, median kept (default 5)")
     parser.add_argument("--backend", default=None,
                         help="backend of 'ours' (default: the best for the device)")
-    parser.add_argument("--xla", action="store_true", help="also time backend='xla'")
+    parser.add_argument("--xla", action="store_true",
+                        help="also time backend='xla' (fwd only: its backward is the "
+                             "Pallas interpreter)")
+    parser.add_argument("--jax-mha", action="store_true",
+                        help="also time JAX's Pallas Triton mha (jax.experimental.pallas.ops"
+                             ".gpu.attention; GPU; noop, causal, document; no GQA)")
+    parser.add_argument("--time-budget-s", type=float, default=20.0,
+                        help="JAX: cut iters, then repeats, of a timing that the warm-up "
+                             "says would take longer than this (default 20 s; only slow "
+                             "CPU paths reach it)")
     parser.add_argument("--skip-torch", action="store_true", help="do not run PyTorch")
     parser.add_argument("--torch-rep-ms", type=int, default=100,
                         help="torch: do_bench measuring time in ms (default 100)")
     parser.add_argument("--torch-warmup-ms", type=int, default=25,
                         help="torch: do_bench warmup in ms (default 25)")
     parser.add_argument("--out", default=None,
-                        help="JSON path (default benchmarks/results/<date>-<device>-<suite>.json)")
+                        help="JSON path (default benchmarks/results/<date>-<device>-"
+                             "<suite>.json for fwd, -<suite>_backward.json for fwd_bwd)")
     parser.add_argument("--append", action="store_true",
                         help="merge into an existing JSON file at the output path (rows of "
                              "this run replace rows of the same shape and variant), to "
@@ -283,13 +349,16 @@ def parse_args(argv=None):
         parser.error(str(error))
     if args.iters < 1 or args.repeats < 1:
         parser.error("--iters and --repeats must be at least 1")
+    if not args.time_budget_s > 0:
+        parser.error("--time-budget-s must be positive")
     return args
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    suites.check_mode(args.mode)  # fwd_bwd: NotImplementedError, before any subprocess
+    suites.check_mode(args.mode)  # an unimplemented mode fails before any subprocess
     suite = suites.SUITES[args.suite]
+    flop_note = suites.flop_convention(args.mode)
     with tempfile.TemporaryDirectory(prefix="pallas-flex-bench-") as workdir:
         jax_result = run_jax(args, Path(workdir))
         torch_result = run_torch(args, Path(workdir))
@@ -299,6 +368,12 @@ def main(argv=None) -> int:
 
     versions = info["versions"]
     backend = args.backend or jax_result["environment"].get("default_backend")
+    if args.mode == "fwd_bwd":
+        step_note = ("one timed call = one step computing out and dq, dk, dv for a fixed "
+                     "random bf16 cotangent d_out (the gradients of sum(out * d_out)): JAX "
+                     "jax.vjp under one jax.jit, torch autograd.grad(out, (q, k, v), d_out)")
+    else:
+        step_note = "one timed call = the forward output"
     header = [
         f"pallas_flex {suite.name} benchmark ({args.mode}) on {info['device']}, {info['date']}, "
         f"commit {(info['git_commit'] or 'unknown')[:10]}{' (dirty)' if info['git_dirty'] else ''}",
@@ -306,24 +381,38 @@ def main(argv=None) -> int:
         f"triton {versions['triton'] or 'n/a'}",
         f"ours = pallas_flex.flex_attention(backend={backend!r}), BlockMask built once; "
         "cuDNN = jax.nn.dot_product_attention(implementation='cudnn'); "
-        "torch = torch.compile(flex_attention)",
+        "torch = torch.compile(flex_attention)"
+        + ("; jax_mha = jax.experimental.pallas.ops.gpu.attention.mha (GPU; '-': no such "
+           "variant or GQA)" if args.jax_mha else ""),
+        step_note,
         "times in ms (JAX: median of loops of back-to-back calls; torch: do_bench median); "
-        "bf16; " + FLOP_NOTE,
+        "bf16; " + flop_note,
         "cuDNN '-': the variant has no cuDNN equivalent; 'unsupported': cuDNN refused it; "
         "torch/ours, cuDNN/ours = their ms / our ms (> 1: ours faster); "
         "max|diff| = largest |ours - other| over cuDNN's whole output and "
-        f"{suites.NUM_SAMPLES} sampled outputs of torch",
+        f"{suites.NUM_SAMPLES} sampled outputs of torch"
+        + ("; grad rel|diff| = largest |ours - other| / max|other| over dq, dk, dv (cuDNN, "
+           "jax_mha: whole; torch: the same samples)" if args.mode == "fwd_bwd" else ""),
     ]
+    cut = [f"{row['shape']['name']} {row['variant']['name']} {name}"
+           for row in jax_result["rows"] for name in ("ours", "cudnn", "jax_mha", "xla")
+           if isinstance(row.get(name), dict) and "iters" in row[name]
+           and (row[name]["iters"], row[name]["repeats"]) != (args.iters, args.repeats)]
+    if cut:
+        header.append(f"timed with fewer iters/repeats (--time-budget-s "
+                      f"{args.time_budget_s:g}): {', '.join(cut)}")
     if torch_result.get("status") in ("n/a", "skipped", "error"):
         header.append(f"torch: {torch_result['status']} ({torch_result['reason']})")
 
     out = Path(args.out) if args.out else RESULTS_DIR / (
         f"{info['date']}-{device_slug(info['device'])}-{suite.name}"
-        f"{'' if args.mode == 'fwd' else '-' + args.mode}.json")
+        f"{suites.MODE_FILE_SUFFIX[args.mode]}.json")
     run_info = {
         **info, "ours_backend": backend,
         "jax_timing": jax_result.get("timing"), "jax_iters": jax_result.get("iters"),
-        "jax_repeats": jax_result.get("repeats"), "torch_timing": torch_result.get("timing"),
+        "jax_repeats": jax_result.get("repeats"),
+        "jax_time_budget_s": jax_result.get("time_budget_s"),
+        "torch_timing": torch_result.get("timing"),
         "torch_status": torch_result.get("status", "ran"),
         "torch_reason": torch_result.get("reason"),
         "jax_environment": jax_result["environment"],
@@ -350,7 +439,7 @@ def main(argv=None) -> int:
     print()
     print(format_table(rows, header))
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {**info, "suite": suite.name, "mode": args.mode, "flop_convention": FLOP_NOTE,
+    record = {**info, "suite": suite.name, "mode": args.mode, "flop_convention": flop_note,
               "runs": runs, "rows": rows}
     out.write_text(json.dumps(record, indent=1) + "\n")
     print(f"\nwrote {out}")

@@ -11,7 +11,9 @@ matmuls of `2 * S * S * D` each per head), where `density` is the exact fraction
 (q, kv) pairs the mask allows, computed analytically per query row below. That counts
 FLOPs on the unmasked share only, as PyTorch FlexAttention's reported TFLOP/s do:
 block-sparse skipping does not inflate the throughput, and masked-out work that a
-kernel still performs inside partial blocks earns no credit.
+kernel still performs inside partial blocks earns no credit. A forward-and-backward
+step counts 3.5 times that (the FlashAttention convention: the backward pass is 2.5
+forwards, five matmuls against the forward's two).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import math
 
 import numpy as np
 
-INPUT_SEED = 0        # q, k, v
+INPUT_SEED = 0        # q, k, v and the cotangent d_out (different streams of it)
 DOCUMENT_SEED = 1234  # document lengths of the "document" variant
 SAMPLE_SEED = 7       # output positions compared across frameworks
 NUM_SAMPLES = 256
@@ -106,6 +108,13 @@ class Variant:
         no mask, causal, or a causal sliding window, and no score_mod."""
         return self.score == NO_SCORE and self.mask in (NO_MASK, CAUSAL, SLIDING_WINDOW)
 
+    @property
+    def mha_expressible(self) -> bool:
+        """Whether JAX's Pallas Triton `mha` (jax.experimental.pallas.ops.gpu.attention)
+        can run it: no mask, causal, or documents (`segment_ids` with `causal=True`), and
+        no score_mod. It has no GQA either; that is the shape's business."""
+        return self.score == NO_SCORE and self.mask in (NO_MASK, CAUSAL, DOCUMENT)
+
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -133,13 +142,36 @@ SUITES = {"forward": Suite("forward", FORWARD_SHAPES, FORWARD_VARIANTS)}
 
 # -- modes ------------------------------------------------------------------------------
 
-# What one timed call does. Only "fwd" exists so far; "fwd_bwd" is the hook for the
-# backward pass: add its step builder in jax_bench.STEP_BUILDERS and
-# torch_bench.STEP_BUILDERS, its FLOP factor in _MODE_FLOP_FACTOR, then list it here.
+# What one timed call does:
+#   fwd     — the attention output;
+#   fwd_bwd — the output and the gradients dq, dk, dv of `sum(out * d_out)` (the vector-
+#             Jacobian product with a fixed random bf16 cotangent d_out, `make_cotangent`)
+#             in one step: JAX `jax.vjp`, torch `torch.autograd.grad(out, (q, k, v), d_out)`.
+# A new mode needs a step builder in jax_bench.STEP_BUILDERS and torch_bench.STEP_BUILDERS,
+# its FLOP factor in _MODE_FLOP_FACTOR and its file suffix in MODE_FILE_SUFFIX.
 MODES = ("fwd", "fwd_bwd")
-IMPLEMENTED_MODES = ("fwd",)
+IMPLEMENTED_MODES = ("fwd", "fwd_bwd")
 # Multiples of the forward FLOPs (the FlashAttention convention: backward = 2.5 x forward).
 _MODE_FLOP_FACTOR = {"fwd": 1.0, "fwd_bwd": 3.5}
+# Result files are <date>-<device>-<suite><suffix>.json: forward.json, forward_backward.json.
+MODE_FILE_SUFFIX = {"fwd": "", "fwd_bwd": "_backward"}
+
+
+def needs_cotangent(mode: str) -> bool:
+    """Whether a mode's step takes the cotangent d_out."""
+    return mode == "fwd_bwd"
+
+
+def flop_convention(mode: str) -> str:
+    """One line stating how a mode's FLOPs are counted (table header and JSON)."""
+    forward = "4*B*Hq*S^2*D*density"
+    factor = _MODE_FLOP_FACTOR[mode]
+    counted = forward if factor == 1.0 else (
+        f"{factor:g} * {forward} (forward + backward, backward = 2.5 x forward: the "
+        "FlashAttention convention)")
+    return (f"TFLOP/s = {counted} / time; density = exact fraction of (q, kv) pairs the "
+            "mask allows (FLOPs counted on the unmasked share, as PyTorch FlexAttention "
+            "reports)")
 
 
 def check_mode(mode: str) -> None:
@@ -147,10 +179,9 @@ def check_mode(mode: str) -> None:
         raise ValueError(f"--mode must be one of {MODES}, got {mode!r}")
     if mode not in IMPLEMENTED_MODES:
         raise NotImplementedError(
-            f"--mode {mode} is not implemented yet: the harness only times forward passes "
-            "(--mode fwd). To add it, give jax_bench.STEP_BUILDERS and "
-            "torch_bench.STEP_BUILDERS a builder for it and list it in "
-            "suites.IMPLEMENTED_MODES.")
+            f"--mode {mode} is not implemented yet (implemented: {IMPLEMENTED_MODES}). To "
+            "add it, give jax_bench.STEP_BUILDERS and torch_bench.STEP_BUILDERS a builder "
+            "for it and list it in suites.IMPLEMENTED_MODES.")
 
 
 # -- data shared by both frameworks -------------------------------------------------------
@@ -203,6 +234,15 @@ def make_inputs(shape: Shape, seed: int = INPUT_SEED):
     return normal(0, shape.q_heads), normal(1, shape.kv_heads), normal(2, shape.kv_heads)
 
 
+def make_cotangent(shape: Shape, seed: int = INPUT_SEED) -> np.ndarray:
+    """float32 d_out [B, S, Hq, D] (the output's shape), standard normal, for fwd_bwd:
+    the step computes the gradients of `sum(out * d_out)`. A stream of its own, so q, k,
+    v are the same numbers in both modes; both frameworks cast it to bf16."""
+    rng = np.random.default_rng([seed, 3])
+    return rng.standard_normal(
+        (shape.batch, shape.seq_len, shape.q_heads, shape.head_dim), dtype=np.float32)
+
+
 def sample_positions(shape: Shape, count: int = NUM_SAMPLES, seed: int = SAMPLE_SEED):
     """Four int64 arrays (b, s, h, d) indexing `count` output elements in the
     [B, S, Hq, D] layout; both frameworks report the output there, so a run can check
@@ -210,6 +250,13 @@ def sample_positions(shape: Shape, count: int = NUM_SAMPLES, seed: int = SAMPLE_
     rng = np.random.default_rng(seed)
     return tuple(rng.integers(0, size, count) for size in
                  (shape.batch, shape.seq_len, shape.q_heads, shape.head_dim))
+
+
+def kv_sample_positions(shape: Shape, count: int = NUM_SAMPLES, seed: int = SAMPLE_SEED):
+    """`sample_positions` for dk and dv ([B, S, Hkv, D]): the same elements with query
+    head h mapped to its KV head h // (Hq / Hkv), as GQA groups them in both frameworks."""
+    b, s, h, d = sample_positions(shape, count, seed)
+    return b, s, h // (shape.q_heads // shape.kv_heads), d
 
 
 # -- density and FLOPs ----------------------------------------------------------------------
@@ -284,8 +331,9 @@ def add_selection_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="only the first selected shape")
     parser.add_argument("--mode", default="fwd", choices=MODES,
-                        help="what one timed call does (default: fwd; fwd_bwd is not "
-                             "implemented yet)")
+                        help="what one timed call does: fwd (the output) or fwd_bwd "
+                             "(the output and dq, dk, dv for a fixed cotangent d_out); "
+                             "default fwd")
 
 
 def _pick(spec: str | None, items, extra=(), what="item"):

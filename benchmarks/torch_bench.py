@@ -8,6 +8,9 @@ only), so document ids, ALiBi slopes and q, k, v are the same numbers as on the 
 Per shape and variant: a BlockMask from a compiled `create_block_mask`, built once, and
 `torch.compile(flex_attention)` called on bf16 CUDA tensors in PyTorch's [B, H, S, D]
 layout (transposed from pallas_flex's [B, S, H, D]), `enable_gqa=True` when Hq != Hkv.
+`--mode fwd_bwd`: q, k, v require grad and a step is the compiled forward followed by
+`torch.autograd.grad(out, (q, k, v), d_out)` with the fixed cotangent of
+`suites.make_cotangent` (the same numbers as the JAX side's d_out).
 Timing: `triton.testing.do_bench(..., return_mode="median")` after one compiling call.
 """
 
@@ -109,7 +112,7 @@ def _compiled_flex_attention():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def _forward_step(q, k, v, score_mod, block_mask, enable_gqa):
+def _forward_step(q, k, v, d_out, score_mod, block_mask, enable_gqa):
     flex = _compiled_flex_attention()
 
     def step():
@@ -118,13 +121,26 @@ def _forward_step(q, k, v, score_mod, block_mask, enable_gqa):
     return step
 
 
-def _forward_backward_not_implemented(*_):
-    suites.check_mode("fwd_bwd")
+def _forward_backward_step(q, k, v, d_out, score_mod, block_mask, enable_gqa):
+    """out and the gradients of `sum(out * d_out)` w.r.t. q, k, v: the compiled forward,
+    then `torch.autograd.grad(out, (q, k, v), d_out)` (the compiled backward kernel)."""
+    flex = _compiled_flex_attention()
+    # Leaves of their own that require grad; detach() shares the storage, no copy.
+    q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
+
+    def step():
+        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask,
+                   enable_gqa=enable_gqa)
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), d_out)
+        return out.detach(), dq, dk, dv
+    return step
 
 
-# mode -> step builder. A fwd_bwd entry will run `out.backward(d_out)` on inputs that
-# require grad.
-STEP_BUILDERS = {"fwd": _forward_step, "fwd_bwd": _forward_backward_not_implemented}
+# mode -> step builder(q, k, v, d_out, score_mod, block_mask, enable_gqa) -> step(); d_out
+# is None in fwd. A step returns out (fwd) or (out, dq, dk, dv) (fwd_bwd).
+STEP_BUILDERS = {"fwd": _forward_step, "fwd_bwd": _forward_backward_step}
+# What a step returns, per mode (as in jax_bench).
+OUTPUT_NAMES = {"fwd": ("out",), "fwd_bwd": ("out", "dq", "dk", "dv")}
 
 
 # -- one (shape, variant) --------------------------------------------------------------------
@@ -134,10 +150,23 @@ def _error_text(error: BaseException) -> str:
     return text if len(text) < 600 else text[:600] + " ..."
 
 
+def _samples_of(result, names, samples, kv_samples) -> dict:
+    """The sampled elements of each returned tensor, keyed by name. Tensors are
+    [B, H, S, D]; the samples index [B, S, H, D] (out and dq: query heads; dk, dv: KV
+    heads, `suites.kv_sample_positions`)."""
+    result = result if isinstance(result, (tuple, list)) else (result,)
+    picked = {}
+    for name, tensor in zip(names, result):
+        b, s, h, d = kv_samples if name in ("dk", "dv") else samples
+        picked[name] = tensor[b, h, s, d].float().cpu().tolist()
+    return picked
+
+
 def bench_one(shape, variant, inputs, samples, args):
     from triton.testing import do_bench  # Ships with torch on CUDA.
 
-    q, k, v = inputs
+    q, k, v, d_out = inputs  # d_out is None in fwd
+    samples, kv_samples = samples
     density = suites.mask_density(variant, shape)
     flops = suites.flop_count(shape, density, args.mode)
     row = {"shape": shape.as_dict(), "variant": variant.as_dict(), "mode": args.mode,
@@ -150,18 +179,20 @@ def bench_one(shape, variant, inputs, samples, args):
         row["block_mask_build_s"] = time.perf_counter() - start  # includes compiling
         row["block_density"] = 1.0 - float(block_mask.sparsity()) / 100.0
 
-        step = STEP_BUILDERS[args.mode](q, k, v, score_mod, block_mask, shape.is_gqa)
+        step = STEP_BUILDERS[args.mode](q, k, v, d_out, score_mod, block_mask,
+                                        shape.is_gqa)
         start = time.perf_counter()
-        out = step()
+        result = step()
         torch.cuda.synchronize()
         compile_s = time.perf_counter() - start
         ms = float(do_bench(step, warmup=args.warmup_ms, rep=args.rep_ms,
                             return_mode="median"))
         row["torch"] = {"ms": ms, "compile_s": compile_s, "tflops": suites.tflops(flops, ms)}
-        b, s, h, d = samples
-        # torch's out is [B, H, S, D]; the samples index [B, S, H, D].
-        row["torch_samples"] = out[b, h, s, d].float().cpu().tolist()
-        del out
+        picked = _samples_of(result, OUTPUT_NAMES[args.mode], samples, kv_samples)
+        row["torch_samples"] = picked.pop("out")
+        if picked:
+            row["torch_grad_samples"] = picked
+        del result
     except Exception as error:  # One broken variant must not end the run.
         row["torch"] = {"error": _error_text(error)}
         traceback.print_exc()
@@ -203,8 +234,11 @@ def run(args) -> dict:
     configure_dynamo()
     for shape in shapes:
         inputs = tuple(_to_torch(x) for x in suites.make_inputs(shape))
-        samples = tuple(torch.from_numpy(index).to(DEVICE)
-                        for index in suites.sample_positions(shape))
+        inputs += (_to_torch(suites.make_cotangent(shape))
+                   if suites.needs_cotangent(args.mode) else None,)
+        samples = tuple(tuple(torch.from_numpy(index).to(DEVICE) for index in positions)
+                        for positions in (suites.sample_positions(shape),
+                                          suites.kv_sample_positions(shape)))
         for variant in variants:
             print(f"[torch] {shape.name} {variant.name} ...", file=sys.stderr, flush=True)
             row = bench_one(shape, variant, inputs, samples, args)

@@ -1,0 +1,228 @@
+"""Backward: gradients of every backend against autodiff of the float64 dense reference."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import pallas_flex as pf
+from pallas_flex import masks
+from pallas_flex.kernels.reference import reference_attention
+from tests.conftest import BACKENDS, SMALL_TILES, dense_low_precision, random_qkv, rmse
+from tests.test_attention import CASES, DTYPES, LAYOUTS, VARIANTS, _shape_for
+
+GRADIENT_VARIANTS = ["noop", "causal", "sliding_window", "prefix_lm_per_batch", "document",
+                     "document_causal_wrapper", "chunked_causal", "alibi_causal",
+                     "softcap_causal", "softcap_approx", "t5_bias", "bias_lookup",
+                     "relative_position", "and_or_not"]
+# float32 gradients sum many products; relative to the gradient's scale they stay within
+# this of the float64 value.
+FLOAT32_GRADIENT_TOLERANCE = 1e-4
+
+
+def _cotangent(shape, seed):
+    return jax.random.normal(jax.random.PRNGKey(seed), shape, jnp.float32)
+
+
+def _golden_gradients(q, k, v, d_out, mask_mod, score_mod, argnums=(0, 1, 2), extra=()):
+    """Gradients of sum(out * d_out) through the dense reference in float64."""
+    with jax.enable_x64(True):
+        def loss(q, k, v, *extra_args):
+            out, _ = reference_attention(q, k, v, mask_mod=mask_mod(*extra_args) if extra else
+                                         mask_mod, score_mod=score_mod(*extra_args) if extra
+                                         else score_mod)
+            return jnp.sum(out * d_out)
+        args = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, *extra)]
+        d_out = jnp.asarray(np.asarray(d_out, np.float64))
+        grads = jax.jit(jax.grad(loss, argnums=argnums))(*args)
+        return [np.asarray(g) for g in grads]
+
+
+def _assert_gradient_close(ours, expected, baseline=None, name="gradient"):
+    ours = np.asarray(jnp.asarray(ours, jnp.float32), np.float64)
+    assert np.isfinite(ours).all(), f"{name} has NaN or inf"
+    if baseline is None:  # float32
+        scale = max(np.abs(expected).max(), 1.0)
+        np.testing.assert_allclose(ours, expected, atol=FLOAT32_GRADIENT_TOLERANCE * scale,
+                                   rtol=FLOAT32_GRADIENT_TOLERANCE, err_msg=name)
+    else:
+        # Where the dense computation is exact (e.g. a row with one key has a zero
+        # gradient), ours may still carry float32 accumulation rounding.
+        floor = FLOAT32_GRADIENT_TOLERANCE * max(np.abs(expected).max(), 1.0) * 1e-2
+        ours_error, baseline_error = rmse(ours, expected), rmse(baseline, expected)
+        assert ours_error <= max(baseline_error, floor), (
+            f"{name}: RMSE {ours_error:.3g} worse than dense low-precision XLA's "
+            f"{baseline_error:.3g}")
+
+
+def _gradient_cases():
+    for index, name in enumerate(GRADIENT_VARIANTS):
+        for offset in range(2):
+            case = CASES[(index + 5 * offset) % len(CASES)]
+            dtype, layout, q_len, kv_len, (dim, value_dim) = _shape_for(case, VARIANTS[name][2])
+            yield pytest.param(name, dtype, layout, q_len, kv_len, dim, value_dim,
+                               id=f"{name}-{dtype}-{layout}-{q_len}x{kv_len}-d{dim}v{value_dim}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim,value_dim",
+                         list(_gradient_cases()))
+def test_gradients_match_float64_reference(backend, variant, dtype, layout, q_len, kv_len, dim,
+                                           value_dim):
+    mask_factory, score_factory, _ = VARIANTS[variant]
+    q_heads, kv_heads = LAYOUTS[layout]
+    batch = 2
+    q, k, v = random_qkv(11, batch, q_len, kv_len, q_heads, kv_heads, dim, value_dim,
+                         DTYPES[dtype])
+    shape_args = (batch, q_heads, q_len, kv_len)
+    mask_mod = mask_factory(*shape_args) if mask_factory else None
+    score_mod = score_factory(*shape_args) if score_factory else None
+    d_out = _cotangent((batch, q_len, q_heads, value_dim), 12).astype(q.dtype)
+
+    def ours(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            kernel_options=SMALL_TILES)
+
+    _, vjp = jax.vjp(ours, q, k, v)
+    grads = vjp(d_out)
+    expected = _golden_gradients(q, k, v, d_out, mask_mod, score_mod)
+    baselines = [None] * 3
+    if q.dtype != jnp.float32:
+        _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
+                               q, k, v)
+        baselines = dense_vjp(d_out)
+    for name, grad, golden_grad, baseline, primal in zip("qkv", grads, expected, baselines,
+                                                         (q, k, v)):
+        assert grad.shape == primal.shape and grad.dtype == primal.dtype
+        _assert_gradient_close(grad, golden_grad, baseline, name=f"d{name}")
+
+
+def _learnable_case(kind, batch, q_heads, q_len, kv_len):
+    """(parameter, score_mod factory taking the parameter) for a learnable-bias case."""
+    key = jax.random.PRNGKey(21)
+    if kind == "alibi_slopes":
+        return jnp.linspace(0.05, 0.6, q_heads), lambda slopes: masks.alibi(slopes)
+    if kind == "t5_table":
+        return (0.5 * jax.random.normal(key, (q_heads, 12)),
+                lambda table: masks.t5_relative_bias(table, max_distance=30))
+    if kind == "pair_bias":  # Evoformer-style [B, H, Sq, Skv] bias
+        return (jax.random.normal(key, (batch, q_heads, q_len, kv_len)),
+                lambda bias: masks.bias_lookup(bias))
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind", ["alibi_slopes", "t5_table", "pair_bias"])
+def test_gradients_of_captured_arrays(backend, kind):
+    batch, q_heads, kv_heads, q_len, kv_len = 2, 4, 2, 45, 38
+    q, k, v = random_qkv(13, batch, q_len, kv_len, q_heads, kv_heads, 32, 32, jnp.float32)
+    parameter, make_score_mod = _learnable_case(kind, batch, q_heads, q_len, kv_len)
+    d_out = _cotangent((batch, q_len, q_heads, 32), 14)
+
+    def loss(q, k, v, parameter):
+        out = pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                           score_mod=make_score_mod(parameter), backend=backend,
+                           kernel_options=SMALL_TILES)
+        return jnp.sum(out * d_out)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, parameter)
+    expected = _golden_gradients(q, k, v, d_out, lambda p: masks.causal_mask, make_score_mod,
+                                 argnums=(0, 1, 2, 3), extra=(parameter,))
+    for name, grad, golden_grad in zip(["dq", "dk", "dv", f"d_{kind}"], grads, expected):
+        _assert_gradient_close(grad, golden_grad, name=name)
+    assert np.abs(np.asarray(grads[3])).max() > 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_mod_closing_over_two_arrays_differentiates_only_one(backend):
+    batch, heads, length = 1, 2, 40
+    q, k, v = random_qkv(15, batch, length, length, heads, heads, 32, 32, jnp.float32)
+    slopes = jnp.array([0.3, 0.7])
+    offsets = jnp.array([1.0, -2.0])  # captured too, held constant
+
+    def loss(slopes):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx) * 0.1 + offsets[h]
+        out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod,
+                           backend=backend, kernel_options=SMALL_TILES)
+        return jnp.sum(out ** 2)
+
+    def reference_loss(slopes):
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + slopes[h] * (kv_idx - q_idx) * 0.1 + offsets[h]
+        out, _ = reference_attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod)
+        return jnp.sum(out ** 2)
+
+    np.testing.assert_allclose(jax.grad(loss)(slopes), jax.grad(reference_loss)(slopes),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked_rows_have_finite_zero_gradients(backend):
+    q, k, v = random_qkv(16, 1, 40, 33, 2, 2, 32, 32, jnp.float32)
+
+    def mask_mod(b, h, q_idx, kv_idx):  # even rows see nothing, odd rows one key
+        return (q_idx % 2 == 1) & (kv_idx == 0)
+
+    def loss(q, k, v):
+        out = pf.attention(q, k, v, mask_mod=mask_mod, backend=backend,
+                           kernel_options=SMALL_TILES)
+        return jnp.sum(out * jnp.arange(out.size, dtype=jnp.float32).reshape(out.shape) / out.size)
+
+    d_q, d_k, d_v = (np.asarray(g) for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    for grad in (d_q, d_k, d_v):
+        assert np.isfinite(grad).all()
+    # Rows that see nothing contribute exactly nothing; keys nobody sees get exactly zero.
+    assert np.all(d_q[:, 0::2] == 0.0)
+    assert np.all(d_v[:, 1:] == 0.0) and np.abs(d_v[:, 0]).max() > 0
+    # A row with one key has softmax weight 1 whatever q.k is: its gradient to q and k is
+    # zero up to float32 rounding of rowsum(dO * O) against dO . v.
+    np.testing.assert_allclose(d_q, 0.0, atol=1e-6)
+    np.testing.assert_allclose(d_k, 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_check_grads_numerically(backend):
+    q, k, v = random_qkv(17, 1, 20, 24, 2, 1, 16, 16, jnp.float32)
+
+    def f(q, k, v):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                            score_mod=masks.tanh_softcap(3.0), backend=backend,
+                            kernel_options=SMALL_TILES)
+
+    check_grads(f, (q, k, v), order=1, modes=["rev"], atol=2e-2, rtol=2e-2, eps=1e-2)
+
+
+def test_gradient_of_lse_output():
+    q, k, v = random_qkv(18, 1, 33, 33, 2, 2, 16, 16, jnp.float32)
+
+    def loss(q, k, v, backend):
+        out, lse = pf.attention(q, k, v, mask_mod=masks.causal_mask, backend=backend,
+                                return_lse=True, kernel_options=SMALL_TILES)
+        return jnp.sum(out) + jnp.sum(jnp.sin(lse))
+
+    ours = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "interpret")
+    expected = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, "reference")
+    for a, b in zip(ours, expected):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_works_under_vmap_and_checkpoint():
+    q, k, v = random_qkv(19, 2, 24, 24, 2, 2, 16, 16, jnp.float32)
+    stacked = [jnp.stack([x, 2 * x]) for x in (q, k, v)]  # an extra leading axis
+
+    def single(q, k, v, backend):
+        return jnp.sum(jax.checkpoint(lambda q, k, v: pf.attention(
+            q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2), backend=backend,
+            kernel_options=SMALL_TILES))(q, k, v) ** 2)
+
+    def batched(backend):
+        return jax.vmap(jax.grad(single, argnums=(0, 1, 2)), in_axes=(0, 0, 0, None))(
+            *stacked, backend)
+
+    for ours, expected in zip(jax.jit(batched, static_argnums=0)("interpret"),
+                              batched("reference")):
+        np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-4)
