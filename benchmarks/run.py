@@ -389,7 +389,7 @@ def main(argv=None) -> int:
         "bf16; " + flop_note,
         "cuDNN '-': the variant has no cuDNN equivalent; 'unsupported': cuDNN refused it; "
         "torch/ours, cuDNN/ours = their ms / our ms (> 1: ours faster); "
-        "max|diff| = largest |ours - other| over cuDNN's whole output and "
+        "max|diff| = largest |ours - other| over cuDNN's (and jax_mha's) whole output and "
         f"{suites.NUM_SAMPLES} sampled outputs of torch"
         + ("; grad rel|diff| = largest |ours - other| / max|other| over dq, dk, dv (cuDNN, "
            "jax_mha: whole; torch: the same samples)" if args.mode == "fwd_bwd" else ""),

@@ -27,10 +27,10 @@ def main():
     block_masks = {name: pf.create_block_mask(mask, None, None, length, length)
                    for name, (mask, _) in variants.items()}
     rows = []
-    configs = [dict(block_q=128, block_kv=64, num_warps=4, num_stages=2),
-               dict(block_q=64, block_kv=64, num_warps=4, num_stages=2),
-               dict(block_q=128, block_kv=64, num_warps=8, num_stages=2),
-               dict(block_q=64, block_kv=128, num_warps=8, num_stages=2)]
+    configs = [dict(backward_block_q=bq, backward_block_kv=bk, backward_num_warps=w,
+                    backward_num_stages=st)
+               for bq, bk, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2),
+                                     (32, 64, 4, 2), (64, 64, 8, 2), (128, 32, 4, 2)]]
     for config in configs:
         for name, (_, score_mod) in variants.items():
             def step(q, k, v, d_out, bm, config=config, score_mod=score_mod):

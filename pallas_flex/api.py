@@ -113,7 +113,7 @@ def _fused_attention_backward(config, residuals, cotangents):
     # Pallas's interpreter (still O(S) memory, just not fast).
     d_q, d_k, d_v, const_grads = flex_attention_backward(
         q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-        options=options, interpret=backend != "pallas")
+        options=options.for_backward(), interpret=backend != "pallas")
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:

@@ -179,9 +179,10 @@ def test_fully_masked_rows_have_finite_zero_gradients(backend):
     assert np.all(d_q[:, 0::2] == 0.0)
     assert np.all(d_v[:, 1:] == 0.0) and np.abs(d_v[:, 0]).max() > 0
     # A row with one key has softmax weight 1 whatever q.k is: its gradient to q and k is
-    # zero up to float32 rounding of rowsum(dO * O) against dO . v.
-    np.testing.assert_allclose(d_q, 0.0, atol=1e-6)
-    np.testing.assert_allclose(d_k, 0.0, atol=1e-6)
+    # zero up to float32 rounding of rowsum(dO * O) against dO . v (about 1e-7 per row,
+    # times |q| ~ 3, summed over the 20 rows that reach each key).
+    np.testing.assert_allclose(d_q, 0.0, atol=1e-5)
+    np.testing.assert_allclose(d_k, 0.0, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["interpret", "xla"])

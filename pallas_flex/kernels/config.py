@@ -16,23 +16,36 @@ class KernelOptions:
       BlockMask's block size (a 128x128 BlockMask runs with 128x64 tiles: each mask
       block is walked as two kernel tiles).
     num_warps, num_stages: Triton warps per program and software-pipelining depth.
+    backward_*: the same for the two backward kernels (dQ, and dK/dV), which hold more
+      accumulators per tile and prefer smaller tiles.
     """
 
     block_q: int = 128
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    backward_block_q: int = 64
+    backward_block_kv: int = 64
+    backward_num_warps: int = 4
+    backward_num_stages: int = 2
+
+    def for_backward(self) -> "KernelOptions":
+        """The options the backward kernels read, in the forward's field names."""
+        return self.replace(block_q=self.backward_block_q, block_kv=self.backward_block_kv,
+                            num_warps=self.backward_num_warps,
+                            num_stages=self.backward_num_stages)
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
 
 
-# Hopper (sm_90) forward defaults by padded head dim, measured on the H100 (see
-# benchmarks/results/). Larger head dims need smaller tiles to fit registers.
+# Hopper (sm_90) defaults by padded head dim, measured on the H100 (see
+# benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
 _HOPPER_FORWARD = {
     64: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
-    256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2),
+    256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
+                       backward_block_q=32, backward_block_kv=32),
 }
 
 
@@ -58,9 +71,19 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if unknown:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "
                          f"expected some of {sorted(known)}")
-    options = options.replace(**kernel_options)
-    for name in ("block_q", "block_kv"):
-        size = getattr(options, name)
-        if not isinstance(size, int) or size < 1 or size & (size - 1):
+    for name in ("block_q", "block_kv", "backward_block_q", "backward_block_kv"):
+        size = kernel_options.get(name, 1)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size & (size - 1):
             raise ValueError(f"kernel_options[{name!r}] must be a power of two, got {size!r}")
+    for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages"):
+        count = kernel_options.get(name, 1)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")
+    options = options.replace(**kernel_options)
+    # Tiles given for the forward only also bound the backward's (tests pass small
+    # tiles to exercise many blocks on short sequences).
+    for name in ("block_q", "block_kv"):
+        if name in kernel_options and f"backward_{name}" not in kernel_options:
+            options = options.replace(**{f"backward_{name}": min(
+                kernel_options[name], getattr(options, f"backward_{name}"))})
     return options
