@@ -27,10 +27,12 @@ def main():
     block_masks = {name: pf.create_block_mask(mask, None, None, length, length)
                    for name, (mask, _) in variants.items()}
     rows = []
-    configs = [dict(backward_block_q=bq, backward_block_kv=bk, backward_num_warps=w,
-                    backward_num_stages=st)
-               for bq, bk, w, st in [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 2),
-                                     (32, 64, 4, 2), (64, 64, 8, 2), (128, 32, 4, 2)]]
+    # (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages)
+    configs = [dict(backward_block_q=a, backward_block_kv=b, backward_dkdv_block_q=c,
+                    backward_dkdv_block_kv=d, backward_num_warps=w, backward_num_stages=st)
+               for a, b, c, d, w, st in [(64, 64, 64, 64, 4, 2), (128, 64, 64, 64, 4, 2),
+                                         (64, 64, 64, 128, 4, 2), (128, 64, 64, 128, 8, 2),
+                                         (128, 64, 64, 128, 4, 2), (128, 32, 32, 128, 4, 2)]]
     for config in configs:
         for name, (_, score_mod) in variants.items():
             def step(q, k, v, d_out, bm, config=config, score_mod=score_mod):

@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
@@ -47,11 +48,12 @@ def _validate_inputs(q, k, v):
                          f"and {v.shape[2]}")
     if k.shape[3] != head_dim:
         raise ValueError(f"k's head dim must equal q's ({head_dim}), got {k.shape[3]}")
+    # Before the GQA ratio below, which divides by k's head count.
+    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
+        raise ValueError(f"q, k, v must be non-empty, got {q.shape}, {k.shape}, {v.shape}")
     if q_heads % k.shape[2]:
         raise ValueError(f"q's heads ({q_heads}) must be a multiple of k's heads ({k.shape[2]}) "
                          "for grouped-query attention")
-    if 0 in q.shape or 0 in k.shape or 0 in v.shape:
-        raise ValueError(f"q, k, v must be non-empty, got {q.shape}, {k.shape}, {v.shape}")
 
 
 def _validate_block_mask(block_mask, q, k):
@@ -100,20 +102,50 @@ def _fused_attention(q, k, v, block_mask, score_program, config):
     return _forward_impl(q, k, v, block_mask, score_program, config)
 
 
+def _unwrap_primals(tree):
+    return jax.tree.map(lambda primal: primal.value, tree,
+                        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+
+
+@jax.tree_util.register_pytree_node_class
+class _StaticFlags:
+    """Python booleans carried through custom_vjp residuals as static data."""
+
+    def __init__(self, flags):
+        self.flags = tuple(flags)
+
+    def tree_flatten(self):
+        return (), self.flags
+
+    @classmethod
+    def tree_unflatten(cls, flags, _):
+        return cls(flags)
+
+
 def _fused_attention_forward(q, k, v, block_mask, score_program, config):
+    # symbolic_zeros=True: each primal says whether it is differentiated, so captured
+    # arrays nobody differentiates (constant ALiBi slopes, say) cost no gradient work.
+    wanted = _StaticFlags(primal.perturbed for primal in (
+        score_program.consts if score_program is not None else ()))
+    q, k, v, block_mask, score_program = _unwrap_primals((q, k, v, block_mask, score_program))
     out, lse = _forward_impl(q, k, v, block_mask, score_program, config)
-    return (out, lse), (q, k, v, block_mask, score_program, out, lse)
+    return (out, lse), (q, k, v, block_mask, score_program, out, lse, wanted)
 
 
 def _fused_attention_backward(config, residuals, cotangents):
     backend, scale, options = config
-    q, k, v, block_mask, score_program, out, lse = residuals
+    q, k, v, block_mask, score_program, out, lse, wanted = residuals
     d_out, d_lse = cotangents
+    if isinstance(d_out, SymbolicZero):
+        d_out = jnp.zeros(out.shape, out.dtype)
+    if isinstance(d_lse, SymbolicZero):
+        d_lse = None
     # The "xla" backend has no GPU kernels: its backward runs the same kernels through
     # Pallas's interpreter (still O(S) memory, just not fast).
     d_q, d_k, d_v, const_grads = flex_attention_backward(
         q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-        options=options.for_backward(), interpret=backend != "pallas")
+        options=options, interpret=backend != "pallas",
+        wanted_const_grads=wanted.flags)
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:
@@ -124,7 +156,8 @@ def _fused_attention_backward(config, residuals, cotangents):
     return d_q, d_k, d_v, d_block_mask, d_score_program
 
 
-_fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward)
+_fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,
+                        symbolic_zeros=True)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -196,6 +229,9 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         raise ValueError("pass either mask_mod or block_mask, not both (a BlockMask "
                          "already carries its mask_mod)")
     if mask_mod is not None:
+        # Validate kernel_options before their block sizes become the BlockMask's, so a bad
+        # block size is reported against kernel_options rather than block_size.
+        resolve_options(kernel_options, max(q.shape[3], v.shape[3]))
         program = make_mod_program(mask_mod, MASK)
         block_size = _DEFAULT_MASK_BLOCK
         if kernel_options and isinstance(kernel_options, dict):
@@ -218,6 +254,9 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     Returns:
       (out [B, S, H, Dv] in out_a's dtype, lse [B, H, S] float32) of attention over A ∪ B.
     """
+    for name, out in (("out_a", out_a), ("out_b", out_b)):
+        if len(out.shape) != 4:
+            raise ValueError(f"{name} must be a 4-D array [B, S, H, Dv], got shape {out.shape}")
     if out_a.shape != out_b.shape:
         raise ValueError(f"out_a and out_b must have the same shape, got {out_a.shape} "
                          f"and {out_b.shape}")

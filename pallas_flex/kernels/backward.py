@@ -198,11 +198,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
     state = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     state = walk(full_q_num_blocks_ref, full_q_indices_ref, state, masked=False)
     state = walk(q_num_blocks_ref, q_indices_ref, state, masked=True)
-    dk_ref[...] = state[0]
-    dv_ref[...] = state[1]
+    dk_ref[...] = state[0].astype(dk_ref.dtype)
+    dv_ref[...] = state[1].astype(dv_ref.dtype)
 
 
-def _differentiable_sites(score_program, captured_shapes):
+def _differentiable_sites(score_program, captured_shapes, wanted=None):
     """Which of the score_mod's reads hit floating captured arrays (those get gradients).
 
     Traced once outside the kernel on a dummy tile, so the kernel knows its outputs."""
@@ -222,24 +222,31 @@ def _differentiable_sites(score_program, captured_shapes):
         return [position for position, _ in log.sites]
 
     positions = trace()
-    floating = [jnp.issubdtype(c.dtype, jnp.floating) for c in score_program.consts]
+    wanted = wanted if wanted is not None else [True] * len(score_program.consts)
+    floating = [jnp.issubdtype(c.dtype, jnp.floating) and want
+                for c, want in zip(score_program.consts, wanted)]
     sites = tuple(i for i, position in enumerate(positions) if floating[position])
     return sites, tuple(sorted({positions[i] for i in sites}))
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, *,
-                            scale: float, options: KernelOptions, interpret: bool):
+                            scale: float, options: KernelOptions, interpret: bool,
+                            wanted_const_grads=None):
     """Gradients (dq, dk, dv, d_score_consts) of FlexAttention.
 
-    d_score_consts has one entry per captured array of `score_program` (None for arrays
-    that are not floating point, which get no gradient).
+    d_score_consts has one entry per captured array of `score_program`: None for arrays
+    that are not floating point or not in `wanted_const_grads` (one bool per captured
+    array; None = all), which get no gradient.
     """
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     mask_block_q, mask_block_kv = block_mask.block_size
     num_q_blocks, num_kv_blocks = block_mask.num_blocks
-    block_q = min(options.block_q, mask_block_q)
-    block_kv = min(options.block_kv, mask_block_kv)
+    # Each kernel owns one tile and iterates over the other dimension's tiles.
+    dq_block_q = min(options.backward_block_q, mask_block_q)
+    dq_block_kv = min(options.backward_block_kv, mask_block_kv)
+    dkdv_block_q = min(options.backward_dkdv_block_q, mask_block_q)
+    dkdv_block_kv = min(options.backward_dkdv_block_kv, mask_block_kv)
     group = q_heads // kv_heads
 
     # delta = rowsum(dO * O) - dlse: the lse output's own gradient folds in here.
@@ -263,16 +270,16 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     mask_inputs = captured_inputs(mask_program)
     score_inputs = captured_inputs(score_program)
     score_shapes = [x.shape for x in score_inputs]
-    sites, grad_positions = _differentiable_sites(score_program, score_shapes)
+    sites, grad_positions = _differentiable_sites(score_program, score_shapes,
+                                                  wanted_const_grads)
     common = dict(mask_program=mask_program, score_program=score_program, scale=scale,
-                  q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
-                  mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
+                  q_len=q_len, kv_len=kv_len, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
                   broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
                   broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1)
-    compiler_params = plgpu.CompilerParams(num_warps=options.num_warps,
-                                           num_stages=options.num_stages)
+    compiler_params = plgpu.CompilerParams(num_warps=options.backward_num_warps,
+                                           num_stages=options.backward_num_stages)
     whole = pl.no_block_spec
-    num_q_tiles, num_kv_tiles = padded_q_len // block_q, padded_kv_len // block_kv
+    num_q_tiles, num_kv_tiles = padded_q_len // dq_block_q, padded_kv_len // dkdv_block_kv
 
     def reverse(tile):
         return num_q_tiles - 1 - tile
@@ -296,13 +303,13 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
             grad_refs[position] = buffer_refs[slot]
         _dq_kernel(*tables, mask_refs=mask_refs, score_refs=score_refs, dq_ref=dq_ref,
                    grad_refs=grad_refs, differentiable_sites=site_list, interpret=interpret,
-                   **common)
+                   block_q=dq_block_q, block_kv=dq_block_kv, **common)
 
-    q_row_spec = pl.BlockSpec((None, block_q, None, padded_dim),
+    q_row_spec = pl.BlockSpec((None, dq_block_q, None, padded_dim),
                               lambda i, h, b: (b, reverse(i), h, 0))
-    d_out_row_spec = pl.BlockSpec((None, block_q, None, padded_value_dim),
+    d_out_row_spec = pl.BlockSpec((None, dq_block_q, None, padded_value_dim),
                                   lambda i, h, b: (b, reverse(i), h, 0))
-    vector_row_spec = pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, reverse(i)))
+    vector_row_spec = pl.BlockSpec((None, None, dq_block_q), lambda i, h, b: (b, h, reverse(i)))
     kv_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_dim),
                                  lambda i, h, b: (b, 0, h // group, 0))
     v_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
@@ -317,7 +324,7 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
                   vector_row_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)
                                                 + len(grad_buffers)),
         out_specs=[q_row_spec] + [whole] * len(grad_buffers),
-        out_shape=[jax.ShapeDtypeStruct(q_p.shape, jnp.float32)]
+        out_shape=[jax.ShapeDtypeStruct(q_p.shape, q.dtype)]
         + [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in grad_buffers],
         input_output_aliases={num_dq_inputs + slot: 1 + slot for slot in range(len(grad_buffers))},
         compiler_params=compiler_params,
@@ -328,35 +335,41 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     d_q, *grads = dq_outputs
 
     # -- dK, dV per query head -------------------------------------------------------
+    # Without GQA each program's result is final: store it in the input dtype. With GQA
+    # the query heads of a group are summed afterwards, in float32.
+    dkdv_dtype = k.dtype if group == 1 else jnp.float32
     q_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_dim),
                                 lambda j, h, b: (b, 0, h, 0))
     d_out_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_value_dim),
                                     lambda j, h, b: (b, 0, h, 0))
     vector_whole_spec = pl.BlockSpec((None, None, padded_q_len), lambda j, h, b: (b, h, 0))
-    k_tile_spec = pl.BlockSpec((None, block_kv, None, padded_dim),
+    k_tile_spec = pl.BlockSpec((None, dkdv_block_kv, None, padded_dim),
                                lambda j, h, b: (b, j, h // group, 0))
-    v_tile_spec = pl.BlockSpec((None, block_kv, None, padded_value_dim),
+    v_tile_spec = pl.BlockSpec((None, dkdv_block_kv, None, padded_value_dim),
                                lambda j, h, b: (b, j, h // group, 0))
     q_tables = (block_mask.q_num_blocks, block_mask.q_indices,
                 block_mask.full_q_num_blocks, block_mask.full_q_indices)
     d_k, d_v = pl.pallas_call(
-        functools.partial(_dkdv_kernel, **common),
+        functools.partial(_dkdv_kernel, block_q=dkdv_block_q, block_kv=dkdv_block_kv,
+                          **common),
         grid=(num_kv_tiles, q_heads, batch),
         in_specs=[q_whole_spec, k_tile_spec, v_tile_spec, d_out_whole_spec, vector_whole_spec,
                   vector_whole_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)),
-        out_specs=[pl.BlockSpec((None, block_kv, None, padded_dim),
+        out_specs=[pl.BlockSpec((None, dkdv_block_kv, None, padded_dim),
                                 lambda j, h, b: (b, j, h, 0)),
-                   pl.BlockSpec((None, block_kv, None, padded_value_dim),
+                   pl.BlockSpec((None, dkdv_block_kv, None, padded_value_dim),
                                 lambda j, h, b: (b, j, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), jnp.float32),
+        out_shape=[jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), dkdv_dtype),
                    jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
-                                        jnp.float32)],
+                                        dkdv_dtype)],
         compiler_params=compiler_params,
         interpret=interpret,
         name="flex_attention_backward_dkdv",
     )(q_p, k_p, v_p, d_out_p, lse_log2, delta, *q_tables, *mask_inputs, *score_inputs)
 
     def sum_groups(x):  # [B, S, Hq, D] -> [B, S, Hkv, D]
+        if group == 1:
+            return x
         return x.reshape(batch, x.shape[1], kv_heads, group, x.shape[3]).sum(axis=3)
 
     d_q = d_q[:, :q_len, :, :head_dim].astype(q.dtype)

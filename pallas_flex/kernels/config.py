@@ -16,8 +16,9 @@ class KernelOptions:
       BlockMask's block size (a 128x128 BlockMask runs with 128x64 tiles: each mask
       block is walked as two kernel tiles).
     num_warps, num_stages: Triton warps per program and software-pipelining depth.
-    backward_*: the same for the two backward kernels (dQ, and dK/dV), which hold more
-      accumulators per tile and prefer smaller tiles.
+    backward_block_q, backward_block_kv: tiles of the dQ kernel (owns a query tile,
+      walks KV tiles); backward_dkdv_block_q, backward_dkdv_block_kv: tiles of the dK/dV
+      kernel (owns a KV tile, walks query tiles); backward_num_warps/num_stages: both.
     """
 
     block_q: int = 128
@@ -26,14 +27,10 @@ class KernelOptions:
     num_stages: int = 2
     backward_block_q: int = 64
     backward_block_kv: int = 64
+    backward_dkdv_block_q: int = 64
+    backward_dkdv_block_kv: int = 64
     backward_num_warps: int = 4
     backward_num_stages: int = 2
-
-    def for_backward(self) -> "KernelOptions":
-        """The options the backward kernels read, in the forward's field names."""
-        return self.replace(block_q=self.backward_block_q, block_kv=self.backward_block_kv,
-                            num_warps=self.backward_num_warps,
-                            num_stages=self.backward_num_stages)
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -45,7 +42,8 @@ _HOPPER_FORWARD = {
     64: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=3),
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
-                       backward_block_q=32, backward_block_kv=32),
+                       backward_block_q=32, backward_block_kv=32, backward_dkdv_block_q=32,
+                       backward_dkdv_block_kv=32),
 }
 
 
@@ -71,7 +69,8 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if unknown:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "
                          f"expected some of {sorted(known)}")
-    for name in ("block_q", "block_kv", "backward_block_q", "backward_block_kv"):
+    for name in ("block_q", "block_kv", "backward_block_q", "backward_block_kv",
+                 "backward_dkdv_block_q", "backward_dkdv_block_kv"):
         size = kernel_options.get(name, 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size & (size - 1):
             raise ValueError(f"kernel_options[{name!r}] must be a power of two, got {size!r}")
@@ -83,7 +82,8 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     # Tiles given for the forward only also bound the backward's (tests pass small
     # tiles to exercise many blocks on short sequences).
     for name in ("block_q", "block_kv"):
-        if name in kernel_options and f"backward_{name}" not in kernel_options:
-            options = options.replace(**{f"backward_{name}": min(
-                kernel_options[name], getattr(options, f"backward_{name}"))})
+        for backward_name in (f"backward_{name}", f"backward_dkdv_{name}"):
+            if name in kernel_options and backward_name not in kernel_options:
+                options = options.replace(**{backward_name: min(
+                    kernel_options[name], getattr(options, backward_name))})
     return options

@@ -26,14 +26,19 @@ _CLASSIFY_ELEMENTS_PER_STEP = 1 << 26
 
 
 def _normalize_block_size(block_size, argument_name="block_size") -> tuple[int, int]:
-    if isinstance(block_size, int):
-        block_size = (block_size, block_size)
+    # Messages echo the value as given (48, not the (48, 48) it expands to).
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
     try:
-        block_q, block_kv = (int(size) for size in block_size)
+        block_q, block_kv = pair
     except (TypeError, ValueError):
+        block_q = block_kv = None
+    # int() would silently truncate 16.5 or parse "16": only integers are block sizes.
+    if not all(isinstance(size, (int, np.integer)) and not isinstance(size, bool)
+               for size in (block_q, block_kv)):
         raise ValueError(
             f"{argument_name} must be an int or a pair (block_q, block_kv), got {block_size!r}"
-        ) from None
+        )
+    block_q, block_kv = int(block_q), int(block_kv)
     for size in (block_q, block_kv):
         if size < 1 or size & (size - 1):
             raise ValueError(
