@@ -1,6 +1,6 @@
 """The shared forward suite: every backend against the float64 dense reference.
 
-Each gallery variant runs on three (dtype, head layout, lengths, head dims) cases drawn
+Each gallery variant runs on two (dtype, head layout, lengths, head dims) cases drawn
 in rotation from CASES, so across the gallery every dtype, layout, awkward length pair
 and Dv != D combination is exercised on every backend without the full product's
 compile time. A full product over dtypes x layouts x lengths runs on one variant.
@@ -78,7 +78,7 @@ def _shape_for(case, needs):
 
 def _variant_cases():
     for index, (name, (_, _, needs)) in enumerate(VARIANTS.items()):
-        for offset in range(3):
+        for offset in range(2):
             case = CASES[(index + 4 * offset) % len(CASES)]
             dtype, layout, q_len, kv_len, (dim, value_dim) = _shape_for(case, needs)
             yield pytest.param(name, dtype, layout, q_len, kv_len, dim, value_dim,
@@ -120,8 +120,8 @@ def test_gallery_matches_float64_reference(backend, variant, dtype, layout, q_le
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_full_product_on_alibi_causal(backend, dtype, layout):
-    """Every dtype x layout, over all awkward lengths in one call each (batch of shapes)."""
-    for q_len, kv_len in LENGTHS[:4]:
+    """Every dtype x layout, on a ragged Sq > Skv and Sq < Skv pair each."""
+    for q_len, kv_len in (LENGTHS[0], LENGTHS[3]):
         (q, k, v, mask_mod, score_mod), out, _ = _run(backend, "alibi_causal", dtype, layout,
                                                       q_len, kv_len, 32, 48, seed=q_len)
         expected, _ = golden(q, k, v, mask_mod, score_mod)

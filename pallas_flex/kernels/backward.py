@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
@@ -113,8 +114,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, kv_num_blocks
     delta = delta_ref[...][:, None]
     q_idx = jnp.minimum(q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
                         q_len - 1)
-    tiles_per_block = mask_block_kv // block_kv
-
     def visit_tile(kv_start, d_q, masked):
         k = k_ref[pl.ds(kv_start, block_kv), :]
         v = v_ref[pl.ds(kv_start, block_kv), :]
@@ -132,13 +131,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, kv_num_blocks
                                      preferred_element_type=jnp.float32, precision=precision)
 
     def walk(num_blocks_ref, indices_ref, d_q, masked):
-        def visit(tile, d_q):
-            block = indices_ref[table_batch, table_head, mask_row,
-                                lax.div(tile, jnp.int32(tiles_per_block))]
-            start = block * mask_block_kv + lax.rem(tile, jnp.int32(tiles_per_block)) * block_kv
-            return visit_tile(start, d_q, masked)
-        num_tiles = num_blocks_ref[table_batch, table_head, mask_row] * tiles_per_block
-        return lax.fori_loop(0, num_tiles, visit, d_q)
+        return walk_listed_tiles(
+            num_blocks_ref, indices_ref, (table_batch, table_head, mask_row),
+            mask_block=mask_block_kv, tile=block_kv,
+            visit=lambda start, d_q: visit_tile(start, d_q, masked), state=d_q)
 
     d_q = jnp.zeros(q.shape, jnp.float32)
     d_q = walk(full_kv_num_blocks_ref, full_kv_indices_ref, d_q, masked=False)
@@ -163,8 +159,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
     k = k_ref[...]
     v = v_ref[...]
     kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-    tiles_per_block = mask_block_q // block_q
-
     def visit_tile(q_start, state, masked):
         d_k, d_v = state
         rows = pl.ds(q_start, block_q)
@@ -187,13 +181,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
         return d_k, d_v
 
     def walk(num_blocks_ref, indices_ref, state, masked):
-        def visit(tile, state):
-            block = indices_ref[table_batch, table_head, mask_column,
-                                lax.div(tile, jnp.int32(tiles_per_block))]
-            start = block * mask_block_q + lax.rem(tile, jnp.int32(tiles_per_block)) * block_q
-            return visit_tile(start, state, masked)
-        num_tiles = num_blocks_ref[table_batch, table_head, mask_column] * tiles_per_block
-        return lax.fori_loop(0, num_tiles, visit, state)
+        return walk_listed_tiles(
+            num_blocks_ref, indices_ref, (table_batch, table_head, mask_column),
+            mask_block=mask_block_q, tile=block_q,
+            visit=lambda start, state: visit_tile(start, state, masked), state=state)
 
     state = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
     state = walk(full_q_num_blocks_ref, full_q_indices_ref, state, masked=False)

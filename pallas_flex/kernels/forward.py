@@ -20,6 +20,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
@@ -66,24 +67,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = jnp.where(keep, scores, -jnp.inf)
         return online_softmax.update(state, scores, v, precision)
 
-    tiles_per_block = mask_block_kv // block_kv
-
     def walk(num_blocks_ref, indices_ref, state, masked):
-        # One flat loop over kernel tiles (a mask block may span several along KV): a
-        # single-tile loop body is what Triton's software pipeliner handles best.
-        def visit(tile, state):
-            if tiles_per_block == 1:
-                return visit_tile(indices_ref[table_batch, table_head, mask_row, tile]
-                                  * mask_block_kv, state, masked)
-            # lax.div/rem, not // and %: the indices are non-negative, and jnp's floored
-            # remainder does not lower to Triton.
-            block = indices_ref[table_batch, table_head, mask_row,
-                                lax.div(tile, jnp.int32(tiles_per_block))]
-            kv_start = (block * mask_block_kv
-                        + lax.rem(tile, jnp.int32(tiles_per_block)) * block_kv)
-            return visit_tile(kv_start, state, masked)
-        num_tiles = num_blocks_ref[table_batch, table_head, mask_row] * tiles_per_block
-        return lax.fori_loop(0, num_tiles, visit, state)
+        return walk_listed_tiles(
+            num_blocks_ref, indices_ref, (table_batch, table_head, mask_row),
+            mask_block=mask_block_kv, tile=block_kv,
+            visit=lambda start, state: visit_tile(start, state, masked), state=state)
 
     state = online_softmax.initial_state(block_q, out_ref.shape[-1])
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
