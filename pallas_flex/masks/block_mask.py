@@ -248,7 +248,12 @@ class BlockMask:
     def __getitem__(self, index) -> "BlockMask":
         """Slices batch, head and query-block dimensions: `bm[0]`, `bm[:, 2]`,
         `bm[0, 0, :4]`. Integers keep their dimension (size 1). Slicing query blocks
-        shortens Q_LEN; the mask_mod still sees the original query indices."""
+        shortens Q_LEN.
+
+        The slice describes attention for the selected rows alone (e.g. `bm[:, :, i:i+1]`
+        for a decode step over query block i): kernels number batch, heads and queries
+        of their inputs from 0, so the sliced mask_mod is shifted to see the original
+        `b`, `h` and `q_idx` of the rows it came from."""
         if not isinstance(index, tuple):
             index = (index,)
         if len(index) > 3:
@@ -269,11 +274,23 @@ class BlockMask:
         if len(normalized) == 3:
             start, stop, _ = normalized[2].indices(self.num_blocks[0])
             q_len = max(0, min(stop * self.block_size[0], q_len) - start * self.block_size[0])
+        starts = [entry.indices(self.kv_num_blocks.shape[axis])[0]
+                  for axis, entry in enumerate(normalized)] + [0] * (3 - len(normalized))
+        batch_start, head_start, q_start = starts[0], starts[1], starts[2] * self.block_size[0]
+        mask_mod = self.mask_mod
+        if batch_start or head_start or q_start:
+            original = self.mask_mod
+
+            def shifted(b, h, q_idx, kv_idx):
+                return original(b + batch_start, h + head_start, q_idx + q_start, kv_idx)
+
+            shifted.__name__ = original.name
+            mask_mod = make_mod_program(shifted, MASK)
         kv_num_blocks = self.kv_num_blocks[normalized]
         return BlockMask.from_kv_blocks(
             kv_num_blocks, self.kv_indices[normalized],
             self.full_kv_num_blocks[normalized], self.full_kv_indices[normalized],
-            block_size=self.block_size, mask_mod=self.mask_mod,
+            block_size=self.block_size, mask_mod=mask_mod,
             seq_lengths=(q_len, self.seq_lengths[1]))
 
 

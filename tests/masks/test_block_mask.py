@@ -431,3 +431,19 @@ def test_large_causal_mask_builds_without_the_dense_mask():
     memory = build.lower().compile().memory_analysis()
     assert memory is not None
     assert memory.temp_size_in_bytes < LARGE * LARGE // 4
+
+
+def test_query_block_slice_attends_like_the_same_rows_of_the_full_mask():
+    """A q-block slice (e.g. for one decode/chunk step) evaluates its mask_mod at the
+    original query positions, so attention over those rows alone matches the full call."""
+    document_ids = jnp.asarray(np.arange(64) // 10, jnp.int32)
+    mask_mod = pf.and_masks(pf.masks.causal_mask, pf.masks.document_mask(document_ids))
+    full_mask = pf.create_block_mask(mask_mod, None, None, 64, 64, block_size=16)
+    keys = jax.random.split(jax.random.PRNGKey(0), 3)
+    q, k, v = (jax.random.normal(key, (1, 64, 2, 16)) for key in keys)
+    options = {"block_q": 16, "block_kv": 16}
+    full = pf.flex_attention(q, k, v, block_mask=full_mask, backend="interpret",
+                             kernel_options=options)
+    rows = pf.flex_attention(q[:, 32:48], k, v, block_mask=full_mask[:, :, 2:3],
+                             backend="interpret", kernel_options=options)
+    np.testing.assert_allclose(rows, full[:, 32:48], atol=1e-6)
