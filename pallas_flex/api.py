@@ -14,7 +14,7 @@ from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
-from pallas_flex.kernels.tile_mods import check_tile_compatible
+from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.kernels.xla_blockwise import blockwise_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
@@ -205,8 +205,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
     options = resolve_options(kernel_options, max(head_dim, v.shape[3]))
     if backend in ("pallas", "interpret"):
-        check_tile_compatible(block_mask.mask_mod)
-        check_tile_compatible(score_program)
+        # Mods the tile interpreter cannot run fail here, with a message, not in a kernel.
+        captured_read_positions(block_mask.mask_mod)
+        captured_read_positions(score_program)
     config = (backend, _resolve_scale(scale, head_dim), options)
     out, lse = _attention(q, k, v, block_mask, score_program, config=config)
     return (out, lse) if return_lse else out

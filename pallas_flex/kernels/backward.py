@@ -38,7 +38,7 @@ from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, score_vjp_on_tile)
+    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile)
 
 
 def _split_refs(refs, counts):
@@ -193,26 +193,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
     dv_ref[...] = state[1].astype(dv_ref.dtype)
 
 
-def _differentiable_sites(score_program, captured_shapes, wanted=None):
-    """Which of the score_mod's reads hit floating captured arrays (those get gradients).
-
-    Traced once outside the kernel on a dummy tile, so the kernel knows its outputs."""
+def _differentiable_sites(score_program, wanted=None):
+    """(indices of the score_mod's reads that need gradients, positions of the captured
+    arrays they read): reads of floating captured arrays that are differentiated."""
     if score_program is None:
         return (), ()
-    from pallas_flex.kernels.tile_mods import CaptureLog, _captured, _ShapeOnlyRef
-    from pallas_flex.kernels.tile_mods import evaluate_jaxpr_on_tiles
-
-    def trace():
-        log = CaptureLog()
-        refs = [_ShapeOnlyRef(shape, c.dtype)
-                for shape, c in zip(captured_shapes, score_program.consts)]
-        args = (jnp.zeros((2, 2), jnp.float32), jnp.int32(0), jnp.int32(0),
-                jnp.zeros((2, 1), jnp.int32), jnp.zeros((1, 2), jnp.int32))
-        evaluate_jaxpr_on_tiles(score_program.jaxpr, _captured(score_program, refs, log), args,
-                                score_program.name)
-        return [position for position, _ in log.sites]
-
-    positions = trace()
+    positions = captured_read_positions(score_program)
     wanted = wanted if wanted is not None else [True] * len(score_program.consts)
     floating = [jnp.issubdtype(c.dtype, jnp.floating) and want
                 for c, want in zip(score_program.consts, wanted)]
@@ -261,8 +247,7 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     mask_inputs = captured_inputs(mask_program)
     score_inputs = captured_inputs(score_program)
     score_shapes = [x.shape for x in score_inputs]
-    sites, grad_positions = _differentiable_sites(score_program, score_shapes,
-                                                  wanted_const_grads)
+    sites, grad_positions = _differentiable_sites(score_program, wanted_const_grads)
     common = dict(mask_program=mask_program, score_program=score_program, scale=scale,
                   q_len=q_len, kv_len=kv_len, mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
                   broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,

@@ -204,18 +204,21 @@ def captured_inputs(program):
     return [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in program.consts]
 
 
-def check_tile_compatible(program) -> None:
-    """Raises the tile interpreter's error at trace time, before any kernel is built."""
+def captured_read_positions(program) -> list[int]:
+    """Traces `program` on a dummy tile outside any kernel and returns, for each read of a
+    captured array (in program order, as the kernels will see them), that array's
+    position in `program.consts`. Raises the tile interpreter's errors early, at trace
+    time, before any kernel is built."""
     if program is None:
-        return
+        return []
+    log = CaptureLog()
     consts = _captured(program, [_ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
-                       CaptureLog())
-    args = [jnp.zeros((4, 1), jnp.int32) for _ in range(4)]
-    args[0] = args[1] = jnp.int32(0)
-    args[3] = jnp.zeros((1, 8), jnp.int32)
+                       log)
+    args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 8), jnp.int32)]
     if program.kind == "score":
         args = [jnp.zeros((4, 8), jnp.float32)] + args
     jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name))
+    return [position for position, _ in log.sites]
 
 
 class _ShapeOnlyRef:
@@ -232,4 +235,4 @@ class _ShapeOnlyRef:
 
 
 __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "check_tile_compatible", "evaluate_jaxpr_on_tiles", "CapturedRef"]
+           "captured_read_positions", "evaluate_jaxpr_on_tiles", "CapturedRef"]
