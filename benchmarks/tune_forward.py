@@ -3,25 +3,21 @@
 Usage: PYTHONPATH=$PWD python3 benchmarks/tune_forward.py [--out results.json]
 Prints one line per (options, variant) with the median time of repeated timed loops.
 """
-import argparse, itertools, json, statistics, time
+import argparse
+import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
+from benchmarks.jax_bench import time_calls
 from pallas_flex import masks
 
 
 def time_ms(fn, *args, iters=20, repeats=5):
-    jax.block_until_ready(fn(*args))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / iters * 1e3)
-    return statistics.median(samples)
+    """Median ms per call, timed by the harness's own timer (`jax_bench.time_calls`)."""
+    entry, _ = time_calls(fn, args, iters=iters, repeats=repeats)
+    return entry["ms"]
 
 
 def main():

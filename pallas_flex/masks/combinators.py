@@ -40,21 +40,26 @@ def noop_score(score, b, h, q_idx, kv_idx):
     return score
 
 
+def _combine(function_name, mask_mods, combine, empty):
+    """A mask_mod folding `mask_mods` with `combine`; `empty` when there are none."""
+    _check_callables(function_name, mask_mods)
+
+    def combined(b, h, q_idx, kv_idx):
+        if not mask_mods:
+            return jnp.bool_(empty)
+        results = [mask_mod(b, h, q_idx, kv_idx) for mask_mod in mask_mods]
+        return functools.reduce(combine, results)
+
+    combined.__name__ = f"{function_name}({', '.join(map(_mod_name, mask_mods))})"
+    return combined
+
+
 def and_masks(*mask_mods):
     """A mask_mod that is True where every one of `mask_mods` is True.
 
     With no arguments it is True everywhere, like PyTorch's `and_masks()`.
     """
-    _check_callables("and_masks", mask_mods)
-
-    def and_mask(b, h, q_idx, kv_idx):
-        if not mask_mods:
-            return jnp.bool_(True)
-        results = [mask_mod(b, h, q_idx, kv_idx) for mask_mod in mask_mods]
-        return functools.reduce(operator.and_, results)
-
-    and_mask.__name__ = f"and_masks({', '.join(map(_mod_name, mask_mods))})"
-    return and_mask
+    return _combine("and_masks", mask_mods, operator.and_, True)
 
 
 def or_masks(*mask_mods):
@@ -62,16 +67,7 @@ def or_masks(*mask_mods):
 
     With no arguments it is False everywhere, like PyTorch's `or_masks()`.
     """
-    _check_callables("or_masks", mask_mods)
-
-    def or_mask(b, h, q_idx, kv_idx):
-        if not mask_mods:
-            return jnp.bool_(False)
-        results = [mask_mod(b, h, q_idx, kv_idx) for mask_mod in mask_mods]
-        return functools.reduce(operator.or_, results)
-
-    or_mask.__name__ = f"or_masks({', '.join(map(_mod_name, mask_mods))})"
-    return or_mask
+    return _combine("or_masks", mask_mods, operator.or_, False)
 
 
 def not_mask(mask_mod):
