@@ -1,0 +1,221 @@
+"""FlexMultiHeadAttention against Flax's own layer, the dense reference, and itself
+decoding through its cache."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_flex as pf
+from pallas_flex.nn import FlexMultiHeadAttention, LearnableAlibi, T5RelativeBias
+from tests.conftest import SMALL_TILES
+
+FEATURES, HEADS = 32, 4
+GRAD_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+
+def _inputs(seed, batch=2, length=21, features=FEATURES):
+    return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, features))
+
+
+def _dense(mask_mod, q_len, kv_len):
+    """The [1, 1, Sq, Skv] boolean mask of a mod that reads only positions."""
+    return mask_mod(0, 0, jnp.arange(q_len)[:, None], jnp.arange(kv_len)[None, :])[None, None]
+
+
+def _build(make_layer):
+    """Constructs a layer under jit: one compiled initializer rather than one per weight."""
+    return nnx.jit(make_layer)()
+
+
+@pytest.fixture(scope="module")
+def layer_pair():
+    """Flax's layer and ours with the same weights."""
+    theirs = _build(lambda: nnx.MultiHeadAttention(HEADS, FEATURES, decode=False,
+                                                    rngs=nnx.Rngs(0)))
+    ours = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
+                                                 kernel_options=SMALL_TILES, rngs=nnx.Rngs(1)))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    return theirs, ours
+
+
+def _assert_trees_close(ours, theirs, **tolerance):
+    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
+        np.testing.assert_allclose(a, b, **tolerance)
+
+
+def _outputs_and_gradients(layer, x, **call_options):
+    def loss(layer):
+        out = layer(x, **call_options)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, out), gradients = nnx.jit(nnx.value_and_grad(loss, has_aux=True))(layer)
+    return out, gradients
+
+
+@pytest.mark.parametrize("mask_mod", [pf.masks.causal_mask,
+                                      pf.masks.sliding_window(5, causal=False)])
+def test_matches_nnx_multi_head_attention_outputs_and_parameter_gradients(layer_pair,
+                                                                          mask_mod):
+    theirs, ours = layer_pair
+    x = _inputs(0)
+    dense_mask = _dense(mask_mod, x.shape[1], x.shape[1])
+    our_out, our_gradients = _outputs_and_gradients(ours, x, mask_mod=mask_mod)
+    their_out, their_gradients = _outputs_and_gradients(theirs, x, mask=dense_mask)
+    np.testing.assert_allclose(our_out, their_out, atol=2e-5)
+    _assert_trees_close(our_gradients, their_gradients, **GRAD_TOLERANCE)
+
+
+def test_grouped_query_cross_attention_matches_nnx():
+    q_inputs, kv_inputs = _inputs(1, length=9), _inputs(2, length=26, features=12)
+    common = dict(num_kv_heads=2, out_features=8, in_kv_features=12)
+    theirs = _build(lambda: nnx.MultiHeadAttention(HEADS, FEATURES, decode=False,
+                                                    rngs=nnx.Rngs(0), **common))
+    ours = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
+                                                 rngs=nnx.Rngs(1), **common))
+    nnx.update(ours, nnx.state(theirs, nnx.Param))
+    head_dim = FEATURES // HEADS
+    assert ours.query.kernel.shape == (FEATURES, HEADS, head_dim)
+    assert ours.key.kernel.shape == ours.value.kernel.shape == (12, 2, head_dim)
+    out = nnx.jit(lambda layer: layer(q_inputs, kv_inputs))(ours)
+    assert out.shape == (2, 9, 8)
+    np.testing.assert_allclose(out, nnx.jit(lambda layer: layer(q_inputs, kv_inputs))(theirs),
+                               atol=2e-5)
+
+
+def test_prebuilt_block_mask_equals_mask_mod(layer_pair):
+    x = _inputs(4)
+    _, ours = layer_pair
+    mask_mod = pf.masks.sliding_window(6)
+    block_mask = pf.create_block_mask(mask_mod, None, None, x.shape[1], x.shape[1],
+                                      block_size=16)
+    both = nnx.jit(lambda layer, block_mask: (layer(x, block_mask=block_mask),
+                                              layer(x, mask_mod=mask_mod)))
+    np.testing.assert_allclose(*both(ours, block_mask), atol=1e-6)
+
+
+DECODE_LENGTH, MAX_LENGTH = 16, 20
+# A sliding-window mask and a position-dependent learnable bias: both must see absolute
+# positions through the cache.
+DECODE_MASK = pf.masks.sliding_window(7)
+
+
+@pytest.fixture(scope="module")
+def decoding():
+    """A GQA layer, inputs [2, DECODE_LENGTH, FEATURES], its full forward, and the jitted
+    decode call (shared so that both decode tests compile it once)."""
+    layer = _build(lambda: FlexMultiHeadAttention(
+        HEADS, FEATURES, num_kv_heads=2, backend="xla", score_bias=LearnableAlibi(HEADS),
+        kernel_options=SMALL_TILES, rngs=nnx.Rngs(5)))
+    x = _inputs(6, length=DECODE_LENGTH)
+    traces = []
+
+    @nnx.jit
+    def decode(layer, inputs, input_lengths):
+        traces.append(inputs.shape)
+        return layer(inputs, mask_mod=DECODE_MASK, decode=True, input_lengths=input_lengths)
+
+    full = nnx.jit(lambda layer: layer(x, mask_mod=DECODE_MASK))(layer)
+    return layer, x, full, decode, traces
+
+
+def test_token_by_token_decoding_equals_full_forward_without_recompiling(decoding):
+    layer, x, full, decode, traces = decoding
+    layer.init_cache(batch_size=2, max_length=MAX_LENGTH)
+    one_each = jnp.ones((2,), jnp.int32)
+    decoded = jnp.concatenate(
+        [decode(layer, x[:, i:i + 1], one_each) for i in range(DECODE_LENGTH)], axis=1)
+    np.testing.assert_allclose(decoded, full, atol=2e-5)
+    assert traces.count((2, 1, FEATURES)) == 1
+    np.testing.assert_array_equal(layer.cache_index[...], [DECODE_LENGTH, DECODE_LENGTH])
+
+
+def test_ragged_prefill_then_decode_equals_full_forward(decoding):
+    layer, x, full, decode, _ = decoding
+    prompt_lengths = jnp.array([5, 9])
+    layer.init_cache(batch_size=2, max_length=MAX_LENGTH)
+    # Right-padded prompts: row 0's pad holds garbage, which must never be attended to.
+    padded_prompts = jnp.where(jnp.arange(9)[None, :, None] < prompt_lengths[:, None, None],
+                               x[:, :9], 100.0)
+    prefill = decode(layer, padded_prompts, prompt_lengths)
+    np.testing.assert_allclose(prefill[1], full[1, :9], atol=2e-5)
+    np.testing.assert_allclose(prefill[0, :5], full[0, :5], atol=2e-5)
+    np.testing.assert_array_equal(layer.cache_index[...], prompt_lengths)
+    # Then one token per row, each row at its own position.
+    rows = jnp.arange(2)
+    for step in range(4):
+        positions = prompt_lengths + step
+        out = decode(layer, x[rows, positions][:, None], jnp.ones((2,), jnp.int32))
+        np.testing.assert_allclose(out[:, 0], full[rows, positions], atol=2e-5)
+
+
+def test_learnable_bias_gradients_match_dense_autodiff():
+    """A T5 bias owned by the layer and an ALiBi module passed at call time: both
+    parameters get the gradients dense autodiff gives."""
+    x = _inputs(9)
+
+    def layer(backend):
+        return _build(lambda: FlexMultiHeadAttention(
+            HEADS, FEATURES, score_bias=T5RelativeBias(HEADS, num_buckets=8, max_distance=16,
+                                                       bidirectional=False, rngs=nnx.Rngs(3)),
+            backend=backend, kernel_options=SMALL_TILES, rngs=nnx.Rngs(4)))
+
+    def loss(layer, alibi):
+        return jnp.sum(jnp.sin(layer(x, mask_mod=pf.masks.causal_mask, score_mod=alibi())))
+
+    gradients = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
+    fused = gradients(layer("xla"), LearnableAlibi(HEADS))
+    reference = gradients(layer("reference"), LearnableAlibi(HEADS))
+    for bias_gradient in (fused[0].score_bias.table, fused[1].slopes):
+        assert float(jnp.abs(bias_gradient[...]).min()) > 0
+    _assert_trees_close(fused, reference, **GRAD_TOLERANCE)
+
+
+def test_bias_modules_hand_out_score_mods_over_their_parameters():
+    bias = T5RelativeBias(2, num_buckets=8, max_distance=16, rngs=nnx.Rngs(0))
+    assert bias.table.shape == (2, 8)
+    bucket = int(pf.masks.t5_relative_bucket(3, num_buckets=8, max_distance=16))
+    assert float(bias()(1.0, 0, 1, 2, 5)) == pytest.approx(1.0 + float(bias.table[1, bucket]))
+    alibi = LearnableAlibi(4)
+    np.testing.assert_array_equal(alibi.slopes[...], pf.masks.alibi_slopes(4))
+    assert float(alibi()(0.0, 0, 0, 5, 3)) == pytest.approx(-2 * 0.25)
+
+
+@pytest.mark.parametrize("construct,message", [
+    (lambda: FlexMultiHeadAttention(4, 32, num_kv_heads=3, rngs=nnx.Rngs(0)), "num_kv_heads"),
+    (lambda: FlexMultiHeadAttention(4, 32, qkv_features=30, rngs=nnx.Rngs(0)), "qkv_features"),
+    (lambda: FlexMultiHeadAttention(0, 32, rngs=nnx.Rngs(0)), "num_heads"),
+    (lambda: FlexMultiHeadAttention(4, 32, kernel_options=[("block_q", 16)], rngs=nnx.Rngs(0)),
+     "kernel_options"),
+    (lambda: FlexMultiHeadAttention(4, 32, score_bias=LearnableAlibi(2), rngs=nnx.Rngs(0)),
+     "score_bias"),
+    (lambda: T5RelativeBias(2, num_buckets=2, rngs=nnx.Rngs(0)), "num_buckets"),
+], ids=["kv_heads", "qkv_features", "num_heads", "kernel_options", "bias_heads", "buckets"])
+def test_constructor_errors(construct, message):
+    with pytest.raises(ValueError, match=message):
+        construct()
+
+
+def test_call_errors():
+    layer = _build(lambda: FlexMultiHeadAttention(2, 8, backend="xla", rngs=nnx.Rngs(0)))
+    x = jnp.ones((1, 4, 8))
+    block_mask = pf.create_block_mask(pf.masks.causal_mask, None, None, 4, 4)
+    with pytest.raises(ValueError, match="inputs_q"):
+        layer(jnp.ones((1, 4, 6)))
+    with pytest.raises(ValueError, match="either mask_mod or block_mask"):
+        layer(x, mask_mod=pf.masks.causal_mask, block_mask=block_mask)
+    with pytest.raises(ValueError, match="init_cache"):
+        layer(x, decode=True)
+    layer.init_cache(batch_size=1, max_length=8)
+    with pytest.raises(ValueError, match="block_mask"):
+        layer(x, block_mask=block_mask, decode=True)
+    with pytest.raises(ValueError, match="batch_size=1"):
+        layer(jnp.ones((2, 1, 8)), decode=True)
+    with pytest.raises(ValueError, match="input_lengths"):
+        layer(x, decode=True, input_lengths=jnp.array([1.0]))
+    with pytest.raises(ValueError, match="input_lengths"):
+        layer(x, input_lengths=jnp.array([1]))
