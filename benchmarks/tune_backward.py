@@ -13,9 +13,15 @@ from pallas_flex import masks
 from benchmarks.tune_forward import time_ms
 
 
+# (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages)
+CONFIGS = [(64, 64, 64, 64, 4, 2), (64, 64, 64, 128, 8, 2), (64, 64, 64, 128, 4, 2),
+           (128, 64, 64, 128, 8, 2), (64, 64, 64, 64, 4, 3), (128, 64, 64, 128, 8, 3)]
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
+    parser.add_argument("--variants", default="noop,causal,softcap,alibi")
     args = parser.parse_args()
     batch, heads, length, dim = 4, 16, 4096, 128
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -24,15 +30,14 @@ def main():
     variants = {"noop": (None, None), "causal": (masks.causal_mask, None),
                 "softcap": (masks.causal_mask, masks.tanh_softcap(30.0)),
                 "alibi": (masks.causal_mask, masks.alibi(heads))}
+    variants = {name: variants[name] for name in args.variants.split(",")}
     block_masks = {name: pf.create_block_mask(mask, None, None, length, length)
                    for name, (mask, _) in variants.items()}
     rows = []
     # (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages)
     configs = [dict(backward_block_q=a, backward_block_kv=b, backward_dkdv_block_q=c,
                     backward_dkdv_block_kv=d, backward_num_warps=w, backward_num_stages=st)
-               for a, b, c, d, w, st in [(64, 64, 64, 64, 4, 2), (128, 64, 64, 64, 4, 2),
-                                         (64, 64, 64, 128, 4, 2), (128, 64, 64, 128, 8, 2),
-                                         (128, 64, 64, 128, 4, 2), (128, 32, 32, 128, 4, 2)]]
+               for a, b, c, d, w, st in CONFIGS]
     for config in configs:
         for name, (_, score_mod) in variants.items():
             def step(q, k, v, d_out, bm, config=config, score_mod=score_mod):

@@ -12,6 +12,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
+from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.kernels.tile_mods import captured_read_positions
@@ -82,8 +83,16 @@ def _resolve_scale(scale, head_dim):
     return float(scale)
 
 
+def uses_decode_kernel(q_len, block_mask, options) -> bool:
+    """Short queries within one BlockMask query block run the split-KV decode kernel."""
+    return q_len <= options.decode_max_q_len and block_mask.num_blocks[0] == 1
+
+
 def _forward_impl(q, k, v, block_mask, score_program, config):
     backend, scale, options = config
+    if backend in ("pallas", "interpret") and uses_decode_kernel(q.shape[1], block_mask, options):
+        return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
+                           interpret=backend == "interpret")
     if backend in ("pallas", "interpret"):
         return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                       options=options, interpret=backend == "interpret")

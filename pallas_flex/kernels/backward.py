@@ -52,16 +52,21 @@ def _split_refs(refs, counts):
 
 def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
                     mask_program, mask_refs, score_program, score_refs, scale, kv_len,
-                    precision):
+                    precision, transposed=False):
     """Recomputes one tile's probabilities and returns (P, dS, score_vjp, sites).
 
     q [bq, D], k [bk, D], v [bk, Dv], d_out [bq, Dv], lse_log2/delta [bq, 1];
     q_idx [bq, 1], kv_idx [1, bk] (unclamped). dS already includes the score_mod's
     derivative and `scale`; `score_vjp`/`sites` give the captured-array cotangents.
+
+    transposed=True computes P^T and dS^T [bk, bq] instead (lse_log2/delta [1, bq],
+    q_idx [1, bq], kv_idx [bk, 1]): the dK/dV kernel then feeds them to its matmuls as
+    they are, where transposing a [bq, bk] accumulator would go through shared memory.
     """
     q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
     kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
-    scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+    rows, columns = (k, q) if transposed else (q, k)
+    scores = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision) * scale
     score_vjp, sites = None, ()
     if score_program is not None:
@@ -73,7 +78,8 @@ def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, he
                                   kv_idx_in_range) & (kv_idx < kv_len)
         logits = jnp.where(keep, logits, -jnp.inf)
     probabilities = jnp.exp2(logits - lse_log2)  # lse_log2 = +inf on rows to ignore
-    d_probabilities = lax.dot_general(d_out, v, (((1,), (1,)), ((), ())),
+    rows, columns = (v, d_out) if transposed else (d_out, v)
+    d_probabilities = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
                                       preferred_element_type=jnp.float32, precision=precision)
     d_modded = probabilities * (d_probabilities - delta)
     site_cotangents = ()
@@ -158,25 +164,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
 
     k = k_ref[...]
     v = v_ref[...]
-    kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    # Tiles are computed transposed, [block_kv, block_q]: P^T and dS^T are then the left
+    # operands of dV += P^T dO and dK += dS^T Q as they come out of the dots.
+    kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
     def visit_tile(q_start, state, masked):
         d_k, d_v = state
         rows = pl.ds(q_start, block_q)
         q = q_ref[rows, :]
         d_out = d_out_ref[rows, :]
-        lse_log2 = lse_ref[rows][:, None]
-        delta = delta_ref[rows][:, None]
-        q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
+        lse_log2 = lse_ref[rows][None, :]
+        delta = delta_ref[rows][None, :]
+        q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1),
                             q_len - 1)
-        probabilities, d_scores, _, _ = _tile_gradients(
+        probabilities_t, d_scores_t, _, _ = _tile_gradients(
             q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
             head=head, masked=masked, mask_program=mask_program, mask_refs=mask_refs,
             score_program=score_program, score_refs=score_refs, scale=scale, kv_len=kv_len,
-            precision=precision)
-        d_v = d_v + lax.dot_general(probabilities.astype(d_out.dtype), d_out,
-                                    (((0,), (0,)), ((), ())),
+            precision=precision, transposed=True)
+        d_v = d_v + lax.dot_general(probabilities_t.astype(d_out.dtype), d_out,
+                                    (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32, precision=precision)
-        d_k = d_k + lax.dot_general(d_scores.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+        d_k = d_k + lax.dot_general(d_scores_t.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32, precision=precision)
         return d_k, d_v
 

@@ -15,6 +15,15 @@ def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: i
     flat loop over kernel tiles (not a loop of blocks with an inner tile loop): a
     single-tile loop body is what Triton's software pipeliner handles best.
     """
+    num_tiles = num_blocks_ref[table_index] * (mask_block // tile)
+    return walk_listed_tile_range(indices_ref, table_index, 0, num_tiles,
+                                  mask_block=mask_block, tile=tile, visit=visit, state=state)
+
+
+def walk_listed_tile_range(indices_ref, table_index, start, stop, *, mask_block: int,
+                           tile: int, visit, state):
+    """Like `walk_listed_tiles`, for the listed tiles numbered [start, stop) only (the
+    decode kernel splits one row's tiles between programs)."""
     tiles_per_block = mask_block // tile
 
     def visit_tile(step, state):
@@ -26,5 +35,4 @@ def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: i
         offset = lax.rem(step, jnp.int32(tiles_per_block)) * tile
         return visit(block * mask_block + offset, state)
 
-    num_tiles = num_blocks_ref[table_index] * tiles_per_block
-    return lax.fori_loop(0, num_tiles, visit_tile, state)
+    return lax.fori_loop(start, stop, visit_tile, state)

@@ -19,6 +19,11 @@ class KernelOptions:
     backward_block_q, backward_block_kv: tiles of the dQ kernel (owns a query tile,
       walks KV tiles); backward_dkdv_block_q, backward_dkdv_block_kv: tiles of the dK/dV
       kernel (owns a KV tile, walks query tiles); backward_num_warps/num_stages: both.
+    decode_max_q_len: queries this short (and within one BlockMask query block) run
+      the split-KV decode kernel instead of the forward kernel.
+    decode_block_kv: KV rows per decode tile (0 = by head dim: 128 up to D 128, 64 up
+      to 256, 32 above); decode_num_splits: programs sharing one row's KV tiles (0 =
+      enough to fill the GPU); decode_num_warps/num_stages: decode launch parameters.
     """
 
     block_q: int = 128
@@ -31,6 +36,11 @@ class KernelOptions:
     backward_dkdv_block_kv: int = 64
     backward_num_warps: int = 4
     backward_num_stages: int = 2
+    decode_max_q_len: int = 16
+    decode_block_kv: int = 0
+    decode_num_splits: int = 0
+    decode_num_warps: int = 4
+    decode_num_stages: int = 2
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -74,7 +84,16 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         size = kernel_options.get(name, 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size & (size - 1):
             raise ValueError(f"kernel_options[{name!r}] must be a power of two, got {size!r}")
-    for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages"):
+    size = kernel_options.get("decode_block_kv", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size & (size - 1):
+        raise ValueError(f"kernel_options['decode_block_kv'] must be 0 (automatic) or a power "
+                         f"of two, got {size!r}")
+    for name in ("decode_max_q_len", "decode_num_splits"):
+        count = kernel_options.get(name, 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
+    for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
+                 "decode_num_warps", "decode_num_stages"):
         count = kernel_options.get(name, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")

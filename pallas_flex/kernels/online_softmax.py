@@ -52,3 +52,38 @@ def finalize(state):
 def dot_precision(dtype):
     """float32 inputs get full-precision dots (not TF32); 16-bit inputs need no hint."""
     return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+# The same recurrence with the value dimension cut into column chunks (the decode kernel
+# reads V as power-of-two column slices, so an unpadded Dv = 512 + 64 needs no copy).
+
+def initial_state_chunks(block_q: int, value_chunks):
+    """(running max, running sum, one accumulator [block_q, width] per chunk width)."""
+    running_max, running_sum, _ = initial_state(block_q, 1)
+    return running_max, running_sum, tuple(
+        jnp.zeros((block_q, width), jnp.float32) for width in value_chunks)
+
+
+def update_chunks(state, scores_log2, v_chunks, precision=None):
+    """`update` for v given as column chunks [block_kv, width_i]."""
+    running_max, running_sum, accumulators = state
+    new_max = jnp.maximum(running_max, jnp.max(scores_log2, axis=1))
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = jnp.exp2(running_max - safe_max)
+    probabilities = jnp.exp2(scores_log2 - safe_max[:, None])
+    running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
+    accumulators = tuple(
+        accumulator * correction[:, None] + jax.lax.dot_general(
+            probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+            preferred_element_type=jnp.float32, precision=precision)
+        for accumulator, v in zip(accumulators, v_chunks))
+    return new_max, running_sum, accumulators
+
+
+def finalize_chunks(state):
+    """(one normalized output chunk per accumulator, natural-log lse)."""
+    running_max, running_sum, accumulators = state
+    _, lse = finalize((running_max, running_sum, accumulators[0]))
+    has_mass = running_sum > 0.0
+    denominator = jnp.where(has_mass, running_sum, 1.0)[:, None]
+    return tuple(accumulator / denominator for accumulator in accumulators), lse

@@ -160,10 +160,11 @@ def _captured(program, refs, log):
 
 
 def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx):
-    """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]."""
+    """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]
+    (or the transposed tile, for q_idx [1, block_q] and kv_idx [block_kv, 1])."""
     consts = _captured(program, captured_refs, CaptureLog())
     (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name)
-    return jnp.broadcast_to(mask, (q_idx.shape[0], kv_idx.shape[1]))
+    return jnp.broadcast_to(mask, np.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)))
 
 
 def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):

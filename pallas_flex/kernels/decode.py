@@ -1,0 +1,256 @@
+"""Split-KV flash decoding for short query blocks (decode, speculative verification).
+
+With a handful of query rows a forward program per (query tile, head) would leave the
+GPU idle and read each KV head once per query head. Here instead:
+
+* One program owns the query rows of a whole GQA group (heads x positions, padded to
+  the 16-row tensor-core minimum), so each KV tile is loaded once for the group.
+* The KV tiles the BlockMask row lists (full ones, then partial ones) are split between
+  `num_splits` programs, enough to fill every SM even at batch 1; each writes a partial
+  (out, lse) and the splits are merged exactly afterwards (a tiny jnp reduction).
+* K and V are read where they lie, never padded or copied: a contiguous cache
+  `[B, Skv, Hkv, D]`, or pages `[num_pages, Hkv, page_size, D]` through a page table
+  (logical position p is row p % page_size of page `page_table[b, p // page_size]`).
+  Head dims are read as power-of-two column chunks (576 = 512 + 64 for latent attention),
+  so no dimension needs padding unless it is not a multiple of 16.
+
+Mods see the same indices as in the forward kernel (b, the query head, q_idx in
+[0, Sq), the logical kv_idx), so a decode step runs any mask_mod/score_mod; write the
+query's absolute position in with `pallas_flex.masks.offset`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.block_walk import walk_listed_tile_range
+from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels.padding import pad_axis
+from pallas_flex.kernels.tile_mods import apply_mask_on_tile, apply_score_on_tile, captured_inputs
+
+# Enough programs to give each of the H100's 132 SMs a few: fewer leaves bandwidth
+# unused at batch 1; many more only adds partial results to merge.
+_TARGET_PROGRAMS = 528
+_MIN_ROWS = 16  # tensor-core tiles have at least 16 rows
+
+
+def column_chunks(dim: int) -> tuple[tuple[int, int], ...]:
+    """(start, width) power-of-two chunks covering `dim` (a multiple of 16)."""
+    chunks, start = [], 0
+    while start < dim:
+        width = 1 << ((dim - start).bit_length() - 1)
+        chunks.append((start, width))
+        start += width
+    return tuple(chunks)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
+                   full_kv_num_blocks_ref, full_kv_indices_ref, *refs, mask_program,
+                   score_program, scale, q_len, kv_len, rows, heads_per_program, group,
+                   block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
+                   dim_chunks, value_chunks, page_size, mask_every_tile):
+    paged = page_size is not None
+    if paged:
+        page_table_ref, lengths_ref, *refs = refs
+        max_pages = page_table_ref.shape[1]
+    num_mask_refs = len(mask_program.consts)
+    num_score_refs = len(score_program.consts) if score_program is not None else 0
+    mask_refs = refs[:num_mask_refs]
+    score_refs = refs[num_mask_refs:num_mask_refs + num_score_refs]
+    out_ref, lse_ref = refs[num_mask_refs + num_score_refs:]
+
+    batch, program_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    first_head = program_head * heads_per_program
+    kv_head = lax.div(first_head, jnp.int32(group))
+    table_index = (0 if broadcast_batch else batch, 0 if broadcast_heads else program_head, 0)
+    precision = online_softmax.dot_precision(q_ref.dtype)
+    padded_rows = q_ref.shape[0]
+
+    # Row r holds query head first_head + r // Sq at position r % Sq; padded rows repeat
+    # the last real row (their results are dropped).
+    row = jnp.minimum(lax.broadcasted_iota(jnp.int32, (padded_rows, 1), 0), rows - 1)
+    if q_len == 1:
+        head, q_idx = first_head + row, jnp.zeros_like(row)
+    else:
+        head = first_head + lax.div(row, jnp.int32(q_len))
+        q_idx = lax.rem(row, jnp.int32(q_len))
+    q_chunks = [q_ref[:, pl.ds(start, width)] for start, width in dim_chunks]
+    kv_length = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
+
+    def load_tile(ref, tile_start, valid, column_start, width):
+        """[block_kv, width] rows tile_start.. of one KV head; invalid rows read as 0."""
+        columns = pl.ds(column_start, width)
+        if not paged:
+            view = ref.at[batch, pl.ds(tile_start, block_kv), kv_head, columns]
+        elif page_size >= block_kv:  # the tile lies inside one page
+            slot = jnp.minimum(lax.div(tile_start, jnp.int32(page_size)), max_pages - 1)
+            page = jnp.maximum(page_table_ref[batch, slot], 0)
+            offset = lax.rem(tile_start, jnp.int32(page_size))
+            view = ref.at[page, kv_head, pl.ds(offset, block_kv), columns]
+        else:  # the tile spans several pages: gather its rows
+            positions = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, width), 0)
+            slots = jnp.minimum(lax.div(positions, jnp.int32(page_size)), max_pages - 1)
+            pages = jnp.maximum(page_table_ref[batch, slots], 0)
+            offsets = lax.rem(positions, jnp.int32(page_size))
+            column_index = column_start + lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
+            view = ref.at[pages, jnp.full((block_kv, width), kv_head), offsets, column_index]
+        if valid is None:
+            return view[...]
+        return plgpu.load(view, mask=jnp.broadcast_to(valid, (block_kv, width)), other=0)
+
+    def visit_tile(tile_start, state, masked):
+        kv_position = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        in_length = kv_position < kv_length if (paged or mask_every_tile or masked) else None
+        keys = [load_tile(k_ref, tile_start, in_length, start, width) for start, width in dim_chunks]
+        values = [load_tile(v_ref, tile_start, in_length, start, width)
+                  for start, width in value_chunks]
+        scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32, precision=precision)
+                     for q_chunk, key in zip(q_chunks, keys))
+        kv_idx = tile_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+        if score_program is None:
+            scores = scores * (scale * online_softmax.LOG2_E)
+        else:
+            scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch, head,
+                                         q_idx, kv_idx_in_range) * online_softmax.LOG2_E
+        keep = None
+        if in_length is not None:
+            keep = kv_idx < kv_length
+        if masked:
+            mask = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
+                                      kv_idx_in_range)
+            keep = mask if keep is None else mask & keep
+        if keep is not None:
+            scores = jnp.where(keep, scores, -jnp.inf)
+        return online_softmax.update_chunks(state, scores, values, precision)
+
+    # This program's share of the row's tiles: numbers [low, high) of the list that has
+    # the full tiles first, then the partial ones.
+    tiles_per_block = mask_block_kv // block_kv
+    num_full = full_kv_num_blocks_ref[table_index] * tiles_per_block
+    num_tiles = num_full + kv_num_blocks_ref[table_index] * tiles_per_block
+    per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
+    low = split * per_split
+    high = jnp.minimum(num_tiles, low + per_split)
+
+    walk = functools.partial(walk_listed_tile_range, mask_block=mask_block_kv, tile=block_kv)
+    state = online_softmax.initial_state_chunks(padded_rows, [w for _, w in value_chunks])
+    state = walk(full_kv_indices_ref, table_index, low, jnp.minimum(high, num_full),
+                 visit=lambda start, state: visit_tile(start, state, False), state=state)
+    state = walk(kv_indices_ref, table_index, jnp.maximum(low, num_full) - num_full,
+                 high - num_full, visit=lambda start, state: visit_tile(start, state, True),
+                 state=state)
+    outs, lse = online_softmax.finalize_chunks(state)
+    for (start, width), out in zip(value_chunks, outs):
+        out_ref[batch, program_head, split, :, pl.ds(start, width)] = out
+    lse_ref[batch, program_head, split, :] = lse
+
+
+def _merge_splits(partial_out, partial_lse):
+    """Exact LSE merge over axis 2 (the splits); empty splits carry lse = -inf."""
+    lse = jax.nn.logsumexp(partial_lse, axis=2)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weights = jnp.exp(partial_lse - safe[:, :, None])  # exp(-inf) = 0 for empty splits
+    out = jnp.sum(weights[..., None] * partial_out, axis=2)
+    return out, lse
+
+
+def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: KernelOptions,
+                interpret: bool, page_table=None, lengths=None):
+    """(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32) for short Sq.
+
+    Contiguous: k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], Skv = the BlockMask's KV_LEN.
+    Paged: k [num_pages, Hkv, page_size, D] (v likewise), page_table [B, max_pages] int32
+    (-1 = no page), lengths [B] int32 (positions >= lengths[b] are masked); the
+    BlockMask's KV_LEN is the logical length (at most max_pages * page_size).
+    The BlockMask must have a single query block (Sq <= its query block size).
+    """
+    batch, q_len, q_heads, head_dim = q.shape
+    paged = page_table is not None
+    kv_heads, value_dim = k.shape[1 if paged else 2], v.shape[3]
+    page_size = k.shape[2] if paged else None
+    group = q_heads // kv_heads
+    mask_batch, mask_heads, _, kv_len = block_mask.shape
+    broadcast_heads = block_mask.kv_num_blocks.shape[1] == 1
+    # A program shares KV loads across its group's query heads when they share one
+    # BlockMask row; per-head masks get a program per query head.
+    heads_per_program = group if broadcast_heads else 1
+    num_head_programs = q_heads // heads_per_program
+    rows = heads_per_program * q_len
+    padded_rows = max(_MIN_ROWS, _next_power_of_two(rows))
+
+    mask_block_kv = block_mask.block_size[1]
+    wide = max(head_dim, value_dim)
+    block_kv = options.decode_block_kv or (128 if wide <= 128 else 64 if wide <= 256 else 32)
+    block_kv = min(block_kv, mask_block_kv)
+    if paged and page_size < block_kv and block_kv % page_size:
+        block_kv = page_size
+    if paged and page_size >= block_kv and page_size % block_kv:
+        raise ValueError(f"page_size {page_size} must be a multiple of the decode tile "
+                         f"{block_kv} or divide it")
+
+    # Column chunks need widths of at least 16: other head dims are padded (a copy).
+    padded_dim, padded_value_dim = _round_up(head_dim, 16), _round_up(value_dim, 16)
+    k = pad_axis(k, 3, padded_dim)
+    v = pad_axis(v, 3, padded_value_dim)
+    num_splits = options.decode_num_splits or -(-_TARGET_PROGRAMS // (batch * num_head_programs))
+    num_splits = max(1, min(num_splits, block_mask.num_blocks[1] * (mask_block_kv // block_kv)))
+
+    # [B, Sq, Hq, D] -> [B, programs, rows, D], rows ordered (head in group, position).
+    q_rows = q.reshape(batch, q_len, num_head_programs, heads_per_program, head_dim)
+    q_rows = q_rows.transpose(0, 2, 3, 1, 4).reshape(batch, num_head_programs, rows, head_dim)
+    q_rows = pad_axis(pad_axis(q_rows, 2, padded_rows), 3, _next_power_of_two(padded_dim))
+
+    mask_program = block_mask.mask_mod
+    captured = captured_inputs(mask_program) + captured_inputs(score_program)
+    tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
+              block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
+    paging = (page_table.astype(jnp.int32), lengths.astype(jnp.int32)) if paged else ()
+    kernel = functools.partial(
+        _decode_kernel, mask_program=mask_program, score_program=score_program, scale=scale,
+        q_len=q_len, kv_len=kv_len, rows=rows, heads_per_program=heads_per_program,
+        group=group, block_kv=block_kv, mask_block_kv=mask_block_kv,
+        broadcast_batch=mask_batch == 1, broadcast_heads=broadcast_heads,
+        num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
+        value_chunks=column_chunks(padded_value_dim), page_size=page_size,
+        mask_every_tile=kv_len % block_kv != 0)
+    whole = pl.no_block_spec
+    partial_out, partial_lse = pl.pallas_call(
+        kernel,
+        grid=(batch, num_head_programs, num_splits),
+        in_specs=[pl.BlockSpec((None, None) + q_rows.shape[2:], lambda b, p, s: (b, p, 0, 0)),
+                  whole, whole] + [whole] * (len(tables) + len(paging) + len(captured)),
+        out_specs=[whole, whole],
+        out_shape=[
+            jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows,
+                                  padded_value_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),
+                                 jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=options.decode_num_warps,
+                                             num_stages=options.decode_num_stages),
+        interpret=interpret,
+        name="flex_attention_decode",
+    )(q_rows, k, v, *tables, *paging, *captured)
+
+    out, lse = _merge_splits(partial_out[:, :, :, :rows, :value_dim],
+                             partial_lse[:, :, :, :rows])
+    out = out.reshape(batch, num_head_programs, heads_per_program, q_len, value_dim)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, value_dim)
+    lse = lse.reshape(batch, q_heads, q_len)
+    return out.astype(q.dtype), lse
