@@ -8,7 +8,7 @@ kernels:
     >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask)
 """
 
-from pallas_flex import masks
+from pallas_flex import masks, paged
 from pallas_flex.api import (
     BACKENDS, attention, default_backend, flex_attention, merge_attention_states)
 from pallas_flex.kernels.config import KernelOptions
@@ -20,5 +20,5 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "BlockMask", "KernelOptions", "and_masks", "attention", "create_block_mask",
     "default_backend", "flex_attention", "masks", "merge_attention_states", "noop_mask",
-    "not_mask", "or_masks",
+    "not_mask", "or_masks", "paged",
 ]

@@ -1,0 +1,14 @@
+"""Paged serving: a paged KV cache and attention over pages.
+
+* `PagedKVCache` — pages, page table, lengths and free-page bookkeeping as one pytree;
+  `reserve`, `erase`, `assign`, `assign_batch` return a new cache (in place under
+  `jit` with donation). `gather_contiguous` reads it back in logical order.
+* `paged_attention` — the ragged mixed prefill + decode op (OpenVINO PagedAttention):
+  token-major new tokens of many sequences, written into the cache and attending to
+  their paged history. `score_offsets` locates each sequence in its scores.
+"""
+
+from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
+from pallas_flex.paged.ragged import paged_attention, score_offsets
+
+__all__ = ["PagedKVCache", "gather_contiguous", "paged_attention", "score_offsets"]

@@ -1,0 +1,462 @@
+"""paged_attention: ragged mixed prefill + decode over a paged KV cache.
+
+The varlen paged op of OpenVINO's PagedAttention spec, in JAX: one call serves any mix
+of sequences (prompt chunks, decode steps), all tokens packed along one axis. The call
+runs in four stages, kept apart so that a Pallas kernel can replace stage (c) behind
+the same checks and cache writes:
+
+  (a) validate shapes (always `ValueError`) and metadata (`ValueError` when concrete,
+      `checkify.debug_check` when traced; see `pallas_flex.paged._validation`);
+  (b) scatter the new keys and values into the caches at their positions;
+  (c) attend from the caches (now holding history and new tokens) — here an XLA loop
+      over logical pages with an online softmax in float32;
+  (d) optionally, a second pass over the same pages for the aggregated scores.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.paged._validation import (
+    as_index_scalar, as_index_vector, checking_arrays, first_true, require)
+
+_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+_BACKENDS = (None, "xla")
+
+
+def paged_attention(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
+                    block_indices, block_indices_begins, *, scale=None, sliding_window=0,
+                    alibi_slopes=None, score_aggregation_window=None, return_scores=False,
+                    backend=None):
+    """Attention for a packed batch of new tokens over their sequences' paged history.
+
+    Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
+    (`new_len[s]` of them) and the cache blocks `block_indices[block_indices_begins[s] :
+    block_indices_begins[s+1]]`, in logical order. Its `i`-th new token sits at position
+    `pos = past_lens[s] + i`: its key and value are written into the caches there
+    (block `block_indices[block_indices_begins[s] + pos // block_size]`, offset
+    `pos % block_size`), then it attends to positions `[max(0, pos + 1 - sliding_window),
+    pos]` of its own sequence (all of `[0, pos]` when `sliding_window` is 0).
+
+    Args:
+      query: [T, Hq * D] (token-major; heads are contiguous D-sized chunks).
+      key: [T, Hkv * D]; value: [T, Hkv * Dv]. Query head h reads kv head h // (Hq/Hkv).
+      key_cache: [num_blocks, Hkv, block_size, D]; value_cache: [num_blocks, Hkv,
+        block_size, Dv]. query, key, value and both caches share one float dtype.
+      past_lens: int [num_seqs], tokens each sequence already has in the cache.
+      subsequence_begins: int [num_seqs + 1], non-decreasing, from 0 to T. Sequences with
+        no new tokens are allowed (they only contribute zeros to `scores`).
+      block_indices: int [num_listed_blocks], physical block ids.
+      block_indices_begins: int [num_seqs + 1], non-decreasing, ending at most at
+        num_listed_blocks; each sequence needs `ceil((past_lens[s] + new_len[s]) /
+        block_size)` blocks, in range `[0, num_blocks)`.
+      scale: None (1/sqrt(D)), a Python number or a float scalar array (may be traced).
+      sliding_window: int or int scalar array >= 0; 0 = unlimited.
+      alibi_slopes: None, or float [Hq] (one slope per query head) or [1] (shared); adds
+        `slope_h * (key_pos - query_pos)` to the scaled scores. (The spec's
+        [num_kv_heads] is the Hq = Hkv case.)
+      score_aggregation_window: None, an int, or an int array [num_seqs]: the scores of
+        sequence s sum over its last `window[s]` new tokens (all of them when None or
+        <= 0).
+      return_scores: also return the scores (below).
+      backend: None or "xla" (the only one built so far).
+    Returns:
+      `(output, key_cache, value_cache)`, or `(output, scores, key_cache, value_cache)`
+      with `return_scores=True`:
+      output: [T, Hq * Dv] in query's dtype.
+      key_cache, value_cache: the caches with the new tokens written (same shapes and
+        dtype; with `jax.jit(..., donate_argnums=...)` the write happens in place).
+      scores: float32 [num_listed_blocks * block_size]. Per sequence, in sequence
+        order, `past_lens[s] + new_len[s]` entries: the softmax weight each position
+        received, summed over query heads and over the counted new tokens. The spec's
+        output is these entries concatenated (`sum(past_lens) + T` of them, a
+        data-dependent length); here they start at offset 0 of a fixed-size buffer
+        (enough for every listed block), the rest is zero, so the shape is the same
+        eagerly and under `jit`. `score_offsets` gives where each sequence starts.
+        float32 rather than the spec's T: the entries are sums of many weights, kept in
+        float32 like this package's lse.
+
+    Errors: wrong shapes, dtypes, head counts or options raise `ValueError`. Bad metadata
+    (begins not monotone or not spanning the T tokens, negative past_lens, a sequence
+    longer than its blocks, a block index out of range, two new tokens written to one
+    cache slot, a negative sliding window) raises `ValueError` when the metadata is
+    concrete; under `jit` the same checks are `checkify.debug_check`s, reported by
+    `jax.experimental.checkify.checkify(fn)` and free otherwise. Unchecked bad metadata
+    under `jit` never reads or writes out of bounds, but its results are unspecified.
+
+    Example (two sequences: an 8-token prompt, and one decode step after 13 tokens):
+      >>> out, k_cache, v_cache = paged_attention(
+      ...     q, k, v, k_cache, v_cache,                   # q [9, Hq*D], k/v [9, Hkv*D]
+      ...     past_lens=jnp.array([0, 13]), subsequence_begins=jnp.array([0, 8, 9]),
+      ...     block_indices=jnp.array([5, 2, 7]),          # block_size 8: 1 + 2 blocks
+      ...     block_indices_begins=jnp.array([0, 1, 3]))
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be None or 'xla', got {backend!r} (the Pallas ragged "
+                         "kernel is not built yet)")
+    if not isinstance(return_scores, (bool, np.bool_)):
+        raise ValueError(f"return_scores must be a Python bool (under jit, a static argument: "
+                         f"static_argnames=('return_scores',)), got "
+                         f"{type(return_scores).__name__}")
+    _validate_arrays(query, key, value, key_cache, value_cache)
+    num_seqs = _num_seqs(past_lens)
+    past_lens = as_index_vector(past_lens, "past_lens", num_seqs)
+    subsequence_begins = as_index_vector(subsequence_begins, "subsequence_begins", num_seqs + 1)
+    block_indices = as_index_vector(block_indices, "block_indices")
+    block_indices_begins = as_index_vector(block_indices_begins, "block_indices_begins",
+                                           num_seqs + 1)
+    head_dim = key_cache.shape[3]
+    scale = _resolve_scale(scale, head_dim)
+    sliding_window = as_index_scalar(sliding_window, "sliding_window")
+    alibi_slopes = _resolve_alibi(alibi_slopes, query.shape[1] // head_dim)
+    aggregation_window = _resolve_window(score_aggregation_window, num_seqs)
+    _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins,
+                       num_tokens=query.shape[0], num_blocks=key_cache.shape[0],
+                       block_size=key_cache.shape[2], sliding_window=sliding_window)
+    return _paged_attention_xla(
+        query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
+        block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
+        aggregation_window, return_scores=bool(return_scores))
+
+
+def score_offsets(past_lens, subsequence_begins):
+    """int32 [num_seqs + 1]: where each sequence's entries start in `paged_attention`'s
+    scores (the last entry is `sum(past_lens) + T`, the number of meaningful entries)."""
+    past_lens = as_index_vector(past_lens, "past_lens")
+    subsequence_begins = as_index_vector(subsequence_begins, "subsequence_begins",
+                                         past_lens.shape[0] + 1)
+    context = past_lens + jnp.diff(subsequence_begins)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(context, dtype=jnp.int32)])
+
+
+# -- (a) validation ------------------------------------------------------------------------
+
+
+def _validate_arrays(query, key, value, key_cache, value_cache):
+    arrays = (("query", query, 2, "[T, Hq * D]"), ("key", key, 2, "[T, Hkv * D]"),
+              ("value", value, 2, "[T, Hkv * Dv]"),
+              ("key_cache", key_cache, 4, "[num_blocks, Hkv, block_size, D]"),
+              ("value_cache", value_cache, 4, "[num_blocks, Hkv, block_size, Dv]"))
+    for name, x, rank, layout in arrays:
+        if not hasattr(x, "shape") or len(x.shape) != rank:
+            raise ValueError(f"{name} must be a {rank}-D array {layout}, got shape "
+                             f"{getattr(x, 'shape', type(x).__name__)}")
+        if jnp.dtype(x.dtype) not in _DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    dtypes = [x.dtype for _, x, _, _ in arrays]
+    if len(set(dtypes)) != 1:
+        raise ValueError("query, key, value, key_cache and value_cache must share a dtype, "
+                         f"got {', '.join(str(d) for d in dtypes)}")
+    num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+    if 0 in key_cache.shape or 0 in value_cache.shape:
+        raise ValueError(f"key_cache and value_cache must be non-empty, got shapes "
+                         f"{key_cache.shape} and {value_cache.shape}")
+    if value_cache.shape[:3] != key_cache.shape[:3]:
+        raise ValueError(f"value_cache must have key_cache's [num_blocks, Hkv, block_size] = "
+                         f"{list(key_cache.shape[:3])}, got {list(value_cache.shape[:3])}")
+    value_dim = value_cache.shape[3]
+    num_tokens = query.shape[0]
+    for name, x in (("key", key), ("value", value)):
+        if x.shape[0] != num_tokens:
+            raise ValueError(f"{name} must have query's {num_tokens} tokens, got {x.shape[0]}")
+    if key.shape[1] != kv_heads * head_dim:
+        raise ValueError(f"key must have shape [T, Hkv * D] = [{num_tokens}, {kv_heads * head_dim}] "
+                         f"(key_cache has {kv_heads} heads of dim {head_dim}), got {key.shape}")
+    if value.shape[1] != kv_heads * value_dim:
+        raise ValueError(f"value must have shape [T, Hkv * Dv] = [{num_tokens}, "
+                         f"{kv_heads * value_dim}] (value_cache has {kv_heads} heads of dim "
+                         f"{value_dim}), got {value.shape}")
+    query_width = query.shape[1]
+    if query_width == 0 or query_width % (kv_heads * head_dim):
+        raise ValueError(f"query's width ({query_width}) must be Hq * D with D = {head_dim} "
+                         f"(key_cache's head dim) and Hq a positive multiple of Hkv = "
+                         f"{kv_heads}")
+
+
+def _num_seqs(past_lens):
+    shape = getattr(past_lens, "shape", None)
+    if shape is None:
+        shape = np.shape(past_lens)
+    if len(shape) != 1:
+        raise ValueError(f"past_lens must be a 1-D integer array [num_seqs], got shape "
+                         f"{tuple(shape)}")
+    return shape[0]
+
+
+def _resolve_scale(scale, head_dim):
+    if scale is None:
+        return jnp.float32(1.0 / math.sqrt(head_dim))
+    if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+        return jnp.float32(scale)
+    if hasattr(scale, "shape") and scale.shape == () and jnp.issubdtype(scale.dtype, jnp.floating):
+        return jnp.asarray(scale, jnp.float32)
+    raise ValueError(f"scale must be None, a Python number or a float scalar array, got "
+                     f"{getattr(scale, 'shape', type(scale).__name__)}")
+
+
+def _resolve_alibi(alibi_slopes, q_heads):
+    if alibi_slopes is None:
+        # Zero slopes rather than None: one compiled program serves both cases, at the
+        # price of a multiply-add per score.
+        return jnp.zeros((q_heads,), jnp.float32)
+    if not hasattr(alibi_slopes, "shape"):
+        alibi_slopes = np.asarray(alibi_slopes)
+    shape, dtype = tuple(alibi_slopes.shape), alibi_slopes.dtype
+    if shape not in ((q_heads,), (1,)) or not jnp.issubdtype(dtype, jnp.floating):
+        raise ValueError(f"alibi_slopes must be a float array of shape ({q_heads},) (one slope "
+                         f"per query head) or (1,) (shared), got shape {shape} and dtype "
+                         f"{dtype}")
+    return jnp.broadcast_to(jnp.asarray(alibi_slopes, jnp.float32), (q_heads,))
+
+
+def _resolve_window(window, num_seqs):
+    if window is None:
+        return jnp.zeros((num_seqs,), jnp.int32)
+    if hasattr(window, "shape") and len(window.shape) == 1:
+        return as_index_vector(window, "score_aggregation_window", num_seqs)
+    if hasattr(window, "shape") and len(window.shape) > 1:
+        raise ValueError(f"score_aggregation_window must be None, an int or an int array "
+                         f"[num_seqs] = [{num_seqs}], got shape {tuple(window.shape)}")
+    return jnp.broadcast_to(as_index_scalar(window, "score_aggregation_window"), (num_seqs,))
+
+
+def _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins, *,
+                       num_tokens, num_blocks, block_size, sliding_window):
+    xp, (past_lens, begins, block_indices, block_begins, sliding_window) = checking_arrays(
+        past_lens, subsequence_begins, block_indices, block_indices_begins, sliding_window)
+    require(sliding_window >= 0, "sliding_window must be >= 0 (0 = unlimited), got {value}",
+            value=sliding_window)
+    require(begins[0] == 0, "subsequence_begins[0] must be 0, got {value}", value=begins[0])
+    _require_non_decreasing(begins, "subsequence_begins")
+    require(begins[-1] == num_tokens,
+            f"subsequence_begins[-1] must equal the number of tokens T = {num_tokens} "
+            "(query.shape[0]), got {value}", value=begins[-1])
+    bad = past_lens < 0
+    index = first_true(bad)
+    require(~xp.any(bad), "past_lens must be >= 0, got past_lens[{index}] = {value}",
+            index=index, value=past_lens[index] if past_lens.shape[0] else 0)
+    num_listed = block_indices.shape[0]
+    require(block_begins[0] >= 0, "block_indices_begins[0] must be >= 0, got {value}",
+            value=block_begins[0])
+    _require_non_decreasing(block_begins, "block_indices_begins")
+    require(block_begins[-1] <= num_listed,
+            f"block_indices_begins[-1] must be <= len(block_indices) = {num_listed}, "
+            "got {value}", value=block_begins[-1])
+    if past_lens.shape[0] == 0:
+        return
+    new_lens = xp.diff(begins)
+    context = past_lens + new_lens
+    blocks = xp.diff(block_begins)
+    bad = context > blocks * block_size
+    seq = first_true(bad)
+    require(~xp.any(bad),
+            "sequence {seq} needs {context} cache positions (past_lens {past} + {new} new "
+            f"tokens) but block_indices_begins gives it {{blocks}} blocks of {block_size} "
+            "positions", seq=seq, context=context[seq], past=past_lens[seq],
+            new=new_lens[seq], blocks=blocks[seq])
+    if num_listed:
+        entries = xp.arange(num_listed)
+        owner = _sequence_of(xp, block_begins, entries)
+        used = ((entries >= block_begins[0]) & (entries < block_begins[-1])
+                & (entries - block_begins[owner] < _ceil_div(context[owner], block_size)))
+        bad = used & ((block_indices < 0) | (block_indices >= num_blocks))
+        index = first_true(bad)
+        require(~xp.any(bad),
+                "block_indices[{index}] = {value} (a block of sequence {seq}) is out of range "
+                f"[0, {num_blocks}) (key_cache.shape[0])",
+                index=index, value=block_indices[index], seq=owner[index])
+    if num_tokens > 1:
+        layout = _token_layout(xp, past_lens, begins, block_indices, block_begins, num_tokens,
+                               block_size, sliding_window)
+        slots = layout.write_block * block_size + layout.write_offset
+        order = xp.argsort(slots)
+        same = slots[order][1:] == slots[order][:-1]
+        clash = first_true(same)
+        require(~xp.any(same),
+                "new tokens {first} and {second} would both be written to block {block}, "
+                "offset {offset}: block_indices gives one block to two sequences",
+                first=xp.minimum(order[clash], order[clash + 1]),
+                second=xp.maximum(order[clash], order[clash + 1]),
+                block=layout.write_block[order[clash]], offset=layout.write_offset[order[clash]])
+
+
+def _require_non_decreasing(begins, name):
+    bad = begins[1:] < begins[:-1]
+    index = first_true(bad)
+    require(~bad.any(), f"{name} must be non-decreasing, but {name}[{{index}}] = {{value}} "
+            f"> {name}[{{next_index}}] = {{next_value}}",
+            index=index, value=begins[index], next_index=index + 1,
+            next_value=begins[index + 1])
+
+
+# -- shared layout (written against `xp`: NumPy for concrete checks, jnp when traced) -----
+
+
+def _ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def _sequence_of(xp, begins, items):
+    """The s with begins[s] <= item < begins[s + 1] (empty ranges skipped), clamped."""
+    num_seqs = begins.shape[0] - 1
+    return xp.clip(xp.searchsorted(begins[1:], items, side="right"), 0, num_seqs - 1)
+
+
+class _TokenLayout(NamedTuple):
+    """Per new token, all [T] integers."""
+    seq: jax.Array            # its sequence
+    index: jax.Array          # its index among the sequence's new tokens
+    position: jax.Array       # its cache position, past_lens[seq] + index
+    first_visible: jax.Array  # the first position it attends to (sliding window)
+    write_block: jax.Array    # the block its key and value go to (-1: none listed)
+    write_offset: jax.Array   # the offset in that block
+
+
+def _token_layout(xp, past_lens, subsequence_begins, block_indices, block_indices_begins,
+                  num_tokens, block_size, sliding_window):
+    tokens = xp.arange(num_tokens, dtype=np.int32)
+    seq = _sequence_of(xp, subsequence_begins, tokens)
+    index = tokens - subsequence_begins[seq]
+    position = past_lens[seq] + index
+    first_visible = xp.where(sliding_window > 0,
+                             xp.maximum(position + 1 - sliding_window, 0), 0)
+    write_block = _block_of(xp, block_indices, block_indices_begins, seq, position // block_size)
+    return _TokenLayout(seq, index, position, first_visible, write_block,
+                        position % block_size)
+
+
+def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
+    """block_indices[block_indices_begins[seq] + logical_block], -1 past the list's end."""
+    entry = block_indices_begins[seq] + logical_block
+    if block_indices.shape[0] == 0:
+        return xp.full(entry.shape, -1, np.int32)
+    listed = (entry >= 0) & (entry < block_indices.shape[0])
+    return xp.where(listed, block_indices[xp.clip(entry, 0, block_indices.shape[0] - 1)], -1)
+
+
+# -- (b) cache write, (c) attention, (d) scores ----------------------------------------------
+
+
+@functools.partial(jax.jit, static_argnames=("return_scores",))
+def _paged_attention_xla(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
+                         block_indices, block_indices_begins, scale, sliding_window,
+                         alibi_slopes, aggregation_window, *, return_scores):
+    num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+    value_dim = value_cache.shape[3]
+    num_tokens = query.shape[0]
+    q_heads = query.shape[1] // head_dim
+    group = q_heads // kv_heads
+    layout = _token_layout(jnp, past_lens, subsequence_begins, block_indices,
+                           block_indices_begins, num_tokens, block_size, sliding_window)
+
+    # (b) One scatter per cache; indices (block, :, offset) put the token axis first.
+    in_range = (layout.write_block >= 0) & (layout.write_block < num_blocks)
+    target = jnp.where(in_range, layout.write_block, num_blocks)  # out of range: dropped
+    key_cache = key_cache.at[target, :, layout.write_offset].set(
+        key.reshape(num_tokens, kv_heads, head_dim), mode="drop")
+    value_cache = value_cache.at[target, :, layout.write_offset].set(
+        value.reshape(num_tokens, kv_heads, value_dim), mode="drop")
+
+    # (c)
+    pages = _PageWalk(query.reshape(num_tokens, kv_heads, group, head_dim), key_cache, layout,
+                      block_indices, block_indices_begins, scale, alibi_slopes)
+    out, lse = pages.attend(value_cache)
+    output = out.reshape(num_tokens, q_heads * value_dim).astype(query.dtype)
+    if not return_scores:
+        return output, key_cache, value_cache
+
+    # (d)
+    new_lens = jnp.diff(subsequence_begins)
+    window = aggregation_window[layout.seq]
+    counted = (window <= 0) | (layout.index >= new_lens[layout.seq] - window)
+    offsets = score_offsets(past_lens, subsequence_begins)
+    scores = pages.scores(lse, counted, offsets[layout.seq], block_indices.shape[0] * block_size)
+    return output, scores, key_cache, value_cache
+
+
+class _PageWalk:
+    """Each token's visible positions, one logical block per step for all T tokens at once.
+
+    Step j loads, for every token, logical block `first_visible // block_size + j` of its
+    sequence: [T, Hkv, block_size, D] per step, never a [T, context] score matrix. The
+    number of steps is the most blocks any token sees (a dynamic trip count).
+    """
+
+    def __init__(self, query, key_cache, layout, block_indices, block_indices_begins, scale,
+                 alibi_slopes):
+        self.query = query  # [T, Hkv, G, D]
+        self.key_cache = key_cache
+        self.layout = layout
+        self.block_indices = block_indices
+        self.block_indices_begins = block_indices_begins
+        self.scale = scale
+        self.block_size = key_cache.shape[2]
+        num_tokens, kv_heads, group, _ = query.shape
+        self.slopes = alibi_slopes.reshape(kv_heads, group)  # [Hkv, G]
+        self.first_block = layout.first_visible // self.block_size
+        last_block = layout.position // self.block_size
+        self.blocks_seen = last_block - self.first_block + 1  # [T]
+        self.precision = online_softmax.dot_precision(query.dtype)
+
+    def _tile(self, step):
+        """Scores (log2 domain, -inf where not visible) [T, Hkv, G, block_size], the
+        visible mask [T, block_size], key positions [T, block_size] and blocks [T]."""
+        layout, block_size = self.layout, self.block_size
+        logical_block = self.first_block + step
+        block = _block_of(jnp, self.block_indices, self.block_indices_begins, layout.seq,
+                          logical_block)
+        block = jnp.clip(block, 0, self.key_cache.shape[0] - 1)
+        keys = self.key_cache[block]  # [T, Hkv, block_size, D]
+        logits = jnp.einsum("thgd,thkd->thgk", self.query, keys,
+                            preferred_element_type=jnp.float32,
+                            precision=self.precision) * self.scale
+        key_pos = (logical_block[:, None] * block_size
+                   + jnp.arange(block_size, dtype=jnp.int32)[None, :])  # [T, block_size]
+        distance = (key_pos - layout.position[:, None]).astype(jnp.float32)
+        logits = logits + self.slopes[None, :, :, None] * distance[:, None, None, :]
+        visible = ((key_pos >= layout.first_visible[:, None])
+                   & (key_pos <= layout.position[:, None])
+                   & (step < self.blocks_seen)[:, None])
+        logits = jnp.where(visible[:, None, None, :], logits * online_softmax.LOG2_E, -jnp.inf)
+        return logits, visible, key_pos, block
+
+    def _steps(self, tokens):
+        return jnp.max(jnp.where(tokens, self.blocks_seen, 0), initial=0)
+
+    def attend(self, value_cache):
+        """out [T, Hkv, G, Dv] float32 and natural-log lse [T, Hkv, G]."""
+        num_tokens, kv_heads, group, _ = self.query.shape
+        value_dim = value_cache.shape[3]
+        update = jax.vmap(jax.vmap(functools.partial(online_softmax.update,
+                                                     precision=self.precision)))
+
+        def step(j, state):
+            logits, _, _, block = self._tile(j)
+            return update(state, logits, value_cache[block])  # values [T, Hkv, bs, Dv]
+
+        state = (jnp.full((num_tokens, kv_heads, group), -jnp.inf, jnp.float32),
+                 jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
+                 jnp.zeros((num_tokens, kv_heads, group, value_dim), jnp.float32))
+        state = lax.fori_loop(0, self._steps(jnp.ones((num_tokens,), bool)), step, state)
+        return jax.vmap(jax.vmap(online_softmax.finalize))(state)
+
+    def scores(self, lse, counted, offset, size):
+        """float32 [size]: softmax weights summed over heads and counted tokens, at
+        `offset[t] + key_pos` (offset [T], counted [T] bool)."""
+        lse_log2 = lse * online_softmax.LOG2_E
+
+        def step(j, scores):
+            logits, visible, key_pos, _ = self._tile(j)
+            weights = jnp.sum(jnp.exp2(logits - lse_log2[..., None]), axis=(1, 2))  # [T, bs]
+            target = jnp.where(visible & counted[:, None], offset[:, None] + key_pos, size)
+            return scores.at[target].add(weights, mode="drop")
+
+        return lax.fori_loop(0, self._steps(counted), step, jnp.zeros((size,), jnp.float32))

@@ -1,0 +1,447 @@
+"""paged_attention against the independent float64 NumPy reference, its cache writes,
+jit/donation/checkify behaviour, and every bad-argument error."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from pallas_flex import paged
+from pallas_flex.masks import alibi_slopes
+from tests.conftest import FLOAT32_TOLERANCE, dense_low_precision, rmse
+from tests.paged.ragged_reference import reference_paged_attention, to_float64
+
+# (past_len, new_len) per sequence: prefill from scratch, decode steps, chunked prefill
+# on top of history, sequences with no new tokens, and a prompt spanning several pages.
+MIX_PAGE_4 = [(0, 5), (7, 1), (10, 6), (3, 0), (0, 1), (13, 3), (4, 1)]
+MIX_PAGE_16 = [(0, 19), (21, 1), (33, 4), (0, 1), (16, 0), (40, 1)]
+
+CONFIGS = {
+    "mha_f32_page4": dict(seqs=MIX_PAGE_4, block_size=4, q_heads=2, kv_heads=2, head_dim=8,
+                          value_dim=8, dtype=jnp.float32),
+    "gqa_dv_f32_page16": dict(seqs=MIX_PAGE_16, block_size=16, q_heads=4, kv_heads=2,
+                              head_dim=8, value_dim=12, dtype=jnp.float32),
+    "mqa_bf16_page4": dict(seqs=MIX_PAGE_4, block_size=4, q_heads=4, kv_heads=1, head_dim=16,
+                           value_dim=8, dtype=jnp.bfloat16),
+    "gqa_bf16_page16": dict(seqs=MIX_PAGE_16, block_size=16, q_heads=4, kv_heads=2,
+                            head_dim=16, value_dim=16, dtype=jnp.bfloat16),
+}
+
+# Options are traced values: they share each configuration's compiled program.
+OPTIONS = {
+    "plain": lambda q_heads: {},
+    "sliding_window": lambda q_heads: dict(sliding_window=5),
+    "alibi_per_head": lambda q_heads: dict(alibi_slopes=alibi_slopes(q_heads)),
+    "alibi_shared": lambda q_heads: dict(alibi_slopes=jnp.array([0.3], jnp.float32)),
+    "scale_window_alibi": lambda q_heads: dict(scale=0.7, sliding_window=3,
+                                               alibi_slopes=alibi_slopes(q_heads) * 4),
+}
+
+
+def make_case(seed, seqs, *, block_size, q_heads, kv_heads, head_dim, value_dim, dtype,
+              spare_blocks=3):
+    """Arguments of a paged_attention call: random history in shuffled, non-contiguous
+    blocks (every other sequence listed with one block more than it needs), random new
+    tokens, and unused blocks holding random data too. The shapes depend only on `seqs`
+    and the sizes, so cases of one configuration share a compiled program."""
+    rng = np.random.default_rng(seed)
+    past_lens = np.array([past for past, _ in seqs], np.int32)
+    new_lens = np.array([new for _, new in seqs], np.int32)
+    counts = [math.ceil((past + new) / block_size) + s % 2 for s, (past, new) in enumerate(seqs)]
+    num_blocks = sum(counts) + spare_blocks
+    block_indices = rng.permutation(num_blocks)[:sum(counts)].astype(np.int32)
+    block_indices_begins = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    subsequence_begins = np.concatenate([[0], np.cumsum(new_lens)]).astype(np.int32)
+    num_tokens = int(new_lens.sum())
+
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+    return dict(
+        query=normal(num_tokens, q_heads * head_dim),
+        key=normal(num_tokens, kv_heads * head_dim),
+        value=normal(num_tokens, kv_heads * value_dim),
+        key_cache=normal(num_blocks, kv_heads, block_size, head_dim),
+        value_cache=normal(num_blocks, kv_heads, block_size, value_dim),
+        past_lens=jnp.asarray(past_lens), subsequence_begins=jnp.asarray(subsequence_begins),
+        block_indices=jnp.asarray(block_indices),
+        block_indices_begins=jnp.asarray(block_indices_begins))
+
+
+def snapshot(case):
+    return {name: np.array(to_float64(x)) for name, x in case.items()}
+
+
+def dense_bf16_baseline(case, q_heads, kv_heads, head_dim, scale=None, sliding_window=0,
+                        alibi_slopes=None):
+    """The dense XLA computation in the inputs' dtype, one padded batch row per sequence:
+    the accuracy bar for 16-bit outputs (DESIGN §6). Returns [T, Hq * Dv]."""
+    _, expected_cache_k, expected_cache_v = reference_paged_attention(**case)[1:]
+    past = np.asarray(case["past_lens"])
+    begins = np.asarray(case["subsequence_begins"])
+    block_begins = np.asarray(case["block_indices_begins"])
+    block_indices = np.asarray(case["block_indices"])
+    new = np.diff(begins)
+    block_size = expected_cache_k.shape[2]
+    num_seqs, max_new, max_context = len(past), max(new.max(), 1), max((past + new).max(), 1)
+    dtype = case["query"].dtype
+    query = to_float64(case["query"]).reshape(-1, q_heads, head_dim)
+    q = np.zeros((num_seqs, max_new, q_heads, head_dim))
+    k = np.zeros((num_seqs, max_context, kv_heads, head_dim))
+    v = np.zeros((num_seqs, max_context, kv_heads, expected_cache_v.shape[3]))
+    for s in range(num_seqs):
+        q[s, :new[s]] = query[begins[s]:begins[s + 1]]
+        for p in range(past[s] + new[s]):
+            block = block_indices[block_begins[s] + p // block_size]
+            k[s, p] = expected_cache_k[block, :, p % block_size]
+            v[s, p] = expected_cache_v[block, :, p % block_size]
+    past_j = jnp.asarray(past)
+    slopes = jnp.broadcast_to(jnp.zeros(1) if alibi_slopes is None else alibi_slopes, (q_heads,))
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        position = past_j[b] + q_idx
+        visible = kv_idx <= position
+        if sliding_window > 0:
+            visible &= kv_idx > position - sliding_window
+        return visible
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - past_j[b] - q_idx)
+
+    out = dense_low_precision(*(jnp.asarray(x, jnp.float32).astype(dtype) for x in (q, k, v)),
+                              mask_mod=mask_mod, score_mod=score_mod, scale=scale)
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    return np.concatenate([out[s, :new[s]].reshape(new[s], out.shape[2] * out.shape[3])
+                           for s in range(num_seqs)])
+
+
+def assert_output_close(out, expected, case, config, options):
+    out = np.asarray(out.astype(jnp.float32), np.float64)
+    assert out.shape == expected.shape
+    assert np.isfinite(out).all()
+    if config["dtype"] == jnp.float32:
+        np.testing.assert_allclose(out, expected, atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+        return
+    baseline = dense_bf16_baseline(case, config["q_heads"], config["kv_heads"],
+                                   config["head_dim"], **options)
+    ours, theirs = rmse(out, expected), rmse(baseline, expected)
+    assert ours <= theirs, f"RMSE {ours:.3g} worse than dense {config['dtype']} XLA's {theirs:.3g}"
+
+
+def assert_caches_exact(key_cache, value_cache, expected_k, expected_v):
+    """The returned caches equal the reference's insertion bit for bit: new tokens at
+    their slots, every other slot (history, spare blocks) unchanged."""
+    dtype = key_cache.dtype
+    for got, want in ((key_cache, expected_k), (value_cache, expected_v)):
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)),
+                                      np.asarray(jnp.asarray(want, jnp.float32).astype(dtype)
+                                                 .astype(jnp.float32)))
+
+
+def case_config(name):
+    config = dict(CONFIGS[name])
+    seqs = config.pop("seqs")
+    return config, seqs
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("config_name", CONFIGS)
+def test_matches_reference(config_name, option):
+    config, seqs = case_config(config_name)
+    case = make_case(0, seqs, **config)
+    before = snapshot(case)
+    options = OPTIONS[option](config["q_heads"])
+    out, key_cache, value_cache = paged.paged_attention(**case, **options)
+    expected, _, expected_k, expected_v = reference_paged_attention(**case, **options)
+    assert out.dtype == config["dtype"]
+    assert_output_close(out, expected, case, config, options)
+    assert_caches_exact(key_cache, value_cache, expected_k, expected_v)
+    for name, value in snapshot(case).items():  # inputs are not mutated
+        np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+SCORE_WINDOWS = {
+    "all_tokens": None,
+    "last_two": 2,
+    "zero_means_all": 0,
+    "per_sequence": np.array([1, 0, 3, -1, 2, 100, 1], np.int32),  # MIX_PAGE_4's 7
+}
+
+
+@pytest.mark.parametrize("window", SCORE_WINDOWS)
+def test_scores_match_reference(window):
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(1, seqs, **config)
+    options = dict(sliding_window=6, alibi_slopes=alibi_slopes(config["q_heads"]),
+                   score_aggregation_window=SCORE_WINDOWS[window])
+    out, scores, key_cache, value_cache = paged.paged_attention(
+        **case, **options, return_scores=True)
+    expected, expected_scores, expected_k, expected_v = reference_paged_attention(
+        **case, **options)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=FLOAT32_TOLERANCE,
+                               rtol=FLOAT32_TOLERANCE)
+    assert_caches_exact(key_cache, value_cache, expected_k, expected_v)
+    # Fixed size: every listed block's positions; the spec's layout first, then zeros.
+    assert scores.shape == (case["block_indices"].shape[0] * config["block_size"],)
+    assert scores.dtype == jnp.float32
+    used = expected_scores.shape[0]
+    np.testing.assert_allclose(np.asarray(scores[:used]), expected_scores,
+                               atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+    np.testing.assert_array_equal(np.asarray(scores[used:]), 0)
+    offsets = paged.score_offsets(case["past_lens"], case["subsequence_begins"])
+    np.testing.assert_array_equal(
+        offsets, np.concatenate([[0], np.cumsum([past + new for past, new in seqs])]))
+
+
+def test_scores_bf16_gqa_are_float32_accurate():
+    # Scores are float32 sums of weights computed in float32 from the 16-bit inputs, so
+    # they meet the float32 bar against float64 on the same inputs.
+    config, seqs = case_config("gqa_bf16_page16")
+    case = make_case(2, seqs, **config)
+    _, scores, _, _ = paged.paged_attention(**case, score_aggregation_window=3,
+                                            return_scores=True)
+    _, expected, _, _ = reference_paged_attention(**case, score_aggregation_window=3)
+    np.testing.assert_allclose(np.asarray(scores[:expected.shape[0]]), expected,
+                               atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+
+
+def test_scores_sum_to_heads_times_counted_tokens():
+    # Each counted token spreads weight 1 per query head over its sequence's positions.
+    config, seqs = case_config("gqa_dv_f32_page16")
+    case = make_case(3, seqs, **config)
+    _, scores, _, _ = paged.paged_attention(**case, return_scores=True)
+    offsets = np.asarray(paged.score_offsets(case["past_lens"], case["subsequence_begins"]))
+    for s, (_, new) in enumerate(seqs):
+        total = float(np.sum(np.asarray(scores[offsets[s]:offsets[s + 1]])))
+        assert total == pytest.approx(config["q_heads"] * new, rel=1e-5)
+
+
+def test_cache_writes_only_the_new_tokens_slots():
+    config, seqs = case_config("gqa_dv_f32_page16")
+    case = make_case(4, seqs, **config)
+    _, key_cache, value_cache = paged.paged_attention(**case)
+    block_size, kv_heads = config["block_size"], config["kv_heads"]
+    written = np.zeros(case["key_cache"].shape[:1] + (block_size,), bool)
+    key = np.asarray(case["key"]).reshape(-1, kv_heads, config["head_dim"])
+    blocks = np.asarray(case["block_indices"])
+    token = 0
+    for s, (past, new) in enumerate(seqs):
+        first = int(case["block_indices_begins"][s])
+        for position in range(past, past + new):
+            block, offset = blocks[first + position // block_size], position % block_size
+            np.testing.assert_array_equal(np.asarray(key_cache[block, :, offset]), key[token])
+            written[block, offset] = True
+            token += 1
+    assert token == key.shape[0]
+    untouched = ~written
+    np.testing.assert_array_equal(np.asarray(key_cache).transpose(0, 2, 1, 3)[untouched],
+                                  np.asarray(case["key_cache"]).transpose(0, 2, 1, 3)[untouched])
+    np.testing.assert_array_equal(np.asarray(value_cache).transpose(0, 2, 1, 3)[untouched],
+                                  np.asarray(case["value_cache"]).transpose(0, 2, 1, 3)[untouched])
+
+
+def test_no_new_tokens_at_all():
+    config, _ = case_config("mha_f32_page4")
+    seqs = [(3, 0), (9, 0)]
+    case = make_case(5, seqs, **config)
+    out, scores, key_cache, value_cache = paged.paged_attention(**case, return_scores=True)
+    assert out.shape == (0, config["q_heads"] * config["value_dim"])
+    np.testing.assert_array_equal(np.asarray(scores), 0)
+    np.testing.assert_array_equal(np.asarray(key_cache), np.asarray(case["key_cache"]))
+    np.testing.assert_array_equal(np.asarray(value_cache), np.asarray(case["value_cache"]))
+
+
+def test_jit_with_traced_metadata_and_options_matches_eager():
+    config, seqs = case_config("gqa_dv_f32_page16")
+    case = make_case(6, seqs, **config)
+    options = dict(scale=jnp.float32(0.4), sliding_window=jnp.int32(7),
+                   alibi_slopes=alibi_slopes(config["q_heads"]),
+                   score_aggregation_window=jnp.int32(2))
+    jitted = jax.jit(functools.partial(paged.paged_attention, return_scores=True))
+    for got, want in zip(jitted(**case, **options),
+                         paged.paged_attention(**case, **options, return_scores=True)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    expected, expected_scores, _, _ = reference_paged_attention(
+        **case, scale=0.4, sliding_window=7, alibi_slopes=alibi_slopes(config["q_heads"]),
+        score_aggregation_window=2)
+    out, scores, _, _ = jitted(**case, **options)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=FLOAT32_TOLERANCE,
+                               rtol=FLOAT32_TOLERANCE)
+    np.testing.assert_allclose(np.asarray(scores[:expected_scores.shape[0]]), expected_scores,
+                               atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+
+
+def test_donated_caches_are_updated_in_place():
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(7, seqs, **config)
+    _, expected_k, expected_v = reference_paged_attention(**case)[1:]
+    names = list(case)
+    step = jax.jit(lambda *args: paged.paged_attention(**dict(zip(names, args))),
+                   donate_argnums=(names.index("key_cache"), names.index("value_cache")))
+    key_cache, value_cache = case["key_cache"], case["value_cache"]
+    _, new_k, new_v = step(*case.values())
+    assert key_cache.is_deleted() and value_cache.is_deleted()
+    assert_caches_exact(new_k, new_v, expected_k, expected_v)
+
+
+# ---------------------------------------------------------------------------------------
+# Bad metadata: ValueError when concrete, a checkify report when traced.
+
+# Base: sequence 0 has 2 past + 3 new tokens, sequence 1 has 4 past + 1 new; block size
+# 4, two blocks each. Both sequences' position 4 sits at offset 0 of their second block.
+BASE_METADATA = dict(past_lens=[2, 4], subsequence_begins=[0, 3, 4],
+                     block_indices=[4, 1, 5, 0], block_indices_begins=[0, 2, 4],
+                     sliding_window=0)
+BAD_METADATA = {
+    "begins_start": (dict(subsequence_begins=[1, 3, 4]),
+                     r"subsequence_begins\[0\] must be 0, got 1"),
+    "begins_decreasing": (dict(subsequence_begins=[0, 5, 4]),
+                          r"subsequence_begins must be non-decreasing, but "
+                          r"subsequence_begins\[1\] = 5 > subsequence_begins\[2\] = 4"),
+    "begins_end": (dict(subsequence_begins=[0, 3, 3]),
+                   r"subsequence_begins\[-1\] must equal the number of tokens T = 4 "
+                   r"\(query.shape\[0\]\), got 3"),
+    "negative_past": (dict(past_lens=[2, -1]), r"past_lens must be >= 0, got past_lens\[1\] = -1"),
+    "block_begins_negative": (dict(block_indices_begins=[-1, 2, 4]),
+                              r"block_indices_begins\[0\] must be >= 0, got -1"),
+    "block_begins_decreasing": (dict(block_indices_begins=[0, 3, 2]),
+                                r"block_indices_begins must be non-decreasing, but "
+                                r"block_indices_begins\[1\] = 3 > block_indices_begins\[2\] = 2"),
+    "block_begins_end": (dict(block_indices_begins=[0, 2, 5]),
+                         r"block_indices_begins\[-1\] must be <= len\(block_indices\) = 4, "
+                         r"got 5"),
+    "sequence_past_its_blocks": (dict(past_lens=[2, 8]),
+                                 r"sequence 1 needs 9 cache positions \(past_lens 8 \+ 1 new "
+                                 r"tokens\) but block_indices_begins gives it 2 blocks of 4"),
+    "block_index_too_large": (dict(block_indices=[4, 1, 5, 6]),
+                              r"block_indices\[3\] = 6 \(a block of sequence 1\) is out of "
+                              r"range \[0, 6\) \(key_cache.shape\[0\]\)"),
+    "block_index_negative": (dict(block_indices=[-1, 1, 5, 0]),
+                             r"block_indices\[0\] = -1 \(a block of sequence 0\) is out of range"),
+    "block_written_twice": (dict(block_indices=[4, 1, 5, 1]),
+                            r"new tokens 2 and 3 would both be written to block 1, offset 0"),
+    "negative_sliding_window": (dict(sliding_window=-2),
+                                r"sliding_window must be >= 0 \(0 = unlimited\), got -2"),
+}
+
+
+@pytest.fixture(scope="module")
+def small_case():
+    rng = np.random.default_rng(8)
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    return dict(query=normal(4, 2 * 8), key=normal(4, 2 * 8), value=normal(4, 2 * 8),
+                key_cache=normal(6, 2, 4, 8), value_cache=normal(6, 2, 4, 8))
+
+
+def _metadata(case):
+    metadata = dict(BASE_METADATA, **BAD_METADATA[case][0]) if case else dict(BASE_METADATA)
+    return {name: jnp.asarray(value, jnp.int32) for name, value in metadata.items()}
+
+
+def test_base_metadata_is_valid(small_case):
+    out, _, _ = paged.paged_attention(**small_case, **_metadata(None))
+    expected, _, _, _ = reference_paged_attention(**small_case, **_metadata(None))
+    np.testing.assert_allclose(np.asarray(out), expected, atol=FLOAT32_TOLERANCE,
+                               rtol=FLOAT32_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", BAD_METADATA)
+def test_bad_metadata_raises_when_concrete(case, small_case):
+    with pytest.raises(ValueError, match=BAD_METADATA[case][1]):
+        paged.paged_attention(**small_case, **_metadata(case))
+
+
+@functools.cache
+def _checked_paged_attention():
+    return checkify.checkify(jax.jit(paged.paged_attention))
+
+
+@pytest.mark.parametrize("case", [None, *BAD_METADATA])
+def test_bad_metadata_is_reported_by_checkify_under_jit(case, small_case):
+    error, (out, _, _) = _checked_paged_attention()(**small_case, **_metadata(case))
+    if case is None:
+        assert error.get() is None
+        return
+    message = error.get()
+    assert message is not None, "checkify reported nothing"
+    assert re.search(BAD_METADATA[case][1], message), message
+    assert out.shape == (4, 16)  # the op itself still ran, without going out of bounds
+
+
+def test_bad_metadata_under_plain_jit_runs_unchecked(small_case):
+    out, key_cache, _ = jax.jit(paged.paged_attention)(**small_case,
+                                                       **_metadata("block_index_too_large"))
+    assert out.shape == (4, 16) and key_cache.shape == small_case["key_cache"].shape
+
+
+# ---------------------------------------------------------------------------------------
+# Bad shapes, dtypes and options: always ValueError.
+
+
+def _with(small_case, **changes):
+    arguments = dict(small_case, **_metadata(None))
+    arguments.update(changes)
+    return arguments
+
+
+BAD_ARGUMENTS = {
+    "query_rank": (lambda c: dict(query=c["query"].reshape(4, 2, 8)),
+                   r"query must be a 2-D array \[T, Hq \* D\], got shape \(4, 2, 8\)"),
+    "cache_rank": (lambda c: dict(key_cache=c["key_cache"][0]),
+                   r"key_cache must be a 4-D array \[num_blocks, Hkv, block_size, D\]"),
+    "integer_query": (lambda c: dict(query=c["query"].astype(jnp.int32)),
+                      r"query must be float32, bfloat16 or float16, got int32"),
+    "mixed_dtypes": (lambda c: dict(key=c["key"].astype(jnp.bfloat16)),
+                     r"query, key, value, key_cache and value_cache must share a dtype, got "
+                     r"float32, bfloat16, float32, float32, float32"),
+    "value_cache_blocks": (lambda c: dict(value_cache=c["value_cache"][:5]),
+                           r"value_cache must have key_cache's \[num_blocks, Hkv, block_size\] "
+                           r"= \[6, 2, 4\], got \[5, 2, 4\]"),
+    "key_tokens": (lambda c: dict(key=c["key"][:3]), r"key must have query's 4 tokens, got 3"),
+    "key_width": (lambda c: dict(key=jnp.zeros((4, 24))),
+                  r"key must have shape \[T, Hkv \* D\] = \[4, 16\] \(key_cache has 2 heads of "
+                  r"dim 8\), got \(4, 24\)"),
+    "value_width": (lambda c: dict(value=jnp.zeros((4, 8))),
+                    r"value must have shape \[T, Hkv \* Dv\] = \[4, 16\]"),
+    "gqa_ratio": (lambda c: dict(query=jnp.zeros((4, 24))),
+                  r"query's width \(24\) must be Hq \* D with D = 8 \(key_cache's head dim\) "
+                  r"and Hq a positive multiple of Hkv = 2"),
+    "past_lens_rank": (lambda c: dict(past_lens=jnp.zeros((2, 1), jnp.int32)),
+                       r"past_lens must be a 1-D integer array \[num_seqs\], got shape \(2, 1\)"),
+    "begins_length": (lambda c: dict(subsequence_begins=jnp.array([0, 4], jnp.int32)),
+                      r"subsequence_begins must have length 3, got 2"),
+    "block_begins_length": (lambda c: dict(block_indices_begins=jnp.array([0, 4], jnp.int32)),
+                            r"block_indices_begins must have length 3, got 2"),
+    "float_block_indices": (lambda c: dict(block_indices=jnp.zeros(4)),
+                            r"block_indices must be a 1-D integer array, got shape \(4,\) and "
+                            r"dtype float32"),
+    "alibi_shape": (lambda c: dict(alibi_slopes=jnp.ones(3)),
+                    r"alibi_slopes must be a float array of shape \(2,\) \(one slope per query "
+                    r"head\) or \(1,\) \(shared\), got shape \(3,\)"),
+    "scale_shape": (lambda c: dict(scale=jnp.ones(2)),
+                    r"scale must be None, a Python number or a float scalar array, got \(2,\)"),
+    "sliding_window_float": (lambda c: dict(sliding_window=2.5),
+                             r"sliding_window must be an integer or an integer scalar array"),
+    "window_length": (lambda c: dict(score_aggregation_window=jnp.array([1, 2, 3])),
+                      r"score_aggregation_window must have length 2, got 3"),
+    "return_scores_type": (lambda c: dict(return_scores=1),
+                           r"return_scores must be a Python bool \(under jit, a static "
+                           r"argument: static_argnames=\('return_scores',\)\), got int"),
+    "backend": (lambda c: dict(backend="pallas"),
+                r"backend must be None or 'xla', got 'pallas' \(the Pallas ragged kernel is "
+                r"not built yet\)"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_ARGUMENTS)
+def test_bad_arguments(case, small_case):
+    changes, message = BAD_ARGUMENTS[case]
+    with pytest.raises(ValueError, match=message):
+        paged.paged_attention(**_with(small_case, **changes(small_case)))
