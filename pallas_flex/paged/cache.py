@@ -366,7 +366,8 @@ def _assign_batch(cache: PagedKVCache, input_pos, k, v, num_tokens) -> PagedKVCa
     page, offset, valid = _writes(cache, rows, input_pos, num_tokens,
                                   jnp.arange(k.shape[1], dtype=jnp.int32))
     k_pages, v_pages = _write(cache, page, offset, k, v)
-    lengths = jnp.where(valid & (num_tokens > 0), jnp.maximum(cache.lengths, input_pos + num_tokens), cache.lengths)
+    lengths = jnp.where(valid & (num_tokens > 0),
+                        jnp.maximum(cache.lengths, input_pos + num_tokens), cache.lengths)
     return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, lengths=lengths)
 
 

@@ -168,8 +168,9 @@ def _validate_arrays(query, key, value, key_cache, value_cache):
         if x.shape[0] != num_tokens:
             raise ValueError(f"{name} must have query's {num_tokens} tokens, got {x.shape[0]}")
     if key.shape[1] != kv_heads * head_dim:
-        raise ValueError(f"key must have shape [T, Hkv * D] = [{num_tokens}, {kv_heads * head_dim}] "
-                         f"(key_cache has {kv_heads} heads of dim {head_dim}), got {key.shape}")
+        raise ValueError(f"key must have shape [T, Hkv * D] = [{num_tokens}, "
+                         f"{kv_heads * head_dim}] (key_cache has {kv_heads} heads of dim "
+                         f"{head_dim}), got {key.shape}")
     if value.shape[1] != kv_heads * value_dim:
         raise ValueError(f"value must have shape [T, Hkv * Dv] = [{num_tokens}, "
                          f"{kv_heads * value_dim}] (value_cache has {kv_heads} heads of dim "

@@ -55,10 +55,11 @@ def reference_paged_attention(query, key, value, key_cache, value_cache, past_le
             key_cache[block, :, offset, :] = key[first_token + i]
             value_cache[block, :, offset, :] = value[first_token + i]
         context = past + new_len
-        keys = np.stack([key_cache[blocks[p // block_size], :, p % block_size]
-                         for p in range(context)]) if context else np.zeros((0, kv_heads, head_dim))
-        values = np.stack([value_cache[blocks[p // block_size], :, p % block_size]
-                           for p in range(context)]) if context else np.zeros((0, kv_heads, value_dim))
+        slots = [(blocks[p // block_size], p % block_size) for p in range(context)]
+        keys = np.array([key_cache[block, :, offset] for block, offset in slots]).reshape(
+            context, kv_heads, head_dim)
+        values = np.array([value_cache[block, :, offset] for block, offset in slots]).reshape(
+            context, kv_heads, value_dim)
         seq_scores = np.zeros(context)
         key_positions = np.arange(context)
         for i in range(new_len):
