@@ -12,7 +12,8 @@ import pallas_flex as pf
 from pallas_flex import masks
 from pallas_flex.api import uses_decode_kernel
 from pallas_flex.kernels.config import resolve_options
-from pallas_flex.kernels.decode import column_chunks, flex_decode
+from pallas_flex.kernels.decode import flex_decode
+from pallas_flex.kernels.padding import column_chunks
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import assert_close_to_golden, golden, random_qkv
 

@@ -23,7 +23,11 @@ class KernelOptions:
       the split-KV decode kernel instead of the forward kernel.
     decode_block_kv: KV rows per decode tile (0 = by head dim: 128 up to D 128, 64 up
       to 256, 32 above); decode_num_splits: programs sharing one row's KV tiles (0 =
-      enough to fill the GPU); decode_num_warps/num_stages: decode launch parameters.
+      enough to fill the GPU); decode_num_warps/num_stages: decode launch parameters
+      (num_stages 0 = 3 on contiguous K/V when three tiles fit in shared memory, else 2:
+      deeper pipelining stalls on the page-table reads of a paged cache).
+    paged_num_stages: pipelining depth of the forward kernel on a paged cache (0 = by
+      page size, measured on the H100).
     """
 
     block_q: int = 128
@@ -40,7 +44,8 @@ class KernelOptions:
     decode_block_kv: int = 0
     decode_num_splits: int = 0
     decode_num_warps: int = 4
-    decode_num_stages: int = 2
+    decode_num_stages: int = 0
+    paged_num_stages: int = 0
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -88,12 +93,13 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size & (size - 1):
         raise ValueError(f"kernel_options['decode_block_kv'] must be 0 (automatic) or a power "
                          f"of two, got {size!r}")
-    for name in ("decode_max_q_len", "decode_num_splits"):
+    for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages",
+                 "paged_num_stages"):
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
     for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
-                 "decode_num_warps", "decode_num_stages"):
+                 "decode_num_warps"):
         count = kernel_options.get(name, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")
@@ -106,3 +112,15 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
                 options = options.replace(**{backward_name: min(
                     kernel_options[name], getattr(options, backward_name))})
     return options
+
+
+# Forward on a paged cache, B4 H16 2048 new tokens after 6144 cached, D 128 bf16 (see
+# benchmarks/results/*paged*.json): pipelining depth by page size. Tiles inside one page
+# (64) want 3 stages; tiles gathered across pages (16) and 128-row pages want 2.
+_HOPPER_PAGED_STAGES = {64: 3}
+
+
+def paged_forward_stages(options: KernelOptions, page_size: int) -> int:
+    if options.paged_num_stages:
+        return options.paged_num_stages
+    return _HOPPER_PAGED_STAGES.get(page_size, options.num_stages)

@@ -32,27 +32,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions
-from pallas_flex.kernels.padding import pad_axis
+from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up
 from pallas_flex.kernels.tile_mods import apply_mask_on_tile, apply_score_on_tile, captured_inputs
 
 # Enough programs to give each of the H100's 132 SMs a few: fewer leaves bandwidth
 # unused at batch 1; many more only adds partial results to merge.
 _TARGET_PROGRAMS = 528
 _MIN_ROWS = 16  # tensor-core tiles have at least 16 rows
-
-
-def column_chunks(dim: int) -> tuple[tuple[int, int], ...]:
-    """(start, width) power-of-two chunks covering `dim` (a multiple of 16)."""
-    chunks, start = [], 0
-    while start < dim:
-        width = 1 << ((dim - start).bit_length() - 1)
-        chunks.append((start, width))
-        start += width
-    return tuple(chunks)
-
-
-def _round_up(x: int, multiple: int) -> int:
-    return -(-x // multiple) * multiple
 
 
 def _next_power_of_two(x: int) -> int:
@@ -67,7 +54,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-        max_pages = page_table_ref.shape[1]
     num_mask_refs = len(mask_program.consts)
     num_score_refs = len(score_program.consts) if score_program is not None else 0
     mask_refs = refs[:num_mask_refs]
@@ -94,24 +80,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
 
     def load_tile(ref, tile_start, valid, column_start, width):
         """[block_kv, width] rows tile_start.. of one KV head; invalid rows read as 0."""
-        columns = pl.ds(column_start, width)
-        if not paged:
-            view = ref.at[batch, pl.ds(tile_start, block_kv), kv_head, columns]
-        elif page_size >= block_kv:  # the tile lies inside one page
-            slot = jnp.minimum(lax.div(tile_start, jnp.int32(page_size)), max_pages - 1)
-            page = jnp.maximum(page_table_ref[batch, slot], 0)
-            offset = lax.rem(tile_start, jnp.int32(page_size))
-            view = ref.at[page, kv_head, pl.ds(offset, block_kv), columns]
-        else:  # the tile spans several pages: gather its rows
-            positions = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, width), 0)
-            slots = jnp.minimum(lax.div(positions, jnp.int32(page_size)), max_pages - 1)
-            pages = jnp.maximum(page_table_ref[batch, slots], 0)
-            offsets = lax.rem(positions, jnp.int32(page_size))
-            column_index = column_start + lax.broadcasted_iota(jnp.int32, (block_kv, width), 1)
-            view = ref.at[pages, jnp.full((block_kv, width), kv_head), offsets, column_index]
-        if valid is None:
-            return view[...]
-        return plgpu.load(view, mask=jnp.broadcast_to(valid, (block_kv, width)), other=0)
+        if paged:
+            view = paged_tile_view(ref, page_table_ref, batch, kv_head, tile_start,
+                                   tile=block_kv, page_size=page_size,
+                                   column_start=column_start, width=width)
+        else:
+            view = ref.at[batch, pl.ds(tile_start, block_kv), kv_head,
+                          pl.ds(column_start, width)]
+        return load_rows(view, valid)
 
     def visit_tile(tile_start, state, masked):
         kv_position = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
@@ -199,18 +175,18 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     wide = max(head_dim, value_dim)
     block_kv = options.decode_block_kv or (128 if wide <= 128 else 64 if wide <= 256 else 32)
     block_kv = min(block_kv, mask_block_kv)
-    if paged and page_size < block_kv and block_kv % page_size:
-        block_kv = page_size
-    if paged and page_size >= block_kv and page_size % block_kv:
-        raise ValueError(f"page_size {page_size} must be a multiple of the decode tile "
-                         f"{block_kv} or divide it")
 
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
-    padded_dim, padded_value_dim = _round_up(head_dim, 16), _round_up(value_dim, 16)
+    padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
     num_splits = options.decode_num_splits or -(-_TARGET_PROGRAMS // (batch * num_head_programs))
     num_splits = max(1, min(num_splits, block_mask.num_blocks[1] * (mask_block_kv // block_kv)))
+
+    num_stages = options.decode_num_stages
+    if not num_stages:  # measured on the H100: see KernelOptions
+        tile_bytes = block_kv * (padded_dim + padded_value_dim) * k.dtype.itemsize
+        num_stages = 3 if not paged and 3 * tile_bytes <= 200 * 1024 else 2
 
     # [B, Sq, Hq, D] -> [B, programs, rows, D], rows ordered (head in group, position).
     q_rows = q.reshape(batch, q_len, num_head_programs, heads_per_program, head_dim)
@@ -243,7 +219,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
             jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),
                                  jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=options.decode_num_warps,
-                                             num_stages=options.decode_num_stages),
+                                             num_stages=num_stages),
         interpret=interpret,
         name="flex_attention_decode",
     )(q_rows, k, v, *tables, *paging, *captured)

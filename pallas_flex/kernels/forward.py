@@ -21,8 +21,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tiles
-from pallas_flex.kernels.config import KernelOptions
-from pallas_flex.kernels.padding import pad_axis, padded_head_dim
+from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
+from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs)
 
@@ -30,7 +31,13 @@ from pallas_flex.kernels.tile_mods import (
 def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
-                    mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads):
+                    mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
+                    group=1, paged=None):
+    """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
+    (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
+    table and per-row lengths follow the BlockMask tables."""
+    if paged is not None:
+        page_table_ref, lengths_ref, *refs = refs
     num_mask_refs = len(mask_program.consts)
     num_score_refs = len(score_program.consts) if score_program is not None else 0
     mask_refs = refs[:num_mask_refs]
@@ -44,17 +51,37 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
     precision = online_softmax.dot_precision(q_ref.dtype)
 
-    q = q_ref[...]  # [block_q, D]
+    q = q_ref[...] if paged is None else None  # [block_q, D]
     q_idx = q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
     # Mods always see in-range indices; padded query rows are sliced off afterwards.
     q_idx = jnp.minimum(q_idx, q_len - 1)
 
+    if paged is not None:
+        page_size, dim_chunks, value_chunks = paged
+        kv_head = lax.div(head, jnp.int32(group))
+        kv_length = jnp.minimum(lengths_ref[batch], kv_len)
+        q_chunks = [q_ref[:, pl.ds(start, width)] for start, width in dim_chunks]
+
+    def load_paged(ref, kv_start, valid, start, width):
+        return load_rows(paged_tile_view(ref, page_table_ref, batch, kv_head, kv_start,
+                                         tile=block_kv, page_size=page_size,
+                                         column_start=start, width=width), valid)
+
     def visit_tile(kv_start, state, masked):
-        k = k_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, D]
-        v = v_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, Dv]
-        scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32, precision=precision)
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        if paged is None:
+            k = k_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, D]
+            v = v_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, Dv]
+            scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32, precision=precision)
+        else:  # positions past the row's length are masked on every tile
+            valid = (kv_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)) < kv_length
+            keys = [load_paged(k_ref, kv_start, valid, *chunk) for chunk in dim_chunks]
+            v = [load_paged(v_ref, kv_start, valid, *chunk) for chunk in value_chunks]
+            scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
+                                         preferred_element_type=jnp.float32,
+                                         precision=precision)
+                         for q_chunk, key in zip(q_chunks, keys))
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         if score_program is None:
             scores = scores * (scale * online_softmax.LOG2_E)
@@ -64,7 +91,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
                                       kv_idx_in_range) & (kv_idx < kv_len)
+            if paged is not None:
+                keep = keep & (kv_idx < kv_length)
             scores = jnp.where(keep, scores, -jnp.inf)
+        elif paged is not None:
+            scores = jnp.where(kv_idx < kv_length, scores, -jnp.inf)
+        if paged is not None:
+            return online_softmax.update_chunks(state, scores, v, precision)
         return online_softmax.update(state, scores, v, precision)
 
     def walk(num_blocks_ref, indices_ref, state, masked):
@@ -73,11 +106,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             mask_block=mask_block_kv, tile=block_kv,
             visit=lambda start, state: visit_tile(start, state, masked), state=state)
 
-    state = online_softmax.initial_state(block_q, out_ref.shape[-1])
+    if paged is None:
+        state = online_softmax.initial_state(block_q, out_ref.shape[-1])
+    else:
+        state = online_softmax.initial_state_chunks(block_q, [w for _, w in value_chunks])
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
     state = walk(kv_num_blocks_ref, kv_indices_ref, state, masked=True)
-    out, lse = online_softmax.finalize(state)
-    out_ref[...] = out.astype(out_ref.dtype)
+    if paged is None:
+        out, lse = online_softmax.finalize(state)
+        out_ref[...] = out.astype(out_ref.dtype)
+    else:
+        outs, lse = online_softmax.finalize_chunks(state)
+        for (start, width), out in zip(value_chunks, outs):
+            out_ref[:, pl.ds(start, width)] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
 
 
@@ -86,14 +127,20 @@ def _reverse(tile, num_tiles):
 
 
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
-                           options: KernelOptions, interpret: bool):
+                           options: KernelOptions, interpret: bool, page_table=None,
+                           lengths=None):
     """out [B, Sq, Hq, Dv] (q's dtype) and lse [B, Hq, Sq] (float32) of FlexAttention.
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
+    Paged (page_table given): k/v are pages [num_pages, Hkv, page_size, D/Dv] read in
+    place through page_table [B, max_pages] (-1 = none), positions >= lengths[b] masked;
+    Skv is the BlockMask's (logical) KV_LEN.
     """
+    paged = page_table is not None
     batch, q_len, q_heads, head_dim = q.shape
-    kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    kv_heads, value_dim = k.shape[1 if paged else 2], v.shape[3]
+    kv_len = block_mask.shape[3]
     mask_block_q, mask_block_kv = block_mask.block_size
     num_q_blocks, num_kv_blocks = block_mask.num_blocks
     block_q = min(options.block_q, mask_block_q)
@@ -101,12 +148,26 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     group = q_heads // kv_heads
 
     # Triton tiles need power-of-two extents: pad head dims with zeros (which add nothing
-    # to q.k or to the output), and sequences up to whole mask blocks.
+    # to q.k or to the output), and sequences up to whole mask blocks. Pages are read in
+    # place instead, as power-of-two column chunks (only dims not a multiple of 16 pad).
     padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, num_q_blocks * mask_block_q)
-    k = pad_axis(pad_axis(k, 3, padded_dim), 1, num_kv_blocks * mask_block_kv)
-    v = pad_axis(pad_axis(v, 3, padded_value_dim), 1, num_kv_blocks * mask_block_kv)
-    padded_q_len, padded_kv_len = q.shape[1], k.shape[1]
+    if paged:
+        chunk_dim, chunk_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
+        k, v = pad_axis(k, 3, chunk_dim), pad_axis(v, 3, chunk_value_dim)
+        paging = (page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+        paged_config = (k.shape[2], column_chunks(chunk_dim), column_chunks(chunk_value_dim))
+        kv_specs = [pl.no_block_spec, pl.no_block_spec]
+    else:
+        k = pad_axis(pad_axis(k, 3, padded_dim), 1, num_kv_blocks * mask_block_kv)
+        v = pad_axis(pad_axis(v, 3, padded_value_dim), 1, num_kv_blocks * mask_block_kv)
+        paging, paged_config = (), None
+        padded_kv_len = k.shape[1]
+        kv_specs = [pl.BlockSpec((None, padded_kv_len, None, padded_dim),
+                                 lambda i, h, b: (b, 0, h // group, 0)),
+                    pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
+                                 lambda i, h, b: (b, 0, h // group, 0))]
+    padded_q_len = q.shape[1]
 
     mask_program = block_mask.mask_mod
     captured = captured_inputs(mask_program) + captured_inputs(score_program)
@@ -117,17 +178,14 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         scale=scale, q_len=q_len, kv_len=kv_len, block_q=block_q, block_kv=block_kv,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
-        broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1)
+        broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
+        paged=paged_config)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-        pl.BlockSpec((None, padded_kv_len, None, padded_dim),
-                     lambda i, h, b: (b, 0, h // group, 0)),
-        pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
-                     lambda i, h, b: (b, 0, h // group, 0)),
-    ] + [whole] * (len(tables) + len(captured))
+    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(captured))
     out_specs = [
         pl.BlockSpec((None, block_q, None, padded_value_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
         pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, _reverse(i, num_q_tiles))),
@@ -142,9 +200,12 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=options.num_warps,
-                                             num_stages=options.num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=options.num_warps,
+            num_stages=paged_forward_stages(options, paged_config[0]) if paged
+            else options.num_stages),
         interpret=interpret,
-        name="flex_attention_forward",
-    )(q, k, v, *tables, *captured)
+        name="flex_attention_forward_paged" if paged else "flex_attention_forward",
+    )(q, k, v, *tables, *paging, *captured)
     return out[:, :q_len, :, :value_dim], lse[:, :, :q_len]
+

@@ -18,3 +18,18 @@ def pad_axis(x, axis: int, size: int):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, extra)
     return jnp.pad(x, widths)
+
+
+def round_up(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def column_chunks(dim: int) -> tuple[tuple[int, int], ...]:
+    """(start, width) power-of-two chunks covering `dim` (a multiple of 16): kernels that
+    read K/V in place (paged, decode) load 576 columns as 512 + 64 instead of padding."""
+    chunks, start = [], 0
+    while start < dim:
+        width = 1 << ((dim - start).bit_length() - 1)
+        chunks.append((start, width))
+        start += width
+    return tuple(chunks)

@@ -6,9 +6,13 @@
 * `paged_attention` — the ragged mixed prefill + decode op (OpenVINO PagedAttention):
   token-major new tokens of many sequences, written into the cache and attending to
   their paged history. `score_offsets` locates each sequence in its scores.
+* `paged_flex_attention` — any BlockMask and mods over a `PagedKVCache`, the pages read
+  in place by the decode and forward kernels (mods see logical positions).
 """
 
 from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
+from pallas_flex.paged.flex_attention import paged_flex_attention
 from pallas_flex.paged.ragged import paged_attention, score_offsets
 
-__all__ = ["PagedKVCache", "gather_contiguous", "paged_attention", "score_offsets"]
+__all__ = ["PagedKVCache", "gather_contiguous", "paged_attention", "paged_flex_attention",
+           "score_offsets"]

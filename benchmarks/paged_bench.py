@@ -1,0 +1,85 @@
+"""Paged vs contiguous: the same FlexAttention call reading K/V from pages (shuffled in
+memory) or from contiguous arrays, on the H100.
+
+Usage: PYTHONPATH=$PWD python3 -m benchmarks.paged_bench [--out results.json]
+Rows: decode (Sq 1, B8, S16384, Hq 32, Hkv 8, D 128, bf16, causal at the last position)
+and prefill (Sq 2048 new tokens after 6144 cached, B4, Hq 16, Hkv 16, causal) at page
+sizes 16, 64, 128. The overhead is paged ms / contiguous ms - 1.
+"""
+import argparse
+import datetime
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flex as pf
+from benchmarks.jax_bench import environment
+from benchmarks.tune_forward import time_ms
+from pallas_flex import masks
+from pallas_flex.paged.cache import PagedKVCache
+from pallas_flex.paged.flex_attention import paged_flex_attention
+
+
+def paged_copy(k, v, page_size, seed=0):
+    """A PagedKVCache holding k/v [B, S, H, D] in randomly shuffled pages."""
+    batch, length, heads, dim = k.shape
+    pages_per_row = length // page_size
+    num_pages = batch * pages_per_row
+    order = np.random.default_rng(seed).permutation(num_pages)
+    page_table = jnp.asarray(order.reshape(batch, pages_per_row), jnp.int32)
+
+    def to_pages(x):
+        pages = x.reshape(batch * pages_per_row, page_size, heads, x.shape[3]).transpose(0, 2, 1, 3)
+        return jnp.zeros_like(pages).at[page_table.reshape(-1)].set(pages)
+
+    owner = jnp.zeros((num_pages,), jnp.int32).at[page_table.reshape(-1)].set(
+        jnp.repeat(jnp.arange(batch, dtype=jnp.int32), pages_per_row))
+    return PagedKVCache(k_pages=to_pages(k), v_pages=to_pages(v), page_table=page_table,
+                        lengths=jnp.full((batch,), length, jnp.int32), page_owner=owner)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--kernel-options", default="{}", help="JSON dict for both layouts")
+    parser.add_argument("--cases", default="decode,prefill")
+    args = parser.parse_args()
+    options = json.loads(args.kernel_options)
+    rows = []
+    for name, batch, q_len, length, q_heads, kv_heads in (
+            ("decode", 8, 1, 16384, 32, 8), ("prefill", 4, 2048, 8192, 16, 16)):
+        if name not in args.cases.split(","):
+            continue
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q = jax.random.normal(keys[0], (batch, q_len, q_heads, 128), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (batch, length, kv_heads, 128), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (batch, length, kv_heads, 128), jnp.bfloat16)
+        mask_mod = masks.offset(masks.causal_mask, length - q_len)
+        block_mask = pf.create_block_mask(mask_mod, None, None, q_len, length)
+        contiguous = jax.jit(lambda q, k, v, bm: pf.flex_attention(q, k, v, block_mask=bm,
+                                                                       kernel_options=options))
+        base_ms = time_ms(contiguous, q, k, v, block_mask)
+        rows.append(dict(case=name, layout="contiguous", ms=base_ms, kernel_options=options))
+        print(f"{name} contiguous {base_ms:.4f} ms", flush=True)
+        for page_size in (16, 64, 128):
+            cache = paged_copy(k, v, page_size)
+            paged = jax.jit(lambda q, cache, bm: paged_flex_attention(
+                q, cache, block_mask=bm, kernel_options=options))
+            ms = time_ms(paged, q, cache, block_mask)
+            out_paged = paged(q, cache, block_mask)
+            out_contiguous = contiguous(q, k, v, block_mask)
+            max_diff = float(jnp.max(jnp.abs(out_paged.astype(jnp.float32)
+                                             - out_contiguous.astype(jnp.float32))))
+            rows.append(dict(case=name, layout=f"paged{page_size}", ms=ms, kernel_options=options,
+                             overhead=ms / base_ms - 1, max_abs_diff=max_diff))
+            print(f"{name} page_size {page_size} {ms:.4f} ms overhead {100 * (ms / base_ms - 1):+.1f}% "
+                  f"max|diff| {max_diff:.2e}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment=environment(), date=str(datetime.date.today()), rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""Reading a tile of KV rows where the cache keeps them: pages through a page table.
+
+A paged cache stores logical position p of batch row b at row p % page_size of page
+`page_table[b, p // page_size]` (pages `[num_pages, Hkv, page_size, D]`). A tile of
+`tile` logical rows is then one slice of one page when page_size is a multiple of
+`tile`, or a gather of rows from the pages it spans otherwise (any page size works). Entries of -1 (no page) read page 0;
+the caller masks those positions (they lie past the row's length).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def paged_tile_view(pages_ref, page_table_ref, batch, kv_head, tile_start, *, tile: int,
+                    page_size: int, column_start: int, width: int):
+    """A `[tile, width]` view of logical rows tile_start.. of one KV head's pages."""
+    max_pages = page_table_ref.shape[1]
+    if page_size % tile == 0:  # the tile lies inside one page
+        slot = jnp.minimum(lax.div(tile_start, jnp.int32(page_size)), max_pages - 1)
+        page = jnp.maximum(page_table_ref[batch, slot], 0)
+        offset = lax.rem(tile_start, jnp.int32(page_size))
+        return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
+    positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, width), 0)
+    slots = jnp.minimum(lax.div(positions, jnp.int32(page_size)), max_pages - 1)
+    pages = jnp.maximum(page_table_ref[batch, slots], 0)
+    offsets = lax.rem(positions, jnp.int32(page_size))
+    columns = column_start + lax.broadcasted_iota(jnp.int32, (tile, width), 1)
+    return pages_ref.at[pages, jnp.full((tile, width), kv_head), offsets, columns]
+
+
+def load_rows(view, valid_rows):
+    """Loads a `[rows, width]` view; rows where valid_rows [rows, 1] is False read 0 (and
+    are not read at all, so a view past the end of an array is safe)."""
+    if valid_rows is None:
+        return view[...]
+    return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)

@@ -1,0 +1,156 @@
+"""FlexAttention over a paged KV cache: any BlockMask and mods, read through the page table.
+
+The BlockMask and the mods are written for *logical* positions (position p of row b
+is the p-th token stored for that row) and stay that way: the kernels translate each KV
+tile's logical rows to physical pages when they load it, so mods see logical indices,
+block sparsity still skips whole tiles, and nothing is gathered or copied. Positions at
+or past `cache.lengths[b]` are masked automatically.
+
+Short queries (decoding) run the split-KV decode kernel, longer ones (prefill on top of
+a cache) the forward kernel; both read the pages in place.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_flex.api import (
+    BACKENDS, _DEFAULT_MASK_BLOCK, _resolve_scale, _validate_block_mask, default_backend,
+    uses_decode_kernel)
+from pallas_flex.kernels.config import resolve_options
+from pallas_flex.kernels.decode import flex_decode
+from pallas_flex.kernels.forward import flex_attention_forward
+from pallas_flex.kernels.reference import reference_attention
+from pallas_flex.kernels.tile_mods import captured_read_positions
+from pallas_flex.masks.block_mask import create_block_mask
+from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
+
+
+def _validate(q, cache):
+    if not isinstance(cache, PagedKVCache):
+        raise ValueError(f"cache must be a pallas_flex.paged.PagedKVCache, got "
+                         f"{type(cache).__name__}")
+    if not hasattr(q, "shape") or len(q.shape) != 4:
+        raise ValueError(f"q must be a 4-D array [B, Sq, Hq, D], got shape "
+                         f"{getattr(q, 'shape', type(q).__name__)}")
+    batch, q_len, q_heads, head_dim = q.shape
+    if batch != cache.max_batch:
+        raise ValueError(f"q must have one batch row per cache row: batch {cache.max_batch}, "
+                         f"got {batch}")
+    if head_dim != cache.head_dim:
+        raise ValueError(f"q's head dim must equal the cache's ({cache.head_dim}), got {head_dim}")
+    if q.dtype != cache.dtype:
+        raise ValueError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
+    if q_len == 0 or q_heads == 0:
+        raise ValueError(f"q must be non-empty, got shape {q.shape}")
+    if q_heads % cache.kv_heads:
+        raise ValueError(f"q's heads ({q_heads}) must be a multiple of the cache's KV heads "
+                         f"({cache.kv_heads}) for grouped-query attention")
+
+
+def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
+                          score_program, config):
+    backend, scale, options = config
+    kwargs = dict(scale=scale, options=options, interpret=backend == "interpret",
+                  page_table=page_table, lengths=lengths)
+    if uses_decode_kernel(q.shape[1], block_mask, options):
+        return flex_decode(q, k_pages, v_pages, block_mask, score_program, **kwargs)
+    return flex_attention_forward(q, k_pages, v_pages, block_mask, score_program, **kwargs)
+
+
+_paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(7,))
+
+
+def _no_gradients(*args):
+    raise ValueError("paged_flex_attention is for inference and has no gradients; train "
+                     "with pallas_flex.attention on contiguous K/V")
+
+
+_paged_attention.defvjp(lambda *args: (_paged_attention_impl(*args), None), _no_gradients)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _paged_attention_jit(q, k_pages, v_pages, page_table, lengths, block_mask, score_program,
+                         *, config):
+    return _paged_attention(q, k_pages, v_pages, page_table, lengths, block_mask,
+                            score_program, config)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def _gathered_reference(q, cache, block_mask, score_program, *, scale):
+    """The dense oracle ("reference" and "xla" backends): O(cache) memory, for tests."""
+    k, v = gather_contiguous(cache)
+    mask_program = block_mask.mask_mod
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return mask_program(b, h, q_idx, kv_idx) & (kv_idx < cache.lengths[b])
+
+    out, lse = reference_attention(q, k, v, mask_mod=mask_mod, score_mod=score_program,
+                                   scale=scale)
+    return out.astype(q.dtype), lse
+
+
+def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=None,
+                         scale=None, return_lse=False, backend=None, kernel_options=None):
+    """FlexAttention of q over the keys and values stored in a `PagedKVCache`.
+
+    Args:
+      q: [B, Sq, Hq, D] with B = cache.max_batch (row b attends to cache row b) and the
+        cache's dtype; Hq a multiple of the cache's KV heads.
+      cache: the `PagedKVCache`; its logical length is `cache.max_seq_len`, and
+        positions >= `cache.lengths[b]` are masked.
+      mask_mod / block_mask: the mask over (q_idx in [0, Sq), logical kv_idx in
+        [0, max_seq_len)); for decoding, shift queries to their absolute positions with
+        `pallas_flex.masks.offset(mask_mod, positions)`. Pass one or neither.
+      score_mod, scale, return_lse, kernel_options: as in `pallas_flex.flex_attention`.
+      backend: "pallas" / "interpret" run the kernels on the pages in place; "xla" and
+        "reference" gather the cache into contiguous arrays and compute densely
+        (O(cache) memory: a correctness oracle, not a serving path).
+    Returns:
+      out [B, Sq, Hq, Dv], or (out, lse [B, Hq, Sq]) with return_lse=True. Inference
+      only: differentiating raises a ValueError.
+
+    Example:
+      >>> step_mask = pf.masks.offset(pf.masks.causal_mask, cache.lengths - 1)
+      >>> out = pf.paged.paged_flex_attention(q, cache, mask_mod=step_mask)
+    """
+    _validate(q, cache)
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_len = cache.max_seq_len
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("pass either mask_mod or block_mask, not both")
+    options = resolve_options(kernel_options, max(head_dim, cache.value_dim))
+    if block_mask is None:
+        program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
+        block_size = _DEFAULT_MASK_BLOCK
+        if isinstance(kernel_options, dict):  # tiles smaller than a mask block
+            block_size = (kernel_options.get("block_q", block_size),
+                          kernel_options.get("block_kv", block_size))
+        uses_batch = program is not None and program.uses_batch
+        uses_head = program is not None and program.uses_head
+        block_mask = create_block_mask(program, batch if uses_batch else None,
+                                       q_heads if uses_head else None, q_len, kv_len,
+                                       block_size=block_size)
+    reference_k = jax.ShapeDtypeStruct((batch, kv_len, cache.kv_heads, head_dim), q.dtype)
+    _validate_block_mask(block_mask, q, reference_k)
+    score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    scale = _resolve_scale(scale, head_dim)
+    if backend in ("pallas", "interpret"):
+        captured_read_positions(block_mask.mask_mod)
+        captured_read_positions(score_program)
+        out, lse = _paged_attention_jit(q, cache.k_pages, cache.v_pages, cache.page_table,
+                                        cache.lengths, block_mask, score_program,
+                                        config=(backend, scale, options))
+    else:
+        out, lse = _gathered_reference(q, cache, block_mask, score_program, scale=scale)
+    return (out, lse) if return_lse else out
+
+
+__all__ = ["paged_flex_attention"]

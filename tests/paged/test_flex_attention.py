@@ -1,0 +1,129 @@
+"""paged_flex_attention: kernels reading pages in place vs the same attention on the
+contiguous logical K/V (float64 golden values)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import masks
+from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
+from pallas_flex.paged.flex_attention import paged_flex_attention
+from tests.conftest import assert_close_to_golden, golden
+
+PAGED_BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+
+
+def _filled_cache(lengths, *, page_size, max_pages, kv_heads, dim, value_dim, dtype, seed=0):
+    """A cache whose rows hold random tokens; rows reserved in an interleaved order so
+    that pages of different rows alternate in memory."""
+    batch = len(lengths)
+    cache = PagedKVCache.create(num_pages=batch * max_pages + 2, page_size=page_size,
+                                max_batch=batch, max_pages_per_seq=max_pages,
+                                kv_heads=kv_heads, head_dim=dim, value_dim=value_dim,
+                                dtype=dtype)
+    rng = np.random.default_rng(seed)
+    filled = [0] * batch
+    while any(f < n for f, n in zip(filled, lengths)):
+        for b, length in enumerate(lengths):
+            chunk = min(page_size, length - filled[b])
+            if chunk <= 0:
+                continue
+            cache = cache.reserve(b, filled[b] + chunk)
+            k = jnp.asarray(rng.normal(size=(chunk, kv_heads, dim)), dtype)
+            v = jnp.asarray(rng.normal(size=(chunk, kv_heads, value_dim)), dtype)
+            cache = cache.assign(b, filled[b], k, v)
+            filled[b] += chunk
+    return cache
+
+
+# (lengths, page_size, Sq, Hq, Hkv, D, Dv, dtype, mask, score, kernel_options)
+CASES = {
+    "decode_gqa_causal": ([70, 5, 33], 16, 1, 4, 2, 32, 32, jnp.float32, "causal", None,
+                          {"block_kv": 16}),
+    "decode_tile_spans_pages_alibi": ([61, 128], 8, 2, 4, 1, 32, 48, jnp.float32, "causal",
+                                      "alibi", {"decode_block_kv": 32}),
+    "decode_bf16_softcap": ([100, 64], 32, 1, 4, 4, 64, 64, jnp.bfloat16, None, "softcap", {}),
+    "decode_empty_row": ([0, 40], 16, 1, 2, 2, 32, 32, jnp.float32, "causal", None, {}),
+    "prefill_on_history": ([90, 47], 16, 24, 4, 2, 32, 32, jnp.float32, "causal", "alibi",
+                           {"block_q": 16, "block_kv": 16}),
+    "prefill_tile_spans_pages_sliding": ([80, 30], 8, 20, 2, 1, 32, 32, jnp.float32,
+                                         "sliding", None, {"block_q": 16, "block_kv": 32}),
+}
+
+
+@pytest.mark.parametrize("backend", PAGED_BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_paged_matches_contiguous_golden(case, backend):
+    lengths, page_size, q_len, q_heads, kv_heads, dim, value_dim, dtype, mask_name, \
+        score_name, options = CASES[case]
+    max_pages = -(-max(lengths) // page_size) + 1
+    cache = _filled_cache(lengths, page_size=page_size, max_pages=max_pages,
+                          kv_heads=kv_heads, dim=dim, value_dim=value_dim, dtype=dtype)
+    batch = len(lengths)
+    q = jax.random.normal(jax.random.PRNGKey(1), (batch, q_len, q_heads, dim)).astype(dtype)
+    # The queries are the last q_len tokens of each row (absolute positions).
+    positions = jnp.maximum(cache.lengths - q_len, 0)
+    base_mask = {"causal": masks.causal_mask, "sliding": masks.sliding_window(12),
+                 None: None}[mask_name]
+    mask_mod = masks.offset(base_mask, positions) if base_mask is not None else None
+    score_mod = {None: None, "alibi": masks.alibi(q_heads),
+                 "softcap": masks.tanh_softcap(3.0)}[score_name]
+    out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
+                                    backend=backend, return_lse=True, kernel_options=options)
+
+    k, v = gather_contiguous(cache)
+    lengths_array = cache.lengths
+
+    def in_cache(b, h, q_idx, kv_idx):
+        keep = kv_idx < lengths_array[b]
+        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
+
+    expected_out, expected_lse = golden(q, k, v, in_cache, score_mod)
+    assert_close_to_golden(out, expected_out, q, k, v, in_cache, score_mod)
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite],
+                               atol=1e-4 if dtype == jnp.float32 else 3e-2)
+    if 0 in lengths:
+        np.testing.assert_array_equal(np.asarray(out[lengths.index(0)], np.float32), 0.0)
+
+
+def test_paged_jits_and_does_not_recompile_across_steps():
+    cache = _filled_cache([20, 9], page_size=16, max_pages=3, kv_heads=2, dim=32,
+                          value_dim=32, dtype=jnp.float32)
+    q = jnp.ones((2, 1, 2, 32), jnp.float32)
+
+    @jax.jit
+    def step(q, cache):
+        mask_mod = masks.offset(masks.causal_mask, cache.lengths - 1)
+        return paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret")
+
+    first = step(q, cache)
+    cache = cache.reserve(1, 10).assign(1, 9, jnp.ones((1, 2, 32)), jnp.ones((1, 2, 32)))
+    second = step(q, cache)
+    assert step._cache_size() == 1
+    assert not np.allclose(first[1], second[1])
+
+
+def test_paged_errors():
+    cache = PagedKVCache.create(num_pages=4, page_size=16, max_batch=2, max_pages_per_seq=2,
+                                kv_heads=2, head_dim=32, dtype=jnp.float32)
+    good = jnp.zeros((2, 1, 4, 32), jnp.float32)
+    with pytest.raises(ValueError, match="batch 2"):
+        paged_flex_attention(jnp.zeros((3, 1, 4, 32)), cache)
+    with pytest.raises(ValueError, match="head dim"):
+        paged_flex_attention(jnp.zeros((2, 1, 4, 16)), cache)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_flex_attention(good.astype(jnp.bfloat16), cache)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_flex_attention(jnp.zeros((2, 1, 3, 32)), cache)
+    with pytest.raises(ValueError, match="PagedKVCache"):
+        paged_flex_attention(good, (cache.k_pages, cache.v_pages))
+    with pytest.raises(ValueError, match="KV_LEN"):
+        paged_flex_attention(good, cache, block_mask=pf.create_block_mask(None, None, None, 1, 64))
+    with pytest.raises(ValueError, match="no gradients"):
+        jax.grad(lambda q: paged_flex_attention(q, cache, backend="interpret").sum())(good)
