@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions
-from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up
 from pallas_flex.kernels.tile_mods import apply_mask_on_tile, apply_score_on_tile, captured_inputs
 
@@ -81,8 +81,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     def load_tile(ref, tile_start, valid, column_start, width):
         """[block_kv, width] rows tile_start.. of one KV head; invalid rows read as 0."""
         if paged:
-            view = paged_tile_view(ref, page_table_ref, batch, kv_head, tile_start,
-                                   tile=block_kv, page_size=page_size,
+            view = paged_tile_view(ref, page_table_row(page_table_ref, batch), kv_head,
+                                   tile_start, tile=block_kv, page_size=page_size,
                                    column_start=column_start, width=width)
         else:
             view = ref.at[batch, pl.ds(tile_start, block_kv), kv_head,

@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
-from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs)
@@ -63,9 +63,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         q_chunks = [q_ref[:, pl.ds(start, width)] for start, width in dim_chunks]
 
     def load_paged(ref, kv_start, valid, start, width):
-        return load_rows(paged_tile_view(ref, page_table_ref, batch, kv_head, kv_start,
-                                         tile=block_kv, page_size=page_size,
-                                         column_start=start, width=width), valid)
+        view = paged_tile_view(ref, page_table_row(page_table_ref, batch), kv_head, kv_start,
+                               tile=block_kv, page_size=page_size, column_start=start,
+                               width=width)
+        return load_rows(view, valid)
 
     def visit_tile(kv_start, state, masked):
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)

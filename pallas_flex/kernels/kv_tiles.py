@@ -15,18 +15,25 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def paged_tile_view(pages_ref, page_table_ref, batch, kv_head, tile_start, *, tile: int,
-                    page_size: int, column_start: int, width: int):
-    """A `[tile, width]` view of logical rows tile_start.. of one KV head's pages."""
+def page_table_row(page_table_ref, batch):
+    """`page_of` for row `batch` of a page table [B, max_pages] (-1 = none)."""
     max_pages = page_table_ref.shape[1]
+    return lambda slot: page_table_ref[batch, jnp.minimum(slot, max_pages - 1)]
+
+
+def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int,
+                    column_start: int, width: int):
+    """A `[tile, width]` view of logical rows tile_start.. of one KV head's pages.
+
+    `page_of(slot)` maps logical page numbers (a scalar or an index array) to physical
+    pages, reading whatever table the caller keeps (a page table row, or a ragged list).
+    """
     if page_size % tile == 0:  # the tile lies inside one page
-        slot = jnp.minimum(lax.div(tile_start, jnp.int32(page_size)), max_pages - 1)
-        page = jnp.maximum(page_table_ref[batch, slot], 0)
+        page = jnp.maximum(page_of(lax.div(tile_start, jnp.int32(page_size))), 0)
         offset = lax.rem(tile_start, jnp.int32(page_size))
         return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
     positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, width), 0)
-    slots = jnp.minimum(lax.div(positions, jnp.int32(page_size)), max_pages - 1)
-    pages = jnp.maximum(page_table_ref[batch, slots], 0)
+    pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
     offsets = lax.rem(positions, jnp.int32(page_size))
     columns = column_start + lax.broadcasted_iota(jnp.int32, (tile, width), 1)
     return pages_ref.at[pages, jnp.full((tile, width), kv_head), offsets, columns]

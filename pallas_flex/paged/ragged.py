@@ -25,11 +25,12 @@ import numpy as np
 from jax import lax
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.ragged import ragged_paged_attention
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, require)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-_BACKENDS = (None, "xla")
+_BACKENDS = (None, "pallas", "interpret", "xla")
 
 
 def paged_attention(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
@@ -67,7 +68,10 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         sequence s sum over its last `window[s]` new tokens (all of them when None or
         <= 0).
       return_scores: also return the scores (below).
-      backend: None or "xla" (the only one built so far).
+      backend: "pallas" (the ragged Pallas kernel, GPU), "interpret" (the same kernel in
+        Pallas interpret mode), "xla" (a blockwise jnp loop, any device), or None:
+        "pallas" on a GPU, else "xla". Scores (when asked for) are a second blockwise
+        pass in jnp from the attention's lse, on every backend.
     Returns:
       `(output, key_cache, value_cache)`, or `(output, scores, key_cache, value_cache)`
       with `return_scores=True`:
@@ -100,8 +104,9 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
       ...     block_indices_begins=jnp.array([0, 1, 3]))
     """
     if backend not in _BACKENDS:
-        raise ValueError(f"backend must be None or 'xla', got {backend!r} (the Pallas ragged "
-                         "kernel is not built yet)")
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend is None:
+        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
     if not isinstance(return_scores, (bool, np.bool_)):
         raise ValueError(f"return_scores must be a Python bool (under jit, a static argument: "
                          f"static_argnames=('return_scores',)), got "
@@ -124,7 +129,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     return _paged_attention_xla(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-        aggregation_window, return_scores=bool(return_scores))
+        aggregation_window, return_scores=bool(return_scores), backend=backend)
 
 
 def score_offsets(past_lens, subsequence_begins):
@@ -346,10 +351,10 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 # -- (b) cache write, (c) attention, (d) scores ----------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("return_scores",))
+@functools.partial(jax.jit, static_argnames=("return_scores", "backend"))
 def _paged_attention_xla(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
-                         alibi_slopes, aggregation_window, *, return_scores):
+                         alibi_slopes, aggregation_window, *, return_scores, backend="xla"):
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
@@ -369,7 +374,14 @@ def _paged_attention_xla(query, key, value, key_cache, value_cache, past_lens, s
     # (c)
     pages = _PageWalk(query.reshape(num_tokens, kv_heads, group, head_dim), key_cache, layout,
                       block_indices, block_indices_begins, scale, alibi_slopes)
-    out, lse = pages.attend(value_cache)
+    if backend == "xla":
+        out, lse = pages.attend(value_cache)
+    else:  # the Pallas kernel reads the updated caches in place
+        out, lse = ragged_paged_attention(
+            query.reshape(num_tokens, q_heads, head_dim), key_cache, value_cache, past_lens,
+            subsequence_begins, block_indices, block_indices_begins, scale, sliding_window,
+            alibi_slopes, interpret=backend == "interpret")
+        lse = lse.reshape(num_tokens, kv_heads, group)
     output = out.reshape(num_tokens, q_heads * value_dim).astype(query.dtype)
     if not return_scores:
         return output, key_cache, value_cache

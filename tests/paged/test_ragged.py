@@ -151,14 +151,19 @@ def case_config(name):
     return config, seqs
 
 
+# The XLA loop and the Pallas kernel (interpreted on CPU; compiled on the GPU machine).
+RAGGED_BACKENDS = ["xla", "interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
 @pytest.mark.parametrize("option", OPTIONS)
 @pytest.mark.parametrize("config_name", CONFIGS)
-def test_matches_reference(config_name, option):
+def test_matches_reference(config_name, option, backend):
     config, seqs = case_config(config_name)
     case = make_case(0, seqs, **config)
     before = snapshot(case)
     options = OPTIONS[option](config["q_heads"])
-    out, key_cache, value_cache = paged.paged_attention(**case, **options)
+    out, key_cache, value_cache = paged.paged_attention(**case, **options, backend=backend)
     expected, _, expected_k, expected_v = reference_paged_attention(**case, **options)
     assert out.dtype == config["dtype"]
     assert_output_close(out, expected, case, config, options)
@@ -175,14 +180,15 @@ SCORE_WINDOWS = {
 }
 
 
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
 @pytest.mark.parametrize("window", SCORE_WINDOWS)
-def test_scores_match_reference(window):
+def test_scores_match_reference(window, backend):
     config, seqs = case_config("mha_f32_page4")
     case = make_case(1, seqs, **config)
     options = dict(sliding_window=6, alibi_slopes=alibi_slopes(config["q_heads"]),
                    score_aggregation_window=SCORE_WINDOWS[window])
     out, scores, key_cache, value_cache = paged.paged_attention(
-        **case, **options, return_scores=True)
+        **case, **options, return_scores=True, backend=backend)
     expected, expected_scores, expected_k, expected_v = reference_paged_attention(
         **case, **options)
     np.testing.assert_allclose(np.asarray(out), expected, atol=FLOAT32_TOLERANCE,
@@ -434,9 +440,8 @@ BAD_ARGUMENTS = {
     "return_scores_type": (lambda c: dict(return_scores=1),
                            r"return_scores must be a Python bool \(under jit, a static "
                            r"argument: static_argnames=\('return_scores',\)\), got int"),
-    "backend": (lambda c: dict(backend="pallas"),
-                r"backend must be None or 'xla', got 'pallas' \(the Pallas ragged kernel is "
-                r"not built yet\)"),
+    "backend": (lambda c: dict(backend="cuda"),
+                r"backend must be one of \(None, 'pallas', 'interpret', 'xla'\), got 'cuda'"),
 }
 
 

@@ -1,0 +1,81 @@
+"""The ragged paged-attention op (`pf.paged.paged_attention`) on the H100: the Pallas
+kernel against the XLA loop, on mixed prefill + decode batches.
+
+Usage: PYTHONPATH=$PWD python3 -m benchmarks.ragged_bench [--out results.json]
+bf16, Hq 32, Hkv 8, D 128, block (page) size 16, pages shuffled. Bandwidth counts the
+K/V bytes each sequence's tokens must read at least once (its whole history + new).
+"""
+import argparse
+import datetime
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.jax_bench import environment
+from benchmarks.tune_forward import time_ms
+from pallas_flex import paged
+
+MIXES = {
+    # name: [(past_len, new_len)] per sequence
+    "decode_64x4096": [(4096, 1)] * 64,
+    "mixed_4prefill1024_60decode4096": [(1024, 1024)] * 4 + [(4096, 1)] * 60,
+    "prefill_2x4096": [(0, 4096)] * 2,
+}
+
+
+def make_inputs(seqs, *, q_heads=32, kv_heads=8, dim=128, block_size=16, seed=0):
+    rng = np.random.default_rng(seed)
+    blocks_per_seq = [-(-(past + new) // block_size) for past, new in seqs]
+    num_blocks = sum(blocks_per_seq)
+    order = rng.permutation(num_blocks).astype(np.int32)
+    block_begins = np.concatenate([[0], np.cumsum(blocks_per_seq)]).astype(np.int32)
+    num_tokens = sum(new for _, new in seqs)
+    begins = np.concatenate([[0], np.cumsum([new for _, new in seqs])]).astype(np.int32)
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.bfloat16)
+    return dict(
+        query=normal(keys[0], (num_tokens, q_heads * dim)),
+        key=normal(keys[1], (num_tokens, kv_heads * dim)),
+        value=normal(keys[2], (num_tokens, kv_heads * dim)),
+        key_cache=normal(keys[3], (num_blocks, kv_heads, block_size, dim)),
+        value_cache=normal(keys[4], (num_blocks, kv_heads, block_size, dim)),
+        past_lens=jnp.asarray([past for past, _ in seqs], jnp.int32),
+        subsequence_begins=jnp.asarray(begins), block_indices=jnp.asarray(order),
+        block_indices_begins=jnp.asarray(block_begins))
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out")
+    parser.add_argument("--backends", default="pallas,xla")
+    args = parser.parse_args()
+    rows = []
+    for name, seqs in MIXES.items():
+        inputs = make_inputs(seqs)
+        kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
+        outputs = {}
+        for backend in args.backends.split(","):
+            fn = jax.jit(lambda inputs, backend=backend: paged.paged_attention(
+                **inputs, backend=backend)[0])
+            try:
+                ms = time_ms(fn, inputs, iters=10, repeats=3)
+                outputs[backend] = fn(inputs)
+            except Exception as error:
+                ms = float("nan")
+                print("failed", name, backend, str(error)[:400])
+            rows.append(dict(mix=name, backend=backend, ms=ms, tb_per_s=kv_bytes / ms / 1e9))
+            print(f"{name:34s} {backend:7s} {ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s",
+                  flush=True)
+        if len(outputs) == 2:
+            a, b = (x.astype(jnp.float32) for x in outputs.values())
+            print(f"{name}: max |pallas - xla| = {float(jnp.max(jnp.abs(a - b))):.3e}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(environment=environment(), date=str(datetime.date.today()),
+                           rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

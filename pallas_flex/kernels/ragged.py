@@ -1,0 +1,185 @@
+"""The ragged paged-attention kernel: many sequences' new tokens, packed token-major,
+each attending causally (optionally within a sliding window, with ALiBi) to its own
+sequence's positions in a paged cache.
+
+Work is cut into *work items*: a run of up to `tokens_per_item` consecutive new tokens
+of one sequence. Their number depends on the metadata, so the grid has the static upper
+bound `ceil(T / tokens_per_item) + num_seqs` and unused items do nothing. One program
+owns one work item and one KV head: its rows are (token, query head of the group) pairs,
+so a GQA group reads each KV tile once, and a decode token (one row per head) costs one
+pass over its sequence's pages, like the decode kernel's programs.
+
+The KV walk covers positions [first visible position of the item's first token, position
+of its last token]; every tile is masked elementwise (causal, window, cache length), so
+tokens of different positions in one item each see exactly their own range. Pages are
+read in place through `block_indices[block_indices_begins[s] + p // block_size]`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up
+
+_ROWS = 64  # rows (token x head-of-group pairs) per program
+_MIN_ROWS = 16
+
+
+def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
+    """(sequence [W], first token [W]) of each work item; items past the last one get
+    first token = T (no rows)."""
+    new_lens = jnp.diff(subsequence_begins)
+    items_per_seq = (new_lens + tokens_per_item - 1) // tokens_per_item
+    ends = jnp.cumsum(items_per_seq)
+    item = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(ends, item, side="right"), 0, new_lens.shape[0] - 1)
+    index_in_seq = item - (ends[seq] - items_per_seq[seq])
+    first = subsequence_begins[seq] + index_in_seq * tokens_per_item
+    num_tokens = subsequence_begins[-1]
+    first = jnp.where(item < ends[-1], first, num_tokens)
+    return seq.astype(jnp.int32), first.astype(jnp.int32)
+
+
+def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, block_indices_ref,
+                   block_begins_ref, scale_ref, window_ref, slopes_ref, q_ref, k_ref, v_ref,
+                   out_ref, lse_ref, *, group, tokens_per_item, rows, block_kv, page_size,
+                   dim_chunks, value_chunks, interpret):
+    item, kv_head = pl.program_id(0), pl.program_id(1)
+    seq = work_seq_ref[item]
+    first = work_first_ref[item]
+    end = begins_ref[seq + 1]
+    num_listed = block_indices_ref.shape[0]
+    past = past_lens_ref[seq]
+    block_begin = block_begins_ref[seq]
+    precision = online_softmax.dot_precision(q_ref.dtype)
+
+    # Row r: token first + r // group, query head kv_head * group + r % group.
+    row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    token_offset = lax.div(row, jnp.int32(group)) if group > 1 else row
+    real = (token_offset < tokens_per_item) & (first + token_offset < end)
+    token = jnp.minimum(first + token_offset, end - 1)
+    token = jnp.maximum(token, 0)
+    head = kv_head * group + (lax.rem(row, jnp.int32(group)) if group > 1 else 0 * row)
+    q_position = past + token - begins_ref[seq]  # [rows, 1]
+    window = window_ref[0]
+    first_visible = jnp.where(window > 0, jnp.maximum(q_position + 1 - window, 0), 0)
+
+    def q_chunk(start, width):
+        columns = start + lax.broadcasted_iota(jnp.int32, (rows, width), 1)
+        shape = (rows, width)
+        return q_ref[jnp.broadcast_to(token, shape), jnp.broadcast_to(head, shape), columns]
+
+    q_chunks = [q_chunk(*chunk) for chunk in dim_chunks]
+    scale_log2 = scale_ref[0] * online_softmax.LOG2_E
+    slope_log2 = slopes_ref[head] * online_softmax.LOG2_E  # [rows, 1]
+
+    def page_of(slot):
+        entry = jnp.clip(block_begin + slot, 0, num_listed - 1)
+        return block_indices_ref[entry]
+
+    last_position = past + jnp.minimum(first + tokens_per_item, end) - 1 - begins_ref[seq]
+    item_first_visible = jnp.where(
+        window > 0, jnp.maximum(past + first - begins_ref[seq] + 1 - window, 0), 0)
+    first_tile = lax.div(item_first_visible, jnp.int32(block_kv))
+    num_tiles = jnp.where(first < end,
+                          lax.div(last_position, jnp.int32(block_kv)) + 1 - first_tile, 0)
+
+    def visit(step, state):
+        tile_start = (first_tile + step) * block_kv
+        kv_position = tile_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        valid_rows = (tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+                      ) <= last_position
+
+        def load(ref, start, width):
+            return load_rows(paged_tile_view(ref, page_of, kv_head, tile_start, tile=block_kv,
+                                             page_size=page_size, column_start=start,
+                                             width=width), valid_rows)
+
+        keys = [load(k_ref, *chunk) for chunk in dim_chunks]
+        values = [load(v_ref, *chunk) for chunk in value_chunks]
+        scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
+                                     preferred_element_type=jnp.float32, precision=precision)
+                     for q, key in zip(q_chunks, keys))
+        distance = (kv_position - q_position).astype(jnp.float32)
+        scores = scores * scale_log2 + slope_log2 * distance
+        visible = (kv_position <= q_position) & (kv_position >= first_visible) & real
+        scores = jnp.where(visible, scores, -jnp.inf)
+        return online_softmax.update_chunks(state, scores, values, precision)
+
+    state = online_softmax.initial_state_chunks(rows, [w for _, w in value_chunks])
+    state = lax.fori_loop(0, num_tiles, visit, state)
+    outs, lse = online_softmax.finalize_chunks(state)
+    for (start, width), out in zip(value_chunks, outs):
+        shape = (rows, width)
+        columns = start + lax.broadcasted_iota(jnp.int32, shape, 1)
+        _masked_scatter(out_ref, (jnp.broadcast_to(token, shape), jnp.broadcast_to(head, shape),
+                                  columns), out.astype(out_ref.dtype),
+                        jnp.broadcast_to(real, shape), interpret)
+    _masked_scatter(lse_ref, (token[:, 0], head[:, 0]), lse, real[:, 0], interpret)
+
+
+def _masked_scatter(ref, indices, value, mask, interpret):
+    """ref[indices] = value where mask. Padded rows repeat a real row's indices: on the GPU
+    a masked store skips them; interpret mode's store would write the old value back for
+    them in any order, so there they are sent out of range and dropped instead."""
+    if interpret:
+        dropped = (jnp.where(mask, indices[0], ref.shape[0]),) + tuple(indices[1:])
+        ref[...] = ref[...].at[dropped].set(value, mode="drop")
+    else:
+        plgpu.store(ref.at[indices], value, mask=mask)
+
+
+def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence_begins,
+                           block_indices, block_indices_begins, scale, sliding_window,
+                           alibi_slopes, *, interpret: bool, block_kv: int = 64,
+                           num_warps: int = 4, num_stages: int = 2):
+    """(out [T, Hq, Dv] in query's dtype, lse [T, Hq] float32) from caches that already
+    hold the new tokens. query [T, Hq, D]; caches [num_blocks, Hkv, block_size, D/Dv];
+    scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq]."""
+    num_tokens, q_heads, head_dim = query.shape
+    kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
+    if num_tokens == 0:
+        return (jnp.zeros((0, q_heads, value_dim), query.dtype),
+                jnp.zeros((0, q_heads), jnp.float32))
+    group = q_heads // kv_heads
+    tokens_per_item = max(1, _ROWS // group)
+    rows = max(_MIN_ROWS, 1 << (tokens_per_item * group - 1).bit_length())
+    num_seqs = past_lens.shape[0]
+    num_items = -(-num_tokens // tokens_per_item) + num_seqs
+    work_seq, work_first = work_items(subsequence_begins, tokens_per_item, num_items)
+
+    padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
+    query = pad_axis(query, 2, padded_dim)
+    key_cache = pad_axis(key_cache, 3, padded_dim)
+    value_cache = pad_axis(value_cache, 3, padded_value_dim)
+    block_indices = block_indices if block_indices.shape[0] else jnp.zeros((1,), jnp.int32)
+    scalars = (jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)),
+               jnp.reshape(jnp.asarray(sliding_window, jnp.int32), (1,)),
+               jnp.asarray(alibi_slopes, jnp.float32))
+    kernel = functools.partial(
+        _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
+        block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),
+        value_chunks=column_chunks(padded_value_dim), interpret=interpret)
+    whole = pl.no_block_spec
+    out, lse = pl.pallas_call(
+        kernel,
+        grid=(num_items, kv_heads),
+        in_specs=[whole] * 12,
+        out_specs=[whole, whole],
+        out_shape=[jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
+                   jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name="ragged_paged_attention",
+    )(work_seq, work_first, past_lens.astype(jnp.int32), subsequence_begins.astype(jnp.int32),
+      block_indices.astype(jnp.int32), block_indices_begins.astype(jnp.int32), *scalars,
+      query, key_cache, value_cache)
+    return out[:, :, :value_dim], lse
