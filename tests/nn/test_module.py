@@ -18,7 +18,9 @@ GRAD_TOLERANCE = dict(atol=1e-4, rtol=1e-4)
 
 
 def _inputs(seed, batch=2, length=21, features=FEATURES):
-    return jax.random.normal(jax.random.PRNGKey(seed), (batch, length, features))
+    # numpy, not jax.random: each new shape of a jax.random draw is one more XLA compile.
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, length, features)), jnp.float32)
 
 
 def _dense(mask_mod, q_len, kv_len):
@@ -31,15 +33,27 @@ def _build(make_layer):
     return nnx.jit(make_layer)()
 
 
+def _flax_twin(ours, **options):
+    """nnx.MultiHeadAttention holding `ours`'s weights. Built abstractly (no initializers
+    run): any parameter the two modules do not share would stay abstract and fail."""
+    theirs = nnx.eval_shape(lambda: nnx.MultiHeadAttention(
+        ours.num_heads, ours.in_features, decode=False, rngs=nnx.Rngs(0), **options))
+    nnx.update(theirs, nnx.state(ours, nnx.Param))
+    return theirs
+
+
 @pytest.fixture(scope="module")
 def layer_pair():
-    """Flax's layer and ours with the same weights."""
-    theirs = _build(lambda: nnx.MultiHeadAttention(HEADS, FEATURES, decode=False,
-                                                    rngs=nnx.Rngs(0)))
-    ours = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
-                                                 kernel_options=SMALL_TILES, rngs=nnx.Rngs(1)))
-    nnx.update(ours, nnx.state(theirs, nnx.Param))
-    return theirs, ours
+    """Flax's layer and ours (grouped-query: 4 query heads, 2 key/value heads), same
+    weights."""
+    ours = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, num_kv_heads=2,
+                                                 backend="xla", kernel_options=SMALL_TILES,
+                                                 rngs=nnx.Rngs(1)))
+    head_dim = FEATURES // HEADS
+    assert ours.query.kernel.shape == (FEATURES, HEADS, head_dim)
+    assert ours.key.kernel.shape == ours.value.kernel.shape == (FEATURES, 2, head_dim)
+    assert ours.out.kernel.shape == (HEADS, head_dim, FEATURES)
+    return _flax_twin(ours, num_kv_heads=2), ours
 
 
 def _assert_trees_close(ours, theirs, **tolerance):
@@ -66,25 +80,22 @@ def test_matches_nnx_multi_head_attention_outputs_and_parameter_gradients(layer_
     dense_mask = _dense(mask_mod, x.shape[1], x.shape[1])
     our_out, our_gradients = _outputs_and_gradients(ours, x, mask_mod=mask_mod)
     their_out, their_gradients = _outputs_and_gradients(theirs, x, mask=dense_mask)
+    assert our_out.shape == x.shape
     np.testing.assert_allclose(our_out, their_out, atol=2e-5)
     _assert_trees_close(our_gradients, their_gradients, **GRAD_TOLERANCE)
 
 
-def test_grouped_query_cross_attention_matches_nnx():
+def test_cross_attention_with_other_features_and_lengths_matches_nnx():
     q_inputs, kv_inputs = _inputs(1, length=9), _inputs(2, length=26, features=12)
-    common = dict(num_kv_heads=2, out_features=8, in_kv_features=12)
-    theirs = _build(lambda: nnx.MultiHeadAttention(HEADS, FEATURES, decode=False,
-                                                    rngs=nnx.Rngs(0), **common))
+    shapes = dict(qkv_features=16, out_features=8, in_kv_features=12)
     ours = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
-                                                 rngs=nnx.Rngs(1), **common))
-    nnx.update(ours, nnx.state(theirs, nnx.Param))
-    head_dim = FEATURES // HEADS
-    assert ours.query.kernel.shape == (FEATURES, HEADS, head_dim)
-    assert ours.key.kernel.shape == ours.value.kernel.shape == (12, 2, head_dim)
-    out = nnx.jit(lambda layer: layer(q_inputs, kv_inputs))(ours)
-    assert out.shape == (2, 9, 8)
-    np.testing.assert_allclose(out, nnx.jit(lambda layer: layer(q_inputs, kv_inputs))(theirs),
-                               atol=2e-5)
+                                                 rngs=nnx.Rngs(1), **shapes))
+    theirs = _flax_twin(ours, **shapes)
+    both = nnx.jit(lambda ours, theirs: (ours(q_inputs, kv_inputs),
+                                         theirs(q_inputs, kv_inputs)))
+    our_out, their_out = both(ours, theirs)
+    assert our_out.shape == (2, 9, 8)
+    np.testing.assert_allclose(our_out, their_out, atol=2e-5)
 
 
 def test_prebuilt_block_mask_equals_mask_mod(layer_pair):
@@ -157,19 +168,19 @@ def test_learnable_bias_gradients_match_dense_autodiff():
     """A T5 bias owned by the layer and an ALiBi module passed at call time: both
     parameters get the gradients dense autodiff gives."""
     x = _inputs(9)
-
-    def layer(backend):
-        return _build(lambda: FlexMultiHeadAttention(
-            HEADS, FEATURES, score_bias=T5RelativeBias(HEADS, num_buckets=8, max_distance=16,
-                                                       bidirectional=False, rngs=nnx.Rngs(3)),
-            backend=backend, kernel_options=SMALL_TILES, rngs=nnx.Rngs(4)))
+    fused_layer = _build(lambda: FlexMultiHeadAttention(
+        HEADS, FEATURES, score_bias=T5RelativeBias(HEADS, num_buckets=8, max_distance=16,
+                                                   bidirectional=False, rngs=nnx.Rngs(3)),
+        backend="xla", kernel_options=SMALL_TILES, rngs=nnx.Rngs(4)))
+    reference_layer = nnx.clone(fused_layer)
+    reference_layer.backend = "reference"
 
     def loss(layer, alibi):
         return jnp.sum(jnp.sin(layer(x, mask_mod=pf.masks.causal_mask, score_mod=alibi())))
 
     gradients = nnx.jit(nnx.grad(loss, argnums=(0, 1)))
-    fused = gradients(layer("xla"), LearnableAlibi(HEADS))
-    reference = gradients(layer("reference"), LearnableAlibi(HEADS))
+    fused = gradients(fused_layer, LearnableAlibi(HEADS))
+    reference = gradients(reference_layer, LearnableAlibi(HEADS))
     for bias_gradient in (fused[0].score_bias.table, fused[1].slopes):
         assert float(jnp.abs(bias_gradient[...]).min()) > 0
     _assert_trees_close(fused, reference, **GRAD_TOLERANCE)
