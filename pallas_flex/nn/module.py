@@ -91,10 +91,13 @@ class FlexMultiHeadAttention(nnx.Module):
     positions by `pallas_flex.masks.offset`. Positions are traced arrays, so advancing a
     token never recompiles.
 
-    Extension point: a paged cache (`pallas_flex.paged.PagedKVCache`) plugs in at
-    `_decode_attention`, the only code that knows the cache layout; the contiguous
-    `_append_to_cache` + `attention` pair becomes a page-table write plus paged attention
-    over the same shifted mods.
+    Extension point (paged decode, not implemented yet): `_decode_attention` is the only
+    code that knows the cache layout. A `pallas_flex.paged.PagedKVCache` held in an
+    `nnx.Cache` replaces its two steps one for one: `_append_to_cache` becomes
+    `cache.assign_batch(positions, key, value, input_lengths)`, and the attention over
+    the whole contiguous cache becomes `pallas_flex.paged.paged_flex_attention(query,
+    cache, mask_mod=..., score_mod=...)` with the same shifted mods (the paged op masks
+    positions past each row's length itself).
 
     Example:
       >>> layer = FlexMultiHeadAttention(num_heads=4, in_features=64, rngs=nnx.Rngs(0))
