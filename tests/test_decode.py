@@ -45,6 +45,8 @@ CASES = {
     "per_head_mask": (1, 2, 190, 4, 2, 32, 32, jnp.float32, "per_head", None,
                       {"decode_num_splits": 2}),
     "latent_576_512": (1, 1, 96, 8, 1, 576, 512, jnp.float32, "causal_offset", None, {}),
+    "latent_heads_split_across_programs": (1, 2, 64, 48, 1, 576, 512, jnp.bfloat16,
+                                           "causal_offset", None, {}),
     "odd_head_dim_72": (1, 2, 70, 2, 1, 72, 40, jnp.float32, None, None, {}),
     "more_splits_than_tiles": (1, 1, 40, 2, 2, 32, 32, jnp.float32, None, None,
                                {"decode_num_splits": 9}),

@@ -166,7 +166,14 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     broadcast_heads = block_mask.kv_num_blocks.shape[1] == 1
     # A program shares KV loads across its group's query heads when they share one
     # BlockMask row; per-head masks get a program per query head.
-    heads_per_program = group if broadcast_heads else 1
+    # The accumulator [rows, Dv] lives in registers: at most 64 KiB of it per program
+    # (128 query heads of latent attention, Dv 512, become 4 programs of 32 rows).
+    padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
+    max_rows = max(_MIN_ROWS, min(128, 16384 // padded_value_dim))
+    heads_per_program = 1
+    if broadcast_heads:
+        heads_per_program = max([d for d in range(1, group + 1)
+                                 if group % d == 0 and d * q_len <= max_rows], default=1)
     num_head_programs = q_heads // heads_per_program
     rows = heads_per_program * q_len
     padded_rows = max(_MIN_ROWS, _next_power_of_two(rows))
@@ -177,7 +184,6 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     block_kv = min(block_kv, mask_block_kv)
 
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
-    padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
     num_splits = options.decode_num_splits or -(-_TARGET_PROGRAMS // (batch * num_head_programs))
