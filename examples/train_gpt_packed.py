@@ -190,7 +190,8 @@ def train(config: GPTConfig, steps: int, *, seed: int = 0, log_every: int = 10,
 
 def config_from_args(args) -> GPTConfig:
     config = SIZES[args.size]
-    overrides = {name: getattr(args, name) for name in ("batch_size", "seq_len", "backend")
+    overrides = {name: getattr(args, name)
+                 for name in ("batch_size", "seq_len", "num_layers", "backend")
                  if getattr(args, name) is not None}
     return dataclasses.replace(config, **overrides)
 
@@ -201,6 +202,7 @@ def add_arguments(parser: argparse.ArgumentParser):
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--seq-len", type=int)
+    parser.add_argument("--num-layers", type=int)
     parser.add_argument("--backend", choices=pf.BACKENDS,
                         help="pallas_flex backend (default: best for the device)")
     parser.add_argument("--seed", type=int, default=0)
