@@ -14,8 +14,11 @@ from benchmarks.tune_forward import time_ms
 
 
 # (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages)
-CONFIGS = [(64, 64, 64, 64, 4, 2), (64, 64, 64, 128, 8, 2), (64, 64, 64, 128, 4, 2),
-           (128, 64, 64, 128, 8, 2), (64, 64, 64, 64, 4, 3), (128, 64, 64, 128, 8, 3)]
+# Each entry: (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages), or
+# with two more, the dK/dV kernel's own (warps, stages).
+CONFIGS = [(64, 64, 64, 64, 4, 2), (64, 64, 64, 128, 4, 2, 8, 2), (64, 64, 64, 128, 4, 2, 8, 3),
+           (128, 64, 64, 64, 8, 2, 4, 2), (128, 64, 64, 128, 8, 2, 8, 2),
+           (64, 64, 128, 64, 4, 2, 8, 2), (64, 64, 64, 64, 4, 2, 4, 3)]
 
 
 def main():
@@ -35,9 +38,12 @@ def main():
                    for name, (mask, _) in variants.items()}
     rows = []
     # (dQ block_q, dQ block_kv, dK/dV block_q, dK/dV block_kv, warps, stages)
-    configs = [dict(backward_block_q=a, backward_block_kv=b, backward_dkdv_block_q=c,
-                    backward_dkdv_block_kv=d, backward_num_warps=w, backward_num_stages=st)
-               for a, b, c, d, w, st in CONFIGS]
+    configs = [dict(backward_block_q=c[0], backward_block_kv=c[1], backward_dkdv_block_q=c[2],
+                    backward_dkdv_block_kv=c[3], backward_num_warps=c[4],
+                    backward_num_stages=c[5],
+                    **(dict(backward_dkdv_num_warps=c[6], backward_dkdv_num_stages=c[7])
+                       if len(c) > 6 else {}))
+               for c in CONFIGS]
     for config in configs:
         for name, (_, score_mod) in variants.items():
             def step(q, k, v, d_out, bm, config=config, score_mod=score_mod):

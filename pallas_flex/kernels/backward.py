@@ -346,7 +346,9 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
         out_shape=[jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), dkdv_dtype),
                    jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
                                         dkdv_dtype)],
-        compiler_params=compiler_params,
+        compiler_params=plgpu.CompilerParams(
+            num_warps=options.backward_dkdv_num_warps or options.backward_num_warps,
+            num_stages=options.backward_dkdv_num_stages or options.backward_num_stages),
         interpret=interpret,
         name="flex_attention_backward_dkdv",
     )(q_p, k_p, v_p, d_out_p, lse_log2, delta, *q_tables, *mask_inputs, *score_inputs)

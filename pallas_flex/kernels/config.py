@@ -18,7 +18,8 @@ class KernelOptions:
     num_warps, num_stages: Triton warps per program and software-pipelining depth.
     backward_block_q, backward_block_kv: tiles of the dQ kernel (owns a query tile,
       walks KV tiles); backward_dkdv_block_q, backward_dkdv_block_kv: tiles of the dK/dV
-      kernel (owns a KV tile, walks query tiles); backward_num_warps/num_stages: both.
+      kernel (owns a KV tile, walks query tiles); backward_num_warps/num_stages: both,
+      unless backward_dkdv_num_warps/num_stages (0 = same) set the dK/dV kernel's.
     decode_max_q_len: queries this short (and within one BlockMask query block) run
       the split-KV decode kernel instead of the forward kernel.
     decode_block_kv: KV rows per decode tile (0 = by head dim: 128 up to D 128, 64 up
@@ -40,6 +41,8 @@ class KernelOptions:
     backward_dkdv_block_kv: int = 64
     backward_num_warps: int = 4
     backward_num_stages: int = 2
+    backward_dkdv_num_warps: int = 0
+    backward_dkdv_num_stages: int = 0
     decode_max_q_len: int = 16
     decode_block_kv: int = 0
     decode_num_splits: int = 0
@@ -94,7 +97,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         raise ValueError(f"kernel_options['decode_block_kv'] must be 0 (automatic) or a power "
                          f"of two, got {size!r}")
     for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages",
-                 "paged_num_stages"):
+                 "paged_num_stages", "backward_dkdv_num_warps", "backward_dkdv_num_stages"):
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
