@@ -187,6 +187,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
     num_splits = options.decode_num_splits or -(-_TARGET_PROGRAMS // (batch * num_head_programs))
+    if interpret and not options.decode_num_splits:
+        num_splits = min(num_splits, 4)  # the interpreter runs programs one by one
     num_splits = max(1, min(num_splits, block_mask.num_blocks[1] * (mask_block_kv // block_kv)))
 
     num_stages = options.decode_num_stages
