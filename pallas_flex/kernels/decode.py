@@ -91,6 +91,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
 
     def visit_tile(tile_start, state, masked):
         kv_position = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+        # Pages: every tile checks the row's length. Contiguous: only partial tiles, and
+        # every tile when the length is not a whole number of tiles.
         in_length = kv_position < kv_length if (paged or mask_every_tile or masked) else None
         keys = [load_tile(k_ref, tile_start, in_length, start, width) for start, width in dim_chunks]
         values = [load_tile(v_ref, tile_start, in_length, start, width)

@@ -75,8 +75,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             v = v_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, Dv]
             scores = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
-        else:  # positions past the row's length are masked on every tile
-            valid = (kv_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)) < kv_length
+        else:
+            # Full tiles lie inside the row's length (paged_flex_attention clips the
+            # BlockMask to it): only partial tiles check the length, as the mask does.
+            valid = None
+            if masked:
+                valid = (kv_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+                         ) < kv_length
             keys = [load_paged(k_ref, kv_start, valid, *chunk) for chunk in dim_chunks]
             v = [load_paged(v_ref, kv_start, valid, *chunk) for chunk in value_chunks]
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
@@ -95,8 +100,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             if paged is not None:
                 keep = keep & (kv_idx < kv_length)
             scores = jnp.where(keep, scores, -jnp.inf)
-        elif paged is not None:
-            scores = jnp.where(kv_idx < kv_length, scores, -jnp.inf)
         if paged is not None:
             return online_softmax.update_chunks(state, scores, v, precision)
         return online_softmax.update(state, scores, v, precision)
@@ -136,7 +139,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
     Paged (page_table given): k/v are pages [num_pages, Hkv, page_size, D/Dv] read in
     place through page_table [B, max_pages] (-1 = none), positions >= lengths[b] masked;
-    Skv is the BlockMask's (logical) KV_LEN.
+    Skv is the BlockMask's (logical) KV_LEN. Its *full* blocks must lie below lengths[b]
+    (`paged_flex_attention` clips the BlockMask so): only partial tiles check lengths.
     """
     paged = page_table is not None
     batch, q_len, q_heads, head_dim = q.shape

@@ -127,3 +127,17 @@ def test_paged_errors():
         paged_flex_attention(good, cache, block_mask=pf.create_block_mask(None, None, None, 1, 64))
     with pytest.raises(ValueError, match="no gradients"):
         jax.grad(lambda q: paged_flex_attention(q, cache, backend="interpret").sum())(good)
+
+
+def test_clip_block_mask_to_lengths_drops_and_demotes_blocks():
+    from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL
+    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths
+
+    block_mask = pf.create_block_mask(None, None, None, 16, 64, block_size=16)  # all full
+    clipped = clip_block_mask_to_lengths(block_mask, jnp.asarray([64, 20, 0], jnp.int32))
+    state = np.asarray(clipped.block_state())
+    assert state.shape == (3, 1, 1, 4)
+    np.testing.assert_array_equal(state[0, 0, 0], [FULL] * 4)
+    np.testing.assert_array_equal(state[1, 0, 0], [FULL, PARTIAL, EMPTY, EMPTY])
+    np.testing.assert_array_equal(state[2, 0, 0], [EMPTY] * 4)
+    np.testing.assert_array_equal(np.asarray(clipped.q_num_blocks)[1, 0], [0, 1, 0, 0])
