@@ -20,6 +20,8 @@ from flax.nnx.nn.linear import default_kernel_init
 from pallas_flex.api import attention, flex_attention
 from pallas_flex.masks.combinators import and_masks
 from pallas_flex.masks.offset import offset, offset_score
+from pallas_flex.paged.cache import PagedKVCache
+from pallas_flex.paged.flex_attention import paged_flex_attention
 
 
 def _compose_score_mods(first, second):
@@ -91,13 +93,13 @@ class FlexMultiHeadAttention(nnx.Module):
     positions by `pallas_flex.masks.offset`. Positions are traced arrays, so advancing a
     token never recompiles.
 
-    Extension point (paged decode, not implemented yet): `_decode_attention` is the only
-    code that knows the cache layout. A `pallas_flex.paged.PagedKVCache` held in an
-    `nnx.Cache` replaces its two steps one for one: `_append_to_cache` becomes
-    `cache.assign_batch(positions, key, value, input_lengths)`, and the attention over
-    the whole contiguous cache becomes `pallas_flex.paged.paged_flex_attention(query,
-    cache, mask_mod=..., score_mod=...)` with the same shifted mods (the paged op masks
-    positions past each row's length itself).
+    Paged decoding: `init_paged_cache(num_pages, page_size, batch_size,
+    max_pages_per_seq)` holds a `pallas_flex.paged.PagedKVCache` instead (`paged_cache`;
+    its `lengths` are the rows' filled lengths). A decode call reserves pages for the new
+    tokens of each row (lowest free pages first), writes them with `assign_batch`, and
+    attends with `pallas_flex.paged.paged_flex_attention`, the pages read in place.
+    Running out of pages is a `ValueError` eagerly, a checkify check under `jit`.
+    `erase_rows(rows)` frees the pages of finished requests.
 
     Example:
       >>> layer = FlexMultiHeadAttention(num_heads=4, in_features=64, rngs=nnx.Rngs(0))
@@ -162,6 +164,33 @@ class FlexMultiHeadAttention(nnx.Module):
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
+        self.paged_cache: nnx.Cache | None = nnx.data(None)
+
+    def init_paged_cache(self, num_pages: int, page_size: int, batch_size: int,
+                         max_pages_per_seq: int, dtype=None):
+        """Creates an empty paged decode cache (replacing a contiguous one).
+
+        Args:
+          num_pages, page_size: the page pool, `[num_pages, Hkv, page_size, D]` for keys
+            and for values.
+          batch_size: rows B of the decode calls; max_pages_per_seq: pages a row may hold.
+          dtype: as in `init_cache`.
+        """
+        dtype = dtype or self.dtype or self.param_dtype
+        self.paged_cache = nnx.Cache(PagedKVCache.create(
+            num_pages=num_pages, page_size=page_size, max_batch=batch_size,
+            max_pages_per_seq=max_pages_per_seq, kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=dtype))
+        self.cached_key = self.cached_value = self.cache_index = None
+
+    def erase_rows(self, rows):
+        """Frees the paged cache's pages of the given rows (finished requests)."""
+        if self.paged_cache is None:
+            raise ValueError("erase_rows needs a paged cache: call init_paged_cache first")
+        cache = self.paged_cache.get_value()
+        for row in rows:
+            cache = cache.erase(row)
+        self.paged_cache.set_value(cache)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None):
         """Creates an empty contiguous decode cache.
@@ -177,6 +206,7 @@ class FlexMultiHeadAttention(nnx.Module):
         self.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
         self.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
         self.cache_index = nnx.Cache(jnp.zeros((batch_size,), jnp.int32))
+        self.paged_cache = None
 
     def __call__(self, inputs_q: jax.Array, inputs_k: jax.Array | None = None,
                  inputs_v: jax.Array | None = None, *, mask_mod: Callable | None = None,
@@ -241,16 +271,18 @@ class FlexMultiHeadAttention(nnx.Module):
 
     def _decode_attention(self, query, key, value, mask_mod, score_mod, block_mask,
                           input_lengths):
-        if self.cached_key is None:
+        if self.cached_key is None and self.paged_cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
-                             "max_length) first")
+                             "max_length) or init_paged_cache(...) first")
         if block_mask is not None:
             raise ValueError("block_mask is not accepted with decode=True: pass mask_mod, "
                              "which the layer shifts to each row's cache position")
         batch, new_len = query.shape[:2]
-        if batch != self.cached_key.shape[0]:
+        cache_batch = (self.paged_cache.get_value().max_batch if self.paged_cache is not None
+                       else self.cached_key.shape[0])
+        if batch != cache_batch:
             raise ValueError(f"decode inputs have batch {batch}, but the cache was "
-                             f"initialized for batch_size={self.cached_key.shape[0]}")
+                             f"initialized for batch_size={cache_batch}")
         if input_lengths is None:
             input_lengths = jnp.full((batch,), new_len, jnp.int32)
         input_lengths = jnp.asarray(input_lengths)
@@ -258,6 +290,9 @@ class FlexMultiHeadAttention(nnx.Module):
                                                                  jnp.integer):
             raise ValueError(f"input_lengths must be an int array of shape [B] = ({batch},), "
                              f"got {input_lengths.dtype} {input_lengths.shape}")
+        if self.paged_cache is not None:
+            return self._paged_decode_attention(query, key, value, mask_mod, score_mod,
+                                                input_lengths)
         positions = self.cache_index[...]
         keys, values, filled = self._append_to_cache(key, value, positions, input_lengths)
         masks = [_filled_mask(filled)]
@@ -278,3 +313,22 @@ class FlexMultiHeadAttention(nnx.Module):
         self.cached_value[...] = values
         self.cache_index[...] = filled
         return keys, values, filled
+
+    def _paged_decode_attention(self, query, key, value, mask_mod, score_mod, input_lengths):
+        cache = self.paged_cache.get_value()
+        positions = cache.lengths
+        filled = positions + input_lengths.astype(jnp.int32)
+        for row in range(cache.max_batch):  # pages for the new tokens, lowest free first
+            cache = cache.reserve(row, filled[row])
+        cache = cache.assign_batch(positions, key.astype(cache.dtype),
+                                   value.astype(cache.dtype), input_lengths)
+        self.paged_cache.set_value(cache)
+        if mask_mod is not None:
+            mask_mod = offset(mask_mod, positions)
+        if score_mod is not None:
+            score_mod = offset_score(score_mod, positions)
+        backend = self.backend
+        return paged_flex_attention(
+            query.astype(cache.dtype), cache, mask_mod=mask_mod, score_mod=score_mod,
+            backend=backend, kernel_options=(None if self.kernel_options is None
+                                             else dict(self.kernel_options)))

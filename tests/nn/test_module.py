@@ -230,3 +230,39 @@ def test_call_errors():
         layer(x, decode=True, input_lengths=jnp.array([1.0]))
     with pytest.raises(ValueError, match="input_lengths"):
         layer(x, input_lengths=jnp.array([1]))
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_paged_decoding_equals_full_forward(backend):
+    """Ragged prompts, then one token per row, through a PagedKVCache (pages of 4, so
+    rows span several non-adjacent pages); the kernels read the pages in place."""
+    layer = _build(lambda: FlexMultiHeadAttention(
+        HEADS, FEATURES, num_kv_heads=2, backend=backend, score_bias=LearnableAlibi(HEADS),
+        kernel_options=SMALL_TILES, rngs=nnx.Rngs(7)))
+    x = _inputs(8, length=12)
+    full = layer(x, mask_mod=DECODE_MASK)
+    layer.init_paged_cache(num_pages=10, page_size=4, batch_size=2, max_pages_per_seq=4)
+    decode = nnx.jit(lambda layer, inputs, lengths: layer(
+        inputs, mask_mod=DECODE_MASK, decode=True, input_lengths=lengths))
+    prompt_lengths = jnp.array([3, 7])
+    prefill = decode(layer, x[:, :7], prompt_lengths)
+    np.testing.assert_allclose(prefill[1], full[1, :7], atol=2e-5)
+    np.testing.assert_allclose(prefill[0, :3], full[0, :3], atol=2e-5)
+    rows = jnp.arange(2)
+    for step in range(4):
+        positions = prompt_lengths + step
+        out = decode(layer, x[rows, positions][:, None], jnp.ones((2,), jnp.int32))
+        np.testing.assert_allclose(out[:, 0], full[rows, positions], atol=2e-5)
+    cache = layer.paged_cache.get_value()
+    np.testing.assert_array_equal(cache.lengths, [7, 11])
+    assert int(cache.num_free_pages) == 10 - 2 - 3
+    layer.erase_rows([0])
+    assert int(layer.paged_cache.get_value().num_free_pages) == 10 - 3
+
+
+def test_paged_decoding_out_of_pages_is_a_clear_error():
+    layer = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
+                                                  rngs=nnx.Rngs(0)))
+    layer.init_paged_cache(num_pages=2, page_size=4, batch_size=2, max_pages_per_seq=4)
+    with pytest.raises(ValueError, match="page"):
+        layer(_inputs(1, length=6), decode=True)
