@@ -6,8 +6,9 @@ cache (right-padded, with `input_lengths` saying how much of each row is real), 
 step decodes one token per row at that row's own position. Positions are traced arrays,
 so no step recompiles.
 
-Every generated token is checked against a reference without a cache: the full causal
-forward of each row's whole sequence so far, at every step.
+The same generation then runs on a paged cache (`PagedKVCache`, pages read in place by
+the kernels). Every generated token of both is checked against a reference without a
+cache: the full causal forward of each row's whole sequence so far, at every step.
 
     python -m examples.generate                     # toy size, CPU
     python -m examples.generate --size large        # on a GPU
@@ -42,13 +43,18 @@ def decode_step(model, tokens, positions):
                  decode=True)[:, 0]
 
 
-def generate_cached(model, prompts, num_new_tokens):
-    """Greedy continuation of each prompt through the decode cache -> int [B, new]."""
+def generate_cached(model, prompts, num_new_tokens, page_size=None):
+    """Greedy continuation of each prompt through the decode cache -> int [B, new].
+    page_size: None for the contiguous cache, else a PagedKVCache with pages this big."""
     lengths = np.array([len(prompt) for prompt in prompts], np.int32)
     padded = np.zeros((len(prompts), lengths.max()), np.int32)
     for row, prompt in enumerate(prompts):
         padded[row, :len(prompt)] = prompt
-    model.init_cache(len(prompts), int(lengths.max()) + num_new_tokens)
+    max_length = int(lengths.max()) + num_new_tokens
+    if page_size is None:
+        model.init_cache(len(prompts), max_length)
+    else:
+        model.init_paged_cache(len(prompts), max_length, page_size)
     next_tokens = jnp.argmax(prefill(model, jnp.asarray(padded), jnp.asarray(lengths)), -1)
     generated, positions = [next_tokens], jnp.asarray(lengths)
     for _ in range(num_new_tokens - 1):
@@ -83,11 +89,14 @@ def generate_without_cache(model, prompts, num_new_tokens):
 
 
 def main(argv=None):
-    """Trains, generates, checks; returns (generated, reference, expected) int arrays
-    [num_prompts, new_tokens]: cached, uncached, and the true continuations."""
+    """Trains, generates, checks; returns (generated, reference, expected, paged) int
+    arrays [num_prompts, new_tokens]: cached, uncached, the true continuations, and the
+    paged-cache generation."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     train_gpt_packed.add_arguments(parser)
     parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--page-size", type=int, default=4,
+                        help="page size of the paged-cache generation")
     parser.set_defaults(steps=150, log_every=50)
     args = parser.parse_args(argv)
     config = train_gpt_packed.config_from_args(args)
@@ -105,6 +114,7 @@ def main(argv=None):
     expected = np.stack([document[length:] for document, length
                          in zip(documents, prompt_lengths)])
     generated = generate_cached(model, prompts, args.new_tokens)
+    paged = generate_cached(model, prompts, args.new_tokens, page_size=args.page_size)
     reference = generate_without_cache(model, prompts, args.new_tokens)
     for prompt, tokens, truth in zip(prompts, generated, expected):
         print(f"prompt {prompt.tolist()} -> {tokens.tolist()}"
@@ -113,7 +123,11 @@ def main(argv=None):
         raise SystemExit("cached generation differs from the full-forward reference:\n"
                          f"{generated}\nvs\n{reference}")
     print("cached generation matches the full-forward reference token for token")
-    return generated, reference, expected
+    if not np.array_equal(paged, reference):
+        raise SystemExit("paged-cache generation differs from the full-forward reference:\n"
+                         f"{paged}\nvs\n{reference}")
+    print(f"paged-cache generation (pages of {args.page_size}) matches it too")
+    return generated, reference, expected, paged
 
 
 if __name__ == "__main__":

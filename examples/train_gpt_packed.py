@@ -107,6 +107,14 @@ class GPT(nnx.Module):
         for block in self.blocks:
             block.attention.init_cache(batch_size, max_length)
 
+    def init_paged_cache(self, batch_size: int, max_length: int, page_size: int):
+        """A paged cache per layer, with pages for every row's max_length tokens (a
+        server would share one pool among more requests than fit at once)."""
+        pages_per_row = -(-max_length // page_size)
+        for block in self.blocks:
+            block.attention.init_paged_cache(batch_size * pages_per_row, page_size,
+                                             batch_size, pages_per_row)
+
 
 def arithmetic_document(rng: np.random.Generator, length: int, vocab_size: int) -> np.ndarray:
     """[BOS, a, a+d, a+2d, ...] over the tokens 1..vocab_size-1; `length` tokens."""

@@ -28,7 +28,8 @@ def test_training_lowers_the_loss_and_cached_generation_matches_reference(capsys
     assert np.mean(losses[-5:]) < 0.6 * np.mean(losses[:5])
 
     # Same toy config, so the jitted training step compiled above is reused.
-    generated, reference, expected = generate.main(steps + ["--new-tokens", "6"])
+    generated, reference, expected, paged = generate.main(steps + ["--new-tokens", "6"])
     np.testing.assert_array_equal(generated, reference)
+    np.testing.assert_array_equal(paged, reference)
     assert generated.shape == expected.shape == (4, 6)
     assert "matches the full-forward reference" in capsys.readouterr().out
