@@ -14,7 +14,7 @@ from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
-NOTEBOOK_NAMES = ("quickstart.ipynb", "training.ipynb", "benchmarks.ipynb")
+NOTEBOOK_NAMES = ("quickstart.ipynb", "training.ipynb", "serving.ipynb", "benchmarks.ipynb")
 CELL_TIMEOUT_S = 120
 
 
