@@ -126,7 +126,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins,
                        num_tokens=query.shape[0], num_blocks=key_cache.shape[0],
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
-    return _paged_attention_xla(
+    return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
         aggregation_window, return_scores=bool(return_scores), backend=backend)
@@ -352,7 +352,7 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 
 
 @functools.partial(jax.jit, static_argnames=("return_scores", "backend"))
-def _paged_attention_xla(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
+def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
                          alibi_slopes, aggregation_window, *, return_scores, backend="xla"):
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
