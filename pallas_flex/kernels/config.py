@@ -27,6 +27,8 @@ class KernelOptions:
       enough to fill the GPU); decode_num_warps/num_stages: decode launch parameters
       (num_stages 0 = 3 on contiguous K/V when three tiles fit in shared memory, else 2:
       deeper pipelining stalls on the page-table reads of a paged cache).
+    decode_max_rows: query rows (heads x positions) per decode program (0 = as many as
+      keep the [rows, Dv] float32 accumulator within 64 KiB).
     paged_num_stages: pipelining depth of the forward kernel on a paged cache (0 = by
       page size, measured on the H100).
     """
@@ -48,6 +50,7 @@ class KernelOptions:
     decode_num_splits: int = 0
     decode_num_warps: int = 4
     decode_num_stages: int = 0
+    decode_max_rows: int = 0
     paged_num_stages: int = 0
 
     def replace(self, **changes) -> "KernelOptions":
@@ -96,7 +99,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if isinstance(size, bool) or not isinstance(size, int) or size < 0 or size & (size - 1):
         raise ValueError(f"kernel_options['decode_block_kv'] must be 0 (automatic) or a power "
                          f"of two, got {size!r}")
-    for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages",
+    for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages", "decode_max_rows",
                  "paged_num_stages", "backward_dkdv_num_warps", "backward_dkdv_num_stages"):
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:

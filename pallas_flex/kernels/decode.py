@@ -171,7 +171,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     # The accumulator [rows, Dv] lives in registers: at most 64 KiB of it per program
     # (128 query heads of latent attention, Dv 512, become 4 programs of 32 rows).
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
-    max_rows = max(_MIN_ROWS, min(128, 16384 // padded_value_dim))
+    max_rows = (options.decode_max_rows
+                or max(_MIN_ROWS, min(128, 16384 // padded_value_dim)))
     heads_per_program = 1
     if broadcast_heads:
         heads_per_program = max([d for d in range(1, group + 1)
