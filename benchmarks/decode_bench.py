@@ -239,11 +239,6 @@ def tb_per_s(num_bytes: int, ms: float | None) -> float | None:
     return num_bytes / (ms * 1e-3) / 1e12
 
 
-def _error_text(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) < 600 else text[:600] + " ..."
-
-
 # -- the JAX side (runs in a child process) ------------------------------------------------------
 
 def jax_decode_mods(variant: str, positions, slopes):
@@ -302,7 +297,7 @@ def _paged_module():
             from jax.experimental.pallas.ops.gpu import paged_attention
         return paged_attention, None
     except Exception as error:
-        return None, _error_text(error)
+        return None, bench_run.error_text(error)
 
 
 def to_paged_layout(k, v, page_size: int, seed: int = INPUT_SEED):
@@ -367,7 +362,7 @@ class JaxRows:
                 difference = jnp.abs(out.astype(jnp.float32) - ours_out.astype(jnp.float32))
                 row[name]["max_abs_diff_vs_ours"] = float(jnp.max(difference))
         except Exception as error:
-            row[name] = {"status": "unsupported", "error": _error_text(error)}
+            row[name] = {"status": "unsupported", "error": bench_run.error_text(error)}
             traceback.print_exc()
 
 
@@ -405,7 +400,7 @@ def jax_decode_rows(shape: DecodeShape, variants, rows: JaxRows):
             row["ours_samples"] = np.asarray(
                 ours_out[samples].astype(jnp.float32)).tolist()
         except Exception as error:  # One broken variant must not end the run.
-            row["ours"] = {"error": _error_text(error)}
+            row["ours"] = {"error": bench_run.error_text(error)}
             traceback.print_exc()
 
         if not rows.on_gpu:
@@ -484,7 +479,7 @@ def jax_cascade_rows(shape: CascadeShape, variants, rows: JaxRows):
             try:
                 row[name], outs[name] = rows.timed(jax.jit(step), step_args, num_bytes)
             except Exception as error:
-                row[name] = {"error": _error_text(error)}
+                row[name] = {"error": bench_run.error_text(error)}
                 traceback.print_exc()
         if len(outs) == 2:
             difference = jnp.abs(outs["cascade"].astype(jnp.float32)
@@ -629,7 +624,7 @@ def torch_child(args) -> int:
         emit({"row": torch_row(shape, args.child_variants, args)})
     except Exception as error:
         traceback.print_exc()
-        emit({"error": _error_text(error)})
+        emit({"error": bench_run.error_text(error)})
     return 0
 
 
@@ -735,45 +730,24 @@ def run_torch(args, workdir: Path, rows: list[dict]) -> dict:
     return environment
 
 
-def _ms(entry):
-    return entry.get("ms") if isinstance(entry, dict) else None
-
-
-def _ratio(numerator, denominator):
-    if numerator is None or denominator is None or not denominator > 0:
-        return None
-    return numerator / denominator
-
-
 def add_comparisons(row: dict) -> None:
     """Ratios to ours, and torch's sampled outputs against ours (after merging, so that a
     torch-only run appended to a JAX run's file compares with that run's outputs)."""
     if row["group"] == "cascade":
         return
-    ours = _ms(row.get("ours"))
+    ours = bench_run.entry_ms(row.get("ours"))
     for name in ("cudnn", "paged", "torch"):
-        row[f"{name}_ms_over_ours_ms"] = _ratio(_ms(row.get(name)), ours)
+        row[f"{name}_ms_over_ours_ms"] = bench_run.ms_ratio(
+            bench_run.entry_ms(row.get(name)), ours)
     ours_samples, torch_samples = row.get("ours_samples"), row.get("torch_samples")
     if ours_samples and torch_samples and "ms" in row["torch"]:
         row["torch"]["max_abs_diff_vs_ours_samples"] = max(
             abs(a - b) for a, b in zip(ours_samples, torch_samples))
 
 
-def _time_cell(entry) -> str:
-    if not isinstance(entry, dict):
-        return "n/a"
-    if "ms" in entry:
-        return f"{entry['ms']:.3f}"
-    return {"inexpressible": "-"}.get(entry.get("status"), entry.get("status", "error"))
-
-
 def _bandwidth_cell(entry) -> str:
     value = entry.get("tb_per_s") if isinstance(entry, dict) else None
     return "-" if value is None else f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"
-
-
-def _ratio_cell(value) -> str:
-    return "-" if value is None else f"{value:.2f}x"
 
 
 def _difference_cell(value) -> str:
@@ -809,13 +783,14 @@ def format_tables(rows: list[dict]) -> list[str]:
         for row in decode_rows:
             ours = row.get("ours") if "ours" in row else {"status": "failed"}
             table.append([
-                row["shape"]["label"], row["variant"], _time_cell(ours), _bandwidth_cell(ours),
-                _time_cell(row.get("cudnn")), _bandwidth_cell(row.get("cudnn")),
-                _time_cell(row.get("paged")), _time_cell(row.get("torch")),
+                row["shape"]["label"], row["variant"], bench_run.time_cell(ours),
+                _bandwidth_cell(ours),
+                bench_run.time_cell(row.get("cudnn")), _bandwidth_cell(row.get("cudnn")),
+                bench_run.time_cell(row.get("paged")), bench_run.time_cell(row.get("torch")),
                 _bandwidth_cell(row.get("torch")),
-                _ratio_cell(row.get("cudnn_ms_over_ours_ms")),
-                _ratio_cell(row.get("paged_ms_over_ours_ms")),
-                _ratio_cell(row.get("torch_ms_over_ours_ms")),
+                bench_run.ratio_cell(row.get("cudnn_ms_over_ours_ms")),
+                bench_run.ratio_cell(row.get("paged_ms_over_ours_ms")),
+                bench_run.ratio_cell(row.get("torch_ms_over_ours_ms")),
                 _difference_cell(_largest_difference(row))])
         lines += _render(table)
     cascade_rows = [row for row in rows if row["group"] == "cascade"]
@@ -825,10 +800,10 @@ def format_tables(rows: list[dict]) -> list[str]:
         for row in cascade_rows:
             table.append([
                 row["shape"]["label"], row["variant"],
-                _time_cell(row.get("cascade", {"status": "failed"})),
+                bench_run.time_cell(row.get("cascade", {"status": "failed"})),
                 _bandwidth_cell(row.get("cascade")),
-                _time_cell(row.get("concatenated", {"status": "failed"})),
-                _bandwidth_cell(row.get("concatenated")), _ratio_cell(row.get("speedup")),
+                bench_run.time_cell(row.get("concatenated", {"status": "failed"})),
+                _bandwidth_cell(row.get("concatenated")), bench_run.ratio_cell(row.get("speedup")),
                 _difference_cell(row.get("max_abs_diff"))])
         lines += [""] + _render(table)
     notes = []
@@ -856,7 +831,8 @@ def _header(info: dict, args, backend) -> list[str]:
         + (" -- DRY RUN (tiny shapes, not timings)" if args.dry_run else ""),
         f"jax {versions['jax']}, jaxlib {versions['jaxlib']}, torch {versions['torch'] or 'n/a'}, "
         f"triton {versions['triton'] or 'n/a'}",
-        f"bf16, Sq = 1 (the query at position S - 1); ours = pf.flex_attention(backend={backend!r}) "
+        "bf16, Sq = 1 (the query at position S - 1); "
+        f"ours = pf.flex_attention(backend={backend!r}) "
         "with the step's BlockMask built once outside the timed call (shared by a model's "
         "layers); cuDNN = jax.nn.dot_product_attention("
         "implementation='cudnn') (causal as kv_seq_lengths = S); paged = jax.experimental."

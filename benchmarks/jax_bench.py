@@ -25,6 +25,7 @@ the warm-up says that would exceed `--time-budget-s`: only slow CPU paths).
 from __future__ import annotations
 
 import argparse
+import datetime
 import functools
 import importlib.metadata
 import json
@@ -41,6 +42,7 @@ import numpy as np
 
 import pallas_flex as pf
 from benchmarks import suites
+from benchmarks.run import error_text
 
 
 # -- the variants as jnp mods (scalar semantics, as a user would write them) --------------
@@ -201,11 +203,6 @@ def time_calls(fn, args, *, iters: int, repeats: int, warmup: int = 2,
     return entry, out
 
 
-def _error_text(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) < 600 else text[:600] + " ..."
-
-
 def _as_tuple(result):
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 
@@ -277,7 +274,7 @@ def bench_one(shape, variant, inputs, samples, args, backend, on_gpu):
         if picked:
             row["ours_grad_samples"] = picked
     except Exception as error:  # One broken variant must not end the run.
-        row["ours"] = {"error": _error_text(error)}
+        row["ours"] = {"error": error_text(error)}
         traceback.print_exc()
 
     def reference(name, build, fn_args, failed_status="unsupported"):
@@ -288,7 +285,7 @@ def bench_one(shape, variant, inputs, samples, args, backend, on_gpu):
                 row[name].update(compare(ours_out, result, names))
             del result
         except Exception as error:
-            row[name] = {"error": _error_text(error)}
+            row[name] = {"error": error_text(error)}
             if failed_status:
                 row[name]["status"] = failed_status
 
@@ -323,6 +320,13 @@ def bench_one(shape, variant, inputs, samples, args, backend, on_gpu):
             reference("xla", lambda: build_ours(score_mod, "xla"),
                       (q, k, v, d_out, block_mask), failed_status=None)
     return row
+
+
+def write_rows(path, rows) -> None:
+    """A sweep's rows as JSON, with the device, versions and date they were taken on."""
+    with open(path, "w") as f:
+        json.dump(dict(environment=environment(), date=str(datetime.date.today()), rows=rows),
+                  f, indent=1)
 
 
 def environment() -> dict:

@@ -7,7 +7,6 @@ and prefill (Sq 2048 new tokens after 6144 cached, B4, Hq 16, Hkv 16, causal) at
 sizes 16, 64, 128. The overhead is paged ms / contiguous ms - 1.
 """
 import argparse
-import datetime
 import json
 
 import jax
@@ -15,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
-from benchmarks.jax_bench import environment
+from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import masks
 from pallas_flex.paged.cache import PagedKVCache
@@ -74,11 +73,10 @@ def main():
                                              - out_contiguous.astype(jnp.float32))))
             rows.append(dict(case=name, layout=f"paged{page_size}", ms=ms, kernel_options=options,
                              overhead=ms / base_ms - 1, max_abs_diff=max_diff))
-            print(f"{name} page_size {page_size} {ms:.4f} ms overhead {100 * (ms / base_ms - 1):+.1f}% "
-                  f"max|diff| {max_diff:.2e}", flush=True)
+            print(f"{name} page_size {page_size} {ms:.4f} ms "
+                  f"overhead {100 * (ms / base_ms - 1):+.1f}% max|diff| {max_diff:.2e}", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), date=str(datetime.date.today()), rows=rows), f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -6,14 +6,12 @@ bf16, Hq 32, Hkv 8, D 128, block (page) size 16, pages shuffled. Bandwidth count
 K/V bytes each sequence's tokens must read at least once (its whole history + new).
 """
 import argparse
-import datetime
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.jax_bench import environment
+from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import paged
 
@@ -72,9 +70,7 @@ def main():
             a, b = (x.astype(jnp.float32) for x in outputs.values())
             print(f"{name}: max |pallas - xla| = {float(jnp.max(jnp.abs(a - b))):.3e}")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), date=str(datetime.date.today()),
-                           rows=rows), f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

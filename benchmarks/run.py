@@ -99,14 +99,21 @@ def _key(row):
     return row["shape"]["name"], row["variant"]["name"]
 
 
-def _ms(entry):
+# Shared by the harnesses (jax-free): a timing entry is {"ms": ...} or a status/error.
+
+def entry_ms(entry):
     return entry.get("ms") if isinstance(entry, dict) else None
 
 
-def _ratio(numerator_ms, denominator_ms):
+def ms_ratio(numerator_ms, denominator_ms):
     if numerator_ms is None or denominator_ms is None or not denominator_ms > 0:
         return None
     return numerator_ms / denominator_ms
+
+
+def error_text(error: BaseException) -> str:
+    text = f"{type(error).__name__}: {error}"
+    return text if len(text) < 600 else text[:600] + " ..."
 
 
 def _grad_sample_differences(ours: dict | None, theirs: dict | None) -> dict:
@@ -149,18 +156,18 @@ def merge(jax_result: dict, torch_result: dict) -> list[dict]:
                     abs(a - b) for a, b in zip(ours_samples, torch_samples))
             row["torch"].update(_grad_sample_differences(
                 jax_row.get("ours_grad_samples"), torch_row.get("torch_grad_samples")))
-        ours_ms = _ms(row.get("ours"))
-        row["torch_ms_over_ours_ms"] = _ratio(_ms(row["torch"]), ours_ms)
-        row["cudnn_ms_over_ours_ms"] = _ratio(_ms(row.get("cudnn")), ours_ms)
+        ours_ms = entry_ms(row.get("ours"))
+        row["torch_ms_over_ours_ms"] = ms_ratio(entry_ms(row["torch"]), ours_ms)
+        row["cudnn_ms_over_ours_ms"] = ms_ratio(entry_ms(row.get("cudnn")), ours_ms)
         if "jax_mha" in row:
-            row["jax_mha_ms_over_ours_ms"] = _ratio(_ms(row["jax_mha"]), ours_ms)
+            row["jax_mha_ms_over_ours_ms"] = ms_ratio(entry_ms(row["jax_mha"]), ours_ms)
         merged.append(row)
     return merged
 
 
 # -- the table ---------------------------------------------------------------------------------
 
-def _time_cell(entry) -> str:
+def time_cell(entry) -> str:
     if not isinstance(entry, dict):
         return "n/a"
     if "ms" in entry:
@@ -168,7 +175,7 @@ def _time_cell(entry) -> str:
     return {"inexpressible": "-"}.get(entry.get("status"), entry.get("status", "error"))
 
 
-def _ratio_cell(value) -> str:
+def ratio_cell(value) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
@@ -212,17 +219,17 @@ def format_table(rows: list[dict], header: list[str]) -> str:
             suites.Shape(**row["shape"]).label,
             row["variant"]["name"],
             f"{row['density']:.3f}",
-            _time_cell(ours),
+            time_cell(ours),
             "-" if tflops is None else f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
-            _time_cell(row.get("cudnn")),
-            _time_cell(row.get("torch")),
-            _ratio_cell(row.get("torch_ms_over_ours_ms")),
-            _ratio_cell(row.get("cudnn_ms_over_ours_ms")),
+            time_cell(row.get("cudnn")),
+            time_cell(row.get("torch")),
+            ratio_cell(row.get("torch_ms_over_ours_ms")),
+            ratio_cell(row.get("cudnn_ms_over_ours_ms")),
         ]
         if with_mha:
-            cells.append(_time_cell(row.get("jax_mha")))
+            cells.append(time_cell(row.get("jax_mha")))
         if with_xla:
-            cells.append(_time_cell(row.get("xla")))
+            cells.append(time_cell(row.get("xla")))
         cells.append("-" if difference is None else
                       f"{difference:.4f}" + (" !" if difference > DISAGREEMENT else ""))
         if with_grads:

@@ -30,6 +30,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention, noop_mask
 
 from benchmarks import suites
+from benchmarks.run import error_text
 
 DEVICE = "cuda"
 DYNAMO_LIMIT = 64  # one compile per (shape, variant); the default of 8 is far too low
@@ -145,11 +146,6 @@ OUTPUT_NAMES = {"fwd": ("out",), "fwd_bwd": ("out", "dq", "dk", "dv")}
 
 # -- one (shape, variant) --------------------------------------------------------------------
 
-def _error_text(error: BaseException) -> str:
-    text = f"{type(error).__name__}: {error}"
-    return text if len(text) < 600 else text[:600] + " ..."
-
-
 def _samples_of(result, names, samples, kv_samples) -> dict:
     """The sampled elements of each returned tensor, keyed by name. Tensors are
     [B, H, S, D]; the samples index [B, S, H, D] (out and dq: query heads; dk, dv: KV
@@ -194,7 +190,7 @@ def bench_one(shape, variant, inputs, samples, args):
             row["torch_grad_samples"] = picked
         del result
     except Exception as error:  # One broken variant must not end the run.
-        row["torch"] = {"error": _error_text(error)}
+        row["torch"] = {"error": error_text(error)}
         traceback.print_exc()
     return row
 

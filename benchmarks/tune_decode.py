@@ -5,14 +5,12 @@ Prints ms and the bandwidth reached reading the KV cache (TB/s) per (shape, opti
 variant), next to cuDNN's `jax.nn.dot_product_attention` on the same inputs.
 """
 import argparse
-import datetime
-import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
-from benchmarks.jax_bench import environment
+from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import masks
 
@@ -71,9 +69,7 @@ def main():
                              tb_per_s=cache_bytes / ms / 1e9))
             print(f"B{batch} S{length} cudnn {name} {ms:.4f} ms {cache_bytes / ms / 1e9:.2f} TB/s")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), date=str(datetime.date.today()), rows=rows), f,
-                      indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

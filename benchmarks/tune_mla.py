@@ -5,14 +5,12 @@ Usage: PYTHONPATH=$PWD python3 benchmarks/tune_mla.py [--out results.json]
 Bandwidth counts K and V as separate arrays (B * S * (576 + 512) * 2 bytes).
 """
 import argparse
-import datetime
-import json
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
-from benchmarks.jax_bench import environment
+from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 
 CONFIGS = [{}, dict(decode_max_rows=64, decode_num_warps=8),
@@ -46,9 +44,7 @@ def main():
             print(f"B{batch} S{length} {config} {ms:.4f} ms {cache_bytes / ms / 1e9:.2f} TB/s",
                   flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(dict(environment=environment(), date=str(datetime.date.today()),
-                           rows=rows), f, indent=1)
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
