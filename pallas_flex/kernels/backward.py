@@ -38,16 +38,8 @@ from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile)
-
-
-def _split_refs(refs, counts):
-    groups, start = [], 0
-    for count in counts:
-        groups.append(refs[start:start + count])
-        start += count
-    groups.append(refs[start:])
-    return groups
+    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile,
+    split_captured_refs)
 
 
 def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
@@ -152,9 +144,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
                  q_indices_ref, full_q_num_blocks_ref, full_q_indices_ref, *refs,
                  mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                  mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads):
-    num_mask = len(mask_program.consts)
-    num_score = len(score_program.consts) if score_program is not None else 0
-    mask_refs, score_refs, (dk_ref, dv_ref) = _split_refs(refs, (num_mask, num_score))
+    mask_refs, score_refs, (dk_ref, dv_ref) = split_captured_refs(refs, mask_program,
+                                                                  score_program)
     kv_tile = pl.program_id(0)
     head, batch = pl.program_id(1), pl.program_id(2)
     table_batch = 0 if broadcast_batch else batch

@@ -33,17 +33,13 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
-from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up
-from pallas_flex.kernels.tile_mods import apply_mask_on_tile, apply_score_on_tile, captured_inputs
+from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
+from pallas_flex.kernels.tile_mods import (
+    apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
 
 # Enough programs to give each of the H100's 132 SMs a few: fewer leaves bandwidth
 # unused at batch 1; many more only adds partial results to merge.
 _TARGET_PROGRAMS = 528
-_MIN_ROWS = 16  # tensor-core tiles have at least 16 rows
-
-
-def _next_power_of_two(x: int) -> int:
-    return 1 << (x - 1).bit_length()
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
@@ -54,11 +50,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-    num_mask_refs = len(mask_program.consts)
-    num_score_refs = len(score_program.consts) if score_program is not None else 0
-    mask_refs = refs[:num_mask_refs]
-    score_refs = refs[num_mask_refs:num_mask_refs + num_score_refs]
-    out_ref, lse_ref = refs[num_mask_refs + num_score_refs:]
+    mask_refs, score_refs, (out_ref, lse_ref) = split_captured_refs(refs, mask_program,
+                                                                    score_program)
 
     batch, program_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first_head = program_head * heads_per_program
@@ -94,7 +87,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         # Pages: every tile checks the row's length. Contiguous: only partial tiles, and
         # every tile when the length is not a whole number of tiles.
         in_length = kv_position < kv_length if (paged or mask_every_tile or masked) else None
-        keys = [load_tile(k_ref, tile_start, in_length, start, width) for start, width in dim_chunks]
+        keys = [load_tile(k_ref, tile_start, in_length, start, width)
+                for start, width in dim_chunks]
         values = [load_tile(v_ref, tile_start, in_length, start, width)
                   for start, width in value_chunks]
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
@@ -172,14 +166,14 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     # (128 query heads of latent attention, Dv 512, become 4 programs of 32 rows).
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
     max_rows = (options.decode_max_rows
-                or max(_MIN_ROWS, min(128, 16384 // padded_value_dim)))
+                or max(16, min(128, 16384 // padded_value_dim)))
     heads_per_program = 1
     if broadcast_heads:
         heads_per_program = max([d for d in range(1, group + 1)
                                  if group % d == 0 and d * q_len <= max_rows], default=1)
     num_head_programs = q_heads // heads_per_program
     rows = heads_per_program * q_len
-    padded_rows = max(_MIN_ROWS, _next_power_of_two(rows))
+    padded_rows = tile_extent(rows)
 
     mask_block_kv = block_mask.block_size[1]
     wide = max(head_dim, value_dim)
@@ -202,7 +196,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     # [B, Sq, Hq, D] -> [B, programs, rows, D], rows ordered (head in group, position).
     q_rows = q.reshape(batch, q_len, num_head_programs, heads_per_program, head_dim)
     q_rows = q_rows.transpose(0, 2, 3, 1, 4).reshape(batch, num_head_programs, rows, head_dim)
-    q_rows = pad_axis(pad_axis(q_rows, 2, padded_rows), 3, _next_power_of_two(padded_dim))
+    q_rows = pad_axis(pad_axis(q_rows, 2, padded_rows), 3, tile_extent(padded_dim))
 
     mask_program = block_mask.mask_mod
     captured = captured_inputs(mask_program) + captured_inputs(score_program)

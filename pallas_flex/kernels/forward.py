@@ -25,7 +25,7 @@ from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, apply_score_on_tile, captured_inputs)
+    apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
@@ -38,11 +38,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     table and per-row lengths follow the BlockMask tables."""
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
-    num_mask_refs = len(mask_program.consts)
-    num_score_refs = len(score_program.consts) if score_program is not None else 0
-    mask_refs = refs[:num_mask_refs]
-    score_refs = refs[num_mask_refs:num_mask_refs + num_score_refs]
-    out_ref, lse_ref = refs[num_mask_refs + num_score_refs:]
+    mask_refs, score_refs, (out_ref, lse_ref) = split_captured_refs(refs, mask_program,
+                                                                    score_program)
 
     q_tile = pl.num_programs(0) - 1 - pl.program_id(0)
     head, batch = pl.program_id(1), pl.program_id(2)

@@ -3,8 +3,9 @@
 A paged cache stores logical position p of batch row b at row p % page_size of page
 `page_table[b, p // page_size]` (pages `[num_pages, Hkv, page_size, D]`). A tile of
 `tile` logical rows is then one slice of one page when page_size is a multiple of
-`tile`, or a gather of rows from the pages it spans otherwise (any page size works). Entries of -1 (no page) read page 0;
-the caller masks those positions (they lie past the row's length).
+`tile`, or a gather of rows from the pages it spans otherwise (any page size works).
+Entries of -1 (no page) read page 0; the caller masks those positions (they lie past
+the row's length).
 """
 
 from __future__ import annotations

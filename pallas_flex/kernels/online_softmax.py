@@ -27,15 +27,9 @@ def initial_state(block_q: int, value_dim: int):
 def update(state, scores_log2, v, precision=None):
     """Folds one tile: scores_log2 [block_q, block_kv] (-inf where masked), v [block_kv, Dv]."""
     running_max, running_sum, accumulator = state
-    new_max = jnp.maximum(running_max, jnp.max(scores_log2, axis=1))
-    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-    correction = jnp.exp2(running_max - safe_max)
-    probabilities = jnp.exp2(scores_log2 - safe_max[:, None])
-    running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
-    accumulator = accumulator * correction[:, None] + jax.lax.dot_general(
-        probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-        preferred_element_type=jnp.float32, precision=precision)
-    return new_max, running_sum, accumulator
+    running_max, running_sum, (accumulator,) = update_chunks(
+        (running_max, running_sum, (accumulator,)), scores_log2, (v,), precision)
+    return running_max, running_sum, accumulator
 
 
 def finalize(state):
@@ -65,7 +59,7 @@ def initial_state_chunks(block_q: int, value_chunks):
 
 
 def update_chunks(state, scores_log2, v_chunks, precision=None):
-    """`update` for v given as column chunks [block_kv, width_i]."""
+    """`update` for v given as column chunks [block_kv, width_i] (one accumulator each)."""
     running_max, running_sum, accumulators = state
     new_max = jnp.maximum(running_max, jnp.max(scores_log2, axis=1))
     safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)

@@ -5,9 +5,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 
+def tile_extent(size: int) -> int:
+    """The power of two >= size and >= 16 (the smallest tensor-core tile): the extent a
+    Triton tile needs for `size` rows or columns."""
+    return max(16, 1 << (size - 1).bit_length())
+
+
 def padded_head_dim(dim: int) -> int:
-    """The power of two >= dim (and >= 16, the smallest tensor-core tile) kernels use."""
-    return max(16, 1 << (dim - 1).bit_length())
+    """The head dim the forward/backward kernels pad to (zeros add nothing to q.k)."""
+    return tile_extent(dim)
 
 
 def pad_axis(x, axis: int, size: int):

@@ -27,10 +27,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
-from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up
+from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
-_MIN_ROWS = 16
 
 
 def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
@@ -55,7 +54,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
     item, kv_head = pl.program_id(0), pl.program_id(1)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
-    end = begins_ref[seq + 1]
+    seq_begin, end = begins_ref[seq], begins_ref[seq + 1]
     num_listed = block_indices_ref.shape[0]
     past = past_lens_ref[seq]
     block_begin = block_begins_ref[seq]
@@ -68,7 +67,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
     token = jnp.minimum(first + token_offset, end - 1)
     token = jnp.maximum(token, 0)
     head = kv_head * group + (lax.rem(row, jnp.int32(group)) if group > 1 else 0 * row)
-    q_position = past + token - begins_ref[seq]  # [rows, 1]
+    q_position = past + token - seq_begin  # [rows, 1]
     window = window_ref[0]
     first_visible = jnp.where(window > 0, jnp.maximum(q_position + 1 - window, 0), 0)
 
@@ -85,9 +84,9 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
         entry = jnp.clip(block_begin + slot, 0, num_listed - 1)
         return block_indices_ref[entry]
 
-    last_position = past + jnp.minimum(first + tokens_per_item, end) - 1 - begins_ref[seq]
+    last_position = past + jnp.minimum(first + tokens_per_item, end) - 1 - seq_begin
     item_first_visible = jnp.where(
-        window > 0, jnp.maximum(past + first - begins_ref[seq] + 1 - window, 0), 0)
+        window > 0, jnp.maximum(past + first - seq_begin + 1 - window, 0), 0)
     first_tile = lax.div(item_first_visible, jnp.int32(block_kv))
     num_tiles = jnp.where(first < end,
                           lax.div(last_position, jnp.int32(block_kv)) + 1 - first_tile, 0)
@@ -151,7 +150,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                 jnp.zeros((0, q_heads), jnp.float32))
     group = q_heads // kv_heads
     tokens_per_item = max(1, _ROWS // group)
-    rows = max(_MIN_ROWS, 1 << (tokens_per_item * group - 1).bit_length())
+    rows = tile_extent(tokens_per_item * group)
     num_seqs = past_lens.shape[0]
     num_items = -(-num_tokens // tokens_per_item) + num_seqs
     work_seq, work_first = work_items(subsequence_begins, tokens_per_item, num_items)

@@ -198,6 +198,15 @@ def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
     return result, vjp, recording.sites
 
 
+def split_captured_refs(refs, mask_program, score_program):
+    """(mask_refs, score_refs, the refs after them): a kernel's inputs for the arrays the
+    mods captured come in `captured_inputs` order, mask_mod's first."""
+    num_mask = len(mask_program.consts)
+    num_score = len(score_program.consts) if score_program is not None else 0
+    return (refs[:num_mask], refs[num_mask:num_mask + num_score],
+            refs[num_mask + num_score:])
+
+
 def captured_inputs(program):
     """The arrays to pass as kernel inputs for `program`'s captured arrays (0-d -> [1])."""
     if program is None:
@@ -236,4 +245,5 @@ class _ShapeOnlyRef:
 
 
 __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "captured_read_positions", "evaluate_jaxpr_on_tiles", "CapturedRef"]
+           "captured_read_positions", "evaluate_jaxpr_on_tiles", "split_captured_refs",
+           "CapturedRef"]
