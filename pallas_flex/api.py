@@ -30,6 +30,28 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+def resolve_backend(backend) -> str:
+    backend = default_backend() if backend is None else backend
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    return backend
+
+
+def build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options):
+    """The BlockMask the one-line entry points build from a mask_mod (None: no mask):
+    per batch row / head only where the mod reads b / h, blocks of 128 unless
+    kernel_options asks for smaller tiles."""
+    program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
+    block_size = _DEFAULT_MASK_BLOCK
+    if kernel_options and isinstance(kernel_options, dict):
+        block_size = (kernel_options.get("block_q", block_size),
+                      kernel_options.get("block_kv", block_size))
+    return create_block_mask(
+        program, batch if program is not None and program.uses_batch else None,
+        q_heads if program is not None and program.uses_head else None, q_len, kv_len,
+        block_size=block_size)
+
+
 def _validate_inputs(q, k, v):
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
@@ -57,7 +79,7 @@ def _validate_inputs(q, k, v):
                          "for grouped-query attention")
 
 
-def _validate_block_mask(block_mask, q, k):
+def validate_block_mask(block_mask, q, k):
     if not isinstance(block_mask, BlockMask):
         raise ValueError(f"block_mask must be a pallas_flex.BlockMask, got "
                          f"{type(block_mask).__name__}")
@@ -74,7 +96,7 @@ def _validate_block_mask(block_mask, q, k):
                          "(query heads)")
 
 
-def _resolve_scale(scale, head_dim):
+def resolve_scale(scale, head_dim):
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, jax.core.Tracer) or not isinstance(scale, (int, float)):
@@ -207,17 +229,15 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     if block_mask is None:
         block_mask = create_block_mask(None, None, None, q_len, k.shape[1],
                                        block_size=_DEFAULT_MASK_BLOCK)
-    _validate_block_mask(block_mask, q, k)
+    validate_block_mask(block_mask, q, k)
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
-    backend = default_backend() if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    backend = resolve_backend(backend)
     options = resolve_options(kernel_options, max(head_dim, v.shape[3]))
     if backend in ("pallas", "interpret"):
         # Mods the tile interpreter cannot run fail here, with a message, not in a kernel.
         captured_read_positions(block_mask.mask_mod)
         captured_read_positions(score_program)
-    config = (backend, _resolve_scale(scale, head_dim), options)
+    config = (backend, resolve_scale(scale, head_dim), options)
     out, lse = _attention(q, k, v, block_mask, score_program, config=config)
     return (out, lse) if return_lse else out
 
@@ -242,15 +262,8 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         # Validate kernel_options before their block sizes become the BlockMask's, so a bad
         # block size is reported against kernel_options rather than block_size.
         resolve_options(kernel_options, max(q.shape[3], v.shape[3]))
-        program = make_mod_program(mask_mod, MASK)
-        block_size = _DEFAULT_MASK_BLOCK
-        if kernel_options and isinstance(kernel_options, dict):
-            block_size = (kernel_options.get("block_q", block_size),
-                          kernel_options.get("block_kv", block_size))
-        block_mask = create_block_mask(
-            program, q.shape[0] if program.uses_batch else None,
-            q.shape[2] if program.uses_head else None, q.shape[1], k.shape[1],
-            block_size=block_size)
+        block_mask = build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                                      kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options)
 

@@ -18,15 +18,14 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flex.api import (
-    BACKENDS, _DEFAULT_MASK_BLOCK, _resolve_scale, _validate_block_mask, default_backend,
-    uses_decode_kernel)
+    build_block_mask, resolve_backend, resolve_scale, uses_decode_kernel, validate_block_mask)
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.kernels.tile_mods import captured_read_positions
-from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask, create_block_mask
-from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask
+from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
 
 
@@ -148,23 +147,12 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
         raise ValueError("pass either mask_mod or block_mask, not both")
     options = resolve_options(kernel_options, max(head_dim, cache.value_dim))
     if block_mask is None:
-        program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
-        block_size = _DEFAULT_MASK_BLOCK
-        if isinstance(kernel_options, dict):  # tiles smaller than a mask block
-            block_size = (kernel_options.get("block_q", block_size),
-                          kernel_options.get("block_kv", block_size))
-        uses_batch = program is not None and program.uses_batch
-        uses_head = program is not None and program.uses_head
-        block_mask = create_block_mask(program, batch if uses_batch else None,
-                                       q_heads if uses_head else None, q_len, kv_len,
-                                       block_size=block_size)
+        block_mask = build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options)
     reference_k = jax.ShapeDtypeStruct((batch, kv_len, cache.kv_heads, head_dim), q.dtype)
-    _validate_block_mask(block_mask, q, reference_k)
+    validate_block_mask(block_mask, q, reference_k)
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
-    backend = default_backend() if backend is None else backend
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
-    scale = _resolve_scale(scale, head_dim)
+    backend = resolve_backend(backend)
+    scale = resolve_scale(scale, head_dim)
     if backend in ("pallas", "interpret"):
         captured_read_positions(block_mask.mask_mod)
         captured_read_positions(score_program)

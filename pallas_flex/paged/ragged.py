@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flex.api import default_backend
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.ragged import ragged_paged_attention
 from pallas_flex.paged._validation import (
@@ -106,7 +107,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend is None:
-        backend = "pallas" if jax.default_backend() == "gpu" else "xla"
+        backend = default_backend()
     if not isinstance(return_scores, (bool, np.bool_)):
         raise ValueError(f"return_scores must be a Python bool (under jit, a static argument: "
                          f"static_argnames=('return_scores',)), got "
