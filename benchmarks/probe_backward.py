@@ -1,9 +1,10 @@
-"""Times the two backward kernels one at a time, and the whole backward, on the GPU.
+"""Times the backward (and the forward kernel) for kernel-option sets, on the GPU.
 
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_backward [--out probe.json]
-B4 H16 S4096 D128 bf16. For each kernel-option set and variant: the dQ launch alone,
-the dK/dV launch alone, and `flex_attention_backward` (both plus the delta and padding
-work), in ms. Tells which kernel to work on, and what a tile change does to each.
+B4 H16 S4096 D128 bf16. For each kernel-option set and variant, in ms (`--parts`):
+`flex_attention_backward` (delta, padding and the kernels) and the forward kernel.
+`--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
+tile indices in the iteration that uses them: A/B switches for what they replaced.
 """
 import argparse
 import functools
@@ -14,23 +15,28 @@ import jax.numpy as jnp
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.kernels import backward
+from pallas_flex.kernels import backward, block_walk, forward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from benchmarks.tune_forward import time_ms
 
-# name -> kernel_options over the defaults
-CONFIGS = {
-    "default": {},
-    "dkdv128x64_8w2s": dict(backward_dkdv_block_q=64, backward_dkdv_block_kv=128,
-                            backward_dkdv_num_warps=8, backward_dkdv_num_stages=2),
-    "dkdv128x64_8w3s": dict(backward_dkdv_block_q=64, backward_dkdv_block_kv=128,
-                            backward_dkdv_num_warps=8, backward_dkdv_num_stages=3),
-    "dq128x64_8w": dict(backward_block_q=128, backward_block_kv=64, backward_num_warps=8,
-                        backward_dkdv_num_warps=4),
-    "dq64x128_4w": dict(backward_block_q=64, backward_block_kv=128),
-    "dkdv64x128_4w": dict(backward_dkdv_block_q=128, backward_dkdv_block_kv=64),
-}
+def _dq(block_q, block_kv, warps, stages):
+    return dict(backward_block_q=block_q, backward_block_kv=block_kv,
+                backward_num_warps=warps, backward_num_stages=stages)
+
+
+def _dkdv(block_kv, block_q, warps, stages):
+    return dict(backward_dkdv_block_q=block_q, backward_dkdv_block_kv=block_kv,
+                backward_dkdv_num_warps=warps, backward_dkdv_num_stages=stages)
+
+
+# name -> kernel_options over the defaults. dq_<q rows>x<kv rows>_<warps>w<stages>s,
+# dkdv_<kv rows>x<q rows>_<warps>w<stages>s.
+CONFIGS = {"default": {}}
+for _tiles in [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3),
+               (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 3)]:
+    CONFIGS["dq_%dx%d_%dw%ds" % _tiles] = _dq(*_tiles)
+    CONFIGS["dkdv_%dx%d_%dw%ds" % _tiles] = _dkdv(*_tiles)
 
 
 def main():
@@ -39,9 +45,15 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--variants", default="noop,causal")
     parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--parts", default="dq,dkdv,backward")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="tile loops read each index in the iteration that uses it")
+    parser.add_argument("--parts", default="forward,backward")
+    parser.add_argument("--separate", action="store_true",
+                        help="dQ and dK/dV in two launches instead of one")
     parser.add_argument("--baseline", help="module with another flex_attention_backward")
     args = parser.parse_args()
+    block_walk.PREFETCH_INDICES = not args.no_prefetch
+    backward.FUSED_LAUNCH = not args.separate
     batch, heads, length, dim = 4, 16, 4096, 128
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q, k, v, d_out = (jax.random.normal(key, (batch, length, heads, dim), jnp.bfloat16)
@@ -61,25 +73,20 @@ def main():
             options = resolve_options(CONFIGS[config_name], dim)
 
             # Arrays are arguments, not closed-over constants (XLA would fold them).
-            def prepared(q, k, v, out, lse, d_out, block_mask, score_program):
-                return backward._prepare(q, k, v, out, lse, d_out, None, block_mask,
-                                         score_program, scale)
-
-            def dq_only(*args):
-                return backward._dq_launch(prepared(*args), options=options, interpret=False)
-
-            def dkdv_only(*args):
-                return backward._dkdv_launch(prepared(*args), options=options,
-                                             interpret=False)
-
             def whole(q, k, v, out, lse, d_out, block_mask, score_program, module=backward):
                 return module.flex_attention_backward(
                     q, k, v, out, lse, d_out, None, block_mask, score_program, scale=scale,
                     options=options, interpret=False)
 
             arguments = (q, k, v, out, lse, d_out, block_mask, score_program)
-            row = dict(variant=name, config=config_name, options=CONFIGS[config_name])
-            parts = {"dq": dq_only, "dkdv": dkdv_only, "backward": whole}
+            row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
+                       prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH)
+            def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
+                return forward.flex_attention_forward(q, k, v, block_mask, score_program,
+                                                      scale=scale, options=options,
+                                                      interpret=False)
+
+            parts = {"backward": whole, "forward": forward_only}
             for part in args.parts.split(","):
                 fn = parts[part]
                 try:

@@ -39,8 +39,7 @@ from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile,
-    split_captured_refs)
+    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile)
 
 
 def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
@@ -98,37 +97,57 @@ def _scatter_add(target_ref, indices, value, interpret):
         plgpu.atomic_add(target_ref, indices if indices else (0,), value)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, kv_num_blocks_ref,
-               kv_indices_ref, full_kv_num_blocks_ref, full_kv_indices_ref, *, mask_refs,
-               score_refs, dq_ref, grad_refs, mask_program, score_program,
-               differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
-               mask_block_kv, broadcast_batch, broadcast_heads, interpret):
-    """grad_refs: per captured score array, its float32 gradient buffer (or None)."""
-    q_tile = pl.num_programs(0) - 1 - pl.program_id(0)
-    head, batch = pl.program_id(1), pl.program_id(2)
+@dataclasses.dataclass(frozen=True)
+class _Refs:
+    """One (batch, query head)'s operands, whole sequences: each program slices its own
+    tile out of them (programs of both kinds share one launch, so BlockSpecs cannot cut
+    the tiles). dq/dk/dv and grads are None where the launch does not produce them."""
+    q: object
+    k: object
+    v: object
+    d_out: object
+    lse_log2: object
+    delta: object
+    kv_tables: tuple   # kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices
+    q_tables: tuple    # q_num_blocks, q_indices, full_q_num_blocks, full_q_indices
+    mask: tuple        # captured arrays of the mask_mod
+    score: tuple       # captured arrays of the score_mod
+    dq: object
+    dk: object
+    dv: object
+    grads: list        # per captured score array, its float32 gradient buffer or None
+
+
+def _dq_program(q_tile, head, batch, refs: _Refs, *, mask_program, score_program, differentiable_sites,
+                scale, q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
+                broadcast_batch, broadcast_heads, interpret, **_):
+    """dQ of one query tile, walking the KV tables like the forward; also scatter-adds
+    the gradients of captured score arrays."""
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
     mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
-    precision = online_softmax.dot_precision(q_ref.dtype)
+    precision = online_softmax.dot_precision(refs.q.dtype)
 
-    q = q_ref[...]
-    d_out = d_out_ref[...]
-    lse_log2 = lse_ref[...][:, None]
-    delta = delta_ref[...][:, None]
+    rows = pl.ds(q_tile * block_q, block_q)
+    q = refs.q[rows, :]
+    d_out = refs.d_out[rows, :]
+    lse_log2 = refs.lse_log2[rows][:, None]
+    delta = refs.delta[rows][:, None]
     q_idx = jnp.minimum(q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
                         q_len - 1)
+
     def visit_tile(kv_start, d_q, masked):
-        k = k_ref[pl.ds(kv_start, block_kv), :]
-        v = v_ref[pl.ds(kv_start, block_kv), :]
+        k = refs.k[pl.ds(kv_start, block_kv), :]
+        v = refs.v[pl.ds(kv_start, block_kv), :]
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         _, d_scores, site_cotangents, sites = _tile_gradients(
             q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
-            head=head, masked=masked, mask_program=mask_program, mask_refs=mask_refs,
-            score_program=score_program, score_refs=score_refs, scale=scale, kv_len=kv_len,
+            head=head, masked=masked, mask_program=mask_program, mask_refs=refs.mask,
+            score_program=score_program, score_refs=refs.score, scale=scale, kv_len=kv_len,
             precision=precision)
         for site in differentiable_sites:
             position, indices = sites[site]
-            _scatter_add(grad_refs[position], indices,
+            _scatter_add(refs.grads[position], indices,
                          site_cotangents[site].astype(jnp.float32), interpret)
         return d_q + lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
@@ -139,43 +158,43 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, kv_num_blocks
             mask_block=mask_block_kv, tile=block_kv,
             visit=lambda start, d_q: visit_tile(start, d_q, masked), state=d_q)
 
+    kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = refs.kv_tables
     d_q = jnp.zeros(q.shape, jnp.float32)
-    d_q = walk(full_kv_num_blocks_ref, full_kv_indices_ref, d_q, masked=False)
-    d_q = walk(kv_num_blocks_ref, kv_indices_ref, d_q, masked=True)
-    dq_ref[...] = (d_q * scale).astype(dq_ref.dtype)
+    d_q = walk(full_kv_num_blocks, full_kv_indices, d_q, masked=False)
+    d_q = walk(kv_num_blocks, kv_indices, d_q, masked=True)
+    refs.dq[rows, :] = (d_q * scale).astype(refs.dq.dtype)
 
 
-def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_blocks_ref,
-                 q_indices_ref, full_q_num_blocks_ref, full_q_indices_ref, *refs,
-                 mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
-                 mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads):
-    mask_refs, score_refs, (dk_ref, dv_ref) = split_captured_refs(refs, mask_program,
-                                                                  score_program)
-    kv_tile = pl.program_id(0)
-    head, batch = pl.program_id(1), pl.program_id(2)
+def _dkdv_program(kv_tile, head, batch, refs: _Refs, *, mask_program, score_program, scale, q_len,
+                  kv_len, block_q, block_kv, mask_block_q, mask_block_kv, broadcast_batch,
+                  broadcast_heads, **_):
+    """dK and dV of one KV tile (for this program's query head), walking the
+    transposed tables: the query blocks of its KV block."""
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
     mask_column = lax.div(kv_tile, jnp.int32(mask_block_kv // block_kv))
-    precision = online_softmax.dot_precision(q_ref.dtype)
+    precision = online_softmax.dot_precision(refs.q.dtype)
 
-    k = k_ref[...]
-    v = v_ref[...]
+    rows = pl.ds(kv_tile * block_kv, block_kv)
+    k = refs.k[rows, :]
+    v = refs.v[rows, :]
     # Tiles are computed transposed, [block_kv, block_q]: P^T and dS^T are then the left
     # operands of dV += P^T dO and dK += dS^T Q as they come out of the dots.
     kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
+
     def visit_tile(q_start, state, masked):
         d_k, d_v = state
-        rows = pl.ds(q_start, block_q)
-        q = q_ref[rows, :]
-        d_out = d_out_ref[rows, :]
-        lse_log2 = lse_ref[rows][None, :]
-        delta = delta_ref[rows][None, :]
+        q_rows = pl.ds(q_start, block_q)
+        q = refs.q[q_rows, :]
+        d_out = refs.d_out[q_rows, :]
+        lse_log2 = refs.lse_log2[q_rows][None, :]
+        delta = refs.delta[q_rows][None, :]
         q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1),
                             q_len - 1)
         probabilities_t, d_scores_t, _, _ = _tile_gradients(
             q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
-            head=head, masked=masked, mask_program=mask_program, mask_refs=mask_refs,
-            score_program=score_program, score_refs=score_refs, scale=scale, kv_len=kv_len,
+            head=head, masked=masked, mask_program=mask_program, mask_refs=refs.mask,
+            score_program=score_program, score_refs=refs.score, scale=scale, kv_len=kv_len,
             precision=precision, transposed=True)
         d_v = d_v + lax.dot_general(probabilities_t.astype(d_out.dtype), d_out,
                                     (((1,), (0,)), ((), ())),
@@ -190,11 +209,32 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, q_num_block
             mask_block=mask_block_q, tile=block_q,
             visit=lambda start, state: visit_tile(start, state, masked), state=state)
 
+    q_num_blocks, q_indices, full_q_num_blocks, full_q_indices = refs.q_tables
     state = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    state = walk(full_q_num_blocks_ref, full_q_indices_ref, state, masked=False)
-    state = walk(q_num_blocks_ref, q_indices_ref, state, masked=True)
-    dk_ref[...] = (state[0] * scale).astype(dk_ref.dtype)
-    dv_ref[...] = state[1].astype(dv_ref.dtype)
+    state = walk(full_q_num_blocks, full_q_indices, state, masked=False)
+    state = walk(q_num_blocks, q_indices, state, masked=True)
+    refs.dk[rows, :] = (state[0] * scale).astype(refs.dk.dtype)
+    refs.dv[rows, :] = state[1].astype(refs.dv.dtype)
+
+
+def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, first_program, unpack, dq_settings,
+                     dkdv_settings):
+    """Programs [0, num_kv_tiles) of the whole launch own a KV tile (dK/dV); the next
+    num_q_tiles own a query tile (dQ), longest causal rows first. A launch covers
+    programs [first_program, first_program + grid size); `unpack` maps the flat refs to
+    a `_Refs`."""
+    refs = unpack(refs)
+    # Program ids are read here, outside the branches: interpret mode substitutes them
+    # in the kernel body only.
+    program = pl.program_id(0) + first_program
+    head, batch = pl.program_id(1), pl.program_id(2)
+    if dkdv_settings is not None:
+        pl.when(program < num_kv_tiles)(
+            lambda: _dkdv_program(program, head, batch, refs, **dkdv_settings))
+    if dq_settings is not None:
+        pl.when(program >= num_kv_tiles)(
+            lambda: _dq_program(num_kv_tiles + num_q_tiles - 1 - program, head, batch, refs,
+                                **dq_settings))
 
 
 def _differentiable_sites(score_program, wanted=None):
@@ -255,128 +295,142 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
             broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1))
 
 
-def _dq_launch(launch: _Launch, *, options: KernelOptions, interpret: bool,
-               wanted_const_grads=None):
-    """dQ [B, Sq_padded, Hq, D_padded] and the float32 gradient of each captured score
-    array that gets one, as {position among the score_mod's captured arrays: gradient}."""
+# One launch for both program kinds (as PyTorch's FlexAttention backward does): the
+# last wave of one kind overlaps the other's, and one launch has one tail. A switch
+# only so that benchmarks can time two launches against it.
+FUSED_LAUNCH = True
+
+
+def _launch_parameters(warps: int, stages: int, owned_rows: int):
+    """(num_warps, num_stages) for programs that own `owned_rows`-row tiles. 8 warps
+    split a tile's rows into two 64-row warpgroups; on 64 rows they split its columns
+    instead, which ran 2x slower on the H100, and 64-row tiles with 3 stages leave room
+    for one program per SM instead of two (benchmarks/results/*backward-tuning*.json)."""
+    if owned_rows < 128:
+        return min(warps, 4), min(stages, 2)
+    return warps, stages
+
+
+def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bool,
+                       wanted_const_grads=None):
+    """(dQ [B, Sq_padded, Hq, D_padded], {position among the score_mod's captured
+    arrays: float32 gradient}, dK [B, Skv_padded, Hq, D_padded], dV [..., Dv_padded]).
+    dK/dV are per *query* head: in k's dtype without GQA, else float32 for the caller to
+    sum over each group."""
     q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
     batch, padded_q_len, q_heads, padded_dim = q.shape
     padded_kv_len, kv_heads, padded_value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     block_mask, score_program = launch.block_mask, launch.score_program
     mask_block_q, mask_block_kv = block_mask.block_size
-    block_q = min(options.backward_block_q, mask_block_q)
-    block_kv = min(options.backward_block_kv, mask_block_kv)
-    num_q_tiles = padded_q_len // block_q
+    dq_block_q = min(options.backward_block_q, mask_block_q)
+    dq_block_kv = min(options.backward_block_kv, mask_block_kv)
+    dkdv_block_q = min(options.backward_dkdv_block_q, mask_block_q)
+    dkdv_block_kv = min(options.backward_dkdv_block_kv, mask_block_kv)
+    num_q_tiles, num_kv_tiles = padded_q_len // dq_block_q, padded_kv_len // dkdv_block_kv
 
     mask_inputs = captured_inputs(block_mask.mask_mod)
     score_inputs = captured_inputs(score_program)
     sites, grad_positions = _differentiable_sites(score_program, wanted_const_grads)
     # Gradient buffers, one per captured array that gets one, zero-initialised through
-    # input/output aliasing (kernel outputs start uninitialised). Sites index the buffers
-    # by the captured array's position among the score consts; map positions to slots.
+    # input/output aliasing (kernel outputs start uninitialised).
     grad_buffers = [jnp.zeros(score_inputs[position].shape, jnp.float32)
                     for position in grad_positions]
-    slot_of = {position: slot for slot, position in enumerate(grad_positions)}
-    num_tables = 10
-
-    def kernel(*refs):
-        tables = refs[:num_tables]
-        mask_refs = refs[num_tables:num_tables + len(mask_inputs)]
-        score_refs = refs[num_tables + len(mask_inputs):
-                          num_tables + len(mask_inputs) + len(score_inputs)]
-        dq_ref, *buffer_refs = refs[num_tables + len(mask_inputs) + len(score_inputs)
-                                    + len(grad_buffers):]
-        grad_refs = [None] * len(score_inputs)
-        for position, slot in slot_of.items():
-            grad_refs[position] = buffer_refs[slot]
-        _dq_kernel(*tables, mask_refs=mask_refs, score_refs=score_refs, dq_ref=dq_ref,
-                   grad_refs=grad_refs, differentiable_sites=sites, interpret=interpret,
-                   block_q=block_q, block_kv=block_kv, **launch.kernel_settings)
-
-    def reverse(tile):
-        return num_q_tiles - 1 - tile
-
-    q_row_spec = pl.BlockSpec((None, block_q, None, padded_dim),
-                              lambda i, h, b: (b, reverse(i), h, 0))
-    d_out_row_spec = pl.BlockSpec((None, block_q, None, padded_value_dim),
-                                  lambda i, h, b: (b, reverse(i), h, 0))
-    vector_row_spec = pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, reverse(i)))
-    k_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_dim),
-                                lambda i, h, b: (b, 0, h // group, 0))
-    v_whole_spec = pl.BlockSpec((None, padded_kv_len, None, padded_value_dim),
-                                lambda i, h, b: (b, 0, h // group, 0))
-    kv_tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
-                 block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
-    whole = pl.no_block_spec
-    num_inputs = num_tables + len(mask_inputs) + len(score_inputs)
-    d_q, *grads = pl.pallas_call(
-        kernel,
-        grid=(num_q_tiles, q_heads, batch),
-        in_specs=[q_row_spec, k_whole_spec, v_whole_spec, d_out_row_spec, vector_row_spec,
-                  vector_row_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)
-                                                + len(grad_buffers)),
-        out_specs=[q_row_spec] + [whole] * len(grad_buffers),
-        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype)]
-        + [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in grad_buffers],
-        input_output_aliases={num_inputs + slot: 1 + slot for slot in range(len(grad_buffers))},
-        compiler_params=plgpu.CompilerParams(num_warps=options.backward_num_warps,
-                                             num_stages=options.backward_num_stages),
-        interpret=interpret,
-        name="flex_attention_backward_dq",
-    )(q, k, v, d_out, launch.lse_log2, launch.delta, *kv_tables, *mask_inputs, *score_inputs,
-      *grad_buffers)
-    return d_q, {position: grads[slot] for position, slot in slot_of.items()}
-
-
-def _dkdv_launch(launch: _Launch, *, options: KernelOptions, interpret: bool):
-    """dK [B, Skv_padded, Hq, D_padded] and dV [..., Dv_padded] per *query* head (in k's
-    dtype without GQA, else float32 for the caller to sum over each group)."""
-    q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
-    batch, padded_q_len, q_heads, padded_dim = q.shape
-    padded_kv_len, kv_heads, padded_value_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = q_heads // kv_heads
-    block_mask = launch.block_mask
-    mask_block_q, mask_block_kv = block_mask.block_size
-    block_q = min(options.backward_dkdv_block_q, mask_block_q)
-    block_kv = min(options.backward_dkdv_block_kv, mask_block_kv)
-    mask_inputs = captured_inputs(block_mask.mask_mod)
-    score_inputs = captured_inputs(launch.score_program)
-
-    # Without GQA each program's result is final: store it in the input dtype. With GQA
-    # the query heads of a group are summed afterwards, in float32.
     dkdv_dtype = k.dtype if group == 1 else jnp.float32
-    q_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_dim),
-                                lambda j, h, b: (b, 0, h, 0))
-    d_out_whole_spec = pl.BlockSpec((None, padded_q_len, None, padded_value_dim),
-                                    lambda j, h, b: (b, 0, h, 0))
-    vector_whole_spec = pl.BlockSpec((None, None, padded_q_len), lambda j, h, b: (b, h, 0))
-    k_tile_spec = pl.BlockSpec((None, block_kv, None, padded_dim),
-                               lambda j, h, b: (b, j, h // group, 0))
-    v_tile_spec = pl.BlockSpec((None, block_kv, None, padded_value_dim),
-                               lambda j, h, b: (b, j, h // group, 0))
-    q_tables = (block_mask.q_num_blocks, block_mask.q_indices,
-                block_mask.full_q_num_blocks, block_mask.full_q_indices)
+
+    def head_spec(length, dim, kv=False):
+        return pl.BlockSpec((None, length, None, dim),
+                            (lambda i, h, b: (b, 0, h // group, 0)) if kv
+                            else (lambda i, h, b: (b, 0, h, 0)))
+
+    vector_spec = pl.BlockSpec((None, None, padded_q_len), lambda i, h, b: (b, h, 0))
     whole = pl.no_block_spec
-    return pl.pallas_call(
-        functools.partial(_dkdv_kernel, block_q=block_q, block_kv=block_kv,
-                          **launch.kernel_settings),
-        grid=(padded_kv_len // block_kv, q_heads, batch),
-        in_specs=[q_whole_spec, k_tile_spec, v_tile_spec, d_out_whole_spec, vector_whole_spec,
-                  vector_whole_spec] + [whole] * (4 + len(mask_inputs) + len(score_inputs)),
-        out_specs=[pl.BlockSpec((None, block_kv, None, padded_dim),
-                                lambda j, h, b: (b, j, h, 0)),
-                   pl.BlockSpec((None, block_kv, None, padded_value_dim),
-                                lambda j, h, b: (b, j, h, 0))],
-        out_shape=[jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), dkdv_dtype),
-                   jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
-                                        dkdv_dtype)],
-        compiler_params=plgpu.CompilerParams(
-            num_warps=options.backward_dkdv_num_warps or options.backward_num_warps,
-            num_stages=options.backward_dkdv_num_stages or options.backward_num_stages),
-        interpret=interpret,
-        name="flex_attention_backward_dkdv",
-    )(q, k, v, d_out, launch.lse_log2, launch.delta, *q_tables, *mask_inputs, *score_inputs)
+    inputs = (q, k, v, d_out, launch.lse_log2, launch.delta,
+              block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
+              block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
+              block_mask.full_q_num_blocks, block_mask.full_q_indices,
+              *mask_inputs, *score_inputs)
+    in_specs = [head_spec(padded_q_len, padded_dim), head_spec(padded_kv_len, padded_dim, True),
+                head_spec(padded_kv_len, padded_value_dim, True),
+                head_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
+                ] + [whole] * (8 + len(mask_inputs) + len(score_inputs))
+    settings = dict(launch.kernel_settings)
+    dq_settings = dict(settings, block_q=dq_block_q, block_kv=dq_block_kv,
+                       differentiable_sites=sites, interpret=interpret)
+    dkdv_settings = dict(settings, block_q=dkdv_block_q, block_kv=dkdv_block_kv)
+
+    def run(first_program, num_programs, with_dq, with_dkdv, warps, stages, name):
+        out_shape, out_specs = [], []
+        if with_dq:
+            out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+            out_specs.append(head_spec(padded_q_len, padded_dim))
+        if with_dkdv:
+            out_shape += [
+                jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), dkdv_dtype),
+                jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
+                                     dkdv_dtype)]
+            out_specs += [head_spec(padded_kv_len, padded_dim),
+                          head_spec(padded_kv_len, padded_value_dim)]
+        buffers = grad_buffers if with_dq else []
+        out_shape += [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers]
+        out_specs += [whole] * len(buffers)
+        num_outputs_before_buffers = len(out_shape) - len(buffers)
+
+        def unpack(refs):
+            (q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref), rest = refs[:6], refs[6:]
+            kv_tables, q_tables, rest = rest[:4], rest[4:8], rest[8:]
+            mask_refs, rest = rest[:len(mask_inputs)], rest[len(mask_inputs):]
+            score_refs, rest = rest[:len(score_inputs)], rest[len(score_inputs):]
+            outputs = rest[len(buffers):]  # skip the aliased input buffers
+            dq_ref = outputs[0] if with_dq else None
+            dk_ref, dv_ref = outputs[int(with_dq):int(with_dq) + 2] if with_dkdv else (None,
+                                                                                       None)
+            grads = [None] * len(score_inputs)
+            for slot, position in enumerate(grad_positions):
+                if with_dq:
+                    grads[position] = outputs[num_outputs_before_buffers + slot]
+            return _Refs(q=q_ref, k=k_ref, v=v_ref, d_out=d_out_ref, lse_log2=lse_ref,
+                         delta=delta_ref, kv_tables=kv_tables, q_tables=q_tables,
+                         mask=mask_refs, score=score_refs, dq=dq_ref, dk=dk_ref, dv=dv_ref,
+                         grads=grads)
+
+        kernel = functools.partial(
+            _backward_kernel, num_kv_tiles=num_kv_tiles, num_q_tiles=num_q_tiles,
+            first_program=first_program, unpack=unpack,
+            dq_settings=dq_settings if with_dq else None,
+            dkdv_settings=dkdv_settings if with_dkdv else None)
+        first_buffer = len(inputs)
+        return pl.pallas_call(
+            kernel,
+            grid=(num_programs, q_heads, batch),
+            in_specs=in_specs + [whole] * len(buffers),
+            out_specs=out_specs,
+            out_shape=out_shape,
+            input_output_aliases={first_buffer + slot: num_outputs_before_buffers + slot
+                                  for slot in range(len(buffers))},
+            compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+            interpret=interpret,
+            name=name,
+        )(*inputs, *buffers)
+
+    def unpack_grads(buffers):
+        return {position: buffer for position, buffer in zip(grad_positions, buffers)}
+
+    if FUSED_LAUNCH:
+        warps, stages = _launch_parameters(options.backward_num_warps,
+                                           options.backward_num_stages,
+                                           min(dq_block_q, dkdv_block_kv))
+        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles, True, True, warps,
+                                      stages, "flex_attention_backward")
+        return d_q, unpack_grads(buffers), d_k, d_v
+    d_k, d_v = run(0, num_kv_tiles, False, True, *_launch_parameters(
+        options.backward_dkdv_num_warps or options.backward_num_warps,
+        options.backward_dkdv_num_stages or options.backward_num_stages, dkdv_block_kv),
+        "flex_attention_backward_dkdv")
+    d_q, *buffers = run(num_kv_tiles, num_q_tiles, True, False, *_launch_parameters(
+        options.backward_num_warps, options.backward_num_stages, dq_block_q),
+        "flex_attention_backward_dq")
+    return d_q, unpack_grads(buffers), d_k, d_v
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, *,
@@ -392,9 +446,8 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     launch = _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale)
-    d_q, grads = _dq_launch(launch, options=options, interpret=interpret,
-                            wanted_const_grads=wanted_const_grads)
-    d_k, d_v = _dkdv_launch(launch, options=options, interpret=interpret)
+    d_q, grads, d_k, d_v = _backward_launches(launch, options=options, interpret=interpret,
+                                              wanted_const_grads=wanted_const_grads)
 
     def sum_groups(x):  # [B, S, Hq, D] -> [B, S, Hkv, D]
         if group == 1:

@@ -5,6 +5,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+# Read each tile's index one iteration ahead (see walk_listed_tile_range). A switch only
+# so that benchmarks can time the plain loop against it.
+PREFETCH_INDICES = True
+
 
 def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: int,
                       tile: int, visit, state):
@@ -23,16 +27,42 @@ def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: i
 def walk_listed_tile_range(indices_ref, table_index, start, stop, *, mask_block: int,
                            tile: int, visit, state):
     """Like `walk_listed_tiles`, for the listed tiles numbered [start, stop) only (the
-    decode kernel splits one row's tiles between programs)."""
-    tiles_per_block = mask_block // tile
+    decode kernel splits one row's tiles between programs).
 
-    def visit_tile(step, state):
+    The start of tile `step + 1` is read from the table during step `step` and carried
+    into the next iteration. Tile loads then depend on a loop-carried value only, never
+    on a load of the same iteration: Triton's software pipeliner pipelines such loads
+    with all of `num_stages`, where it would split the stages between an index load and
+    the tile loads that depend on it (none are left for either at num_stages = 2).
+    """
+    tiles_per_block = mask_block // tile
+    last_step = indices_ref.shape[-1] * tiles_per_block - 1  # stay inside the table row
+
+    def block_of(step):
         if tiles_per_block == 1:
-            return visit(indices_ref[table_index + (step,)] * mask_block, state)
+            return indices_ref[table_index + (step,)]
         # lax.div/rem with an int32 divisor, not // and %: the operands are non-negative,
         # and jnp's floored remainder on the loop index does not lower to Triton.
-        block = indices_ref[table_index + (lax.div(step, jnp.int32(tiles_per_block)),)]
-        offset = lax.rem(step, jnp.int32(tiles_per_block)) * tile
-        return visit(block * mask_block + offset, state)
+        return indices_ref[table_index + (lax.div(step, jnp.int32(tiles_per_block)),)]
 
-    return lax.fori_loop(start, stop, visit_tile, state)
+    def tile_start(block, step):
+        if tiles_per_block == 1:
+            return block * mask_block
+        return block * mask_block + lax.rem(step, jnp.int32(tiles_per_block)) * tile
+
+    if not PREFETCH_INDICES:
+        return lax.fori_loop(
+            start, stop, lambda step, state: visit(tile_start(block_of(step), step), state),
+            state)
+
+    def visit_tile(step, carry):
+        current_start, state = carry
+        next_step = jnp.minimum(step + 1, last_step)
+        next_block = block_of(next_step)  # issued now, used after this tile's work
+        state = visit(current_start, state)
+        return tile_start(next_block, next_step), state
+
+    first_step = jnp.minimum(jnp.asarray(start, jnp.int32), last_step)
+    _, state = lax.fori_loop(start, stop, visit_tile,
+                             (tile_start(block_of(first_step), first_step), state))
+    return state

@@ -37,12 +37,12 @@ class KernelOptions:
     block_kv: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    backward_block_q: int = 64
+    backward_block_q: int = 128
     backward_block_kv: int = 64
     backward_dkdv_block_q: int = 64
-    backward_dkdv_block_kv: int = 64
-    backward_num_warps: int = 4
-    backward_num_stages: int = 2
+    backward_dkdv_block_kv: int = 128
+    backward_num_warps: int = 8
+    backward_num_stages: int = 3
     backward_dkdv_num_warps: int = 0
     backward_dkdv_num_stages: int = 0
     decode_max_q_len: int = 16
@@ -64,7 +64,7 @@ _HOPPER_FORWARD = {
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                        backward_block_q=32, backward_block_kv=32, backward_dkdv_block_q=32,
-                       backward_dkdv_block_kv=32),
+                       backward_dkdv_block_kv=32, backward_num_warps=4, backward_num_stages=2),
 }
 
 
