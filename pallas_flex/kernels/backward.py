@@ -1,4 +1,4 @@
-"""Block-sparse FlexAttention backward: two Pallas (Triton) kernels, FlashAttention-2 style.
+"""Block-sparse FlexAttention backward: one Pallas (Triton) launch, FlashAttention-2 style.
 
 With P = softmax(mask(score_mod(S))) recomputed per tile from the saved lse, and
 delta = rowsum(dO * O) - dlse:
@@ -6,11 +6,12 @@ delta = rowsum(dO * O) - dlse:
   dV = P^T dO          dP = dO V^T          dS' = P * (dP - delta)
   dS = dS' * d score_mod / d score         dQ = dS K * scale      dK = dS^T Q * scale
 
-* The dK/dV kernel owns one KV tile and walks the BlockMask's transposed tables (the
-  query blocks of its KV block: full ones without the mask_mod, then partial ones).
-  It writes dK/dV per *query* head; GQA groups are summed outside.
-* The dQ kernel owns one query tile and walks the KV tables, like the forward.
-  It also accumulates the gradients of arrays the score_mod captured (learnable
+The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
+* A dK/dV program owns one KV tile and walks the BlockMask's transposed tables (the
+  query blocks of its KV block: full ones without the mask_mod, then partial ones), once
+  per query head of its GQA group, summing the group in registers.
+* A dQ program owns one query tile of one query head and walks the KV tables, like the
+  forward. It also accumulates the gradients of arrays the score_mod captured (learnable
   biases): each read `table[i, j]` inside the mod is a *site*, its cotangent comes from
   `jax.vjp` of the mod on the tile, summed over the tile dimensions its indices do not
   vary along, and is scatter-added into a float32 buffer. On the GPU the scatter is a
@@ -99,9 +100,11 @@ def _scatter_add(target_ref, indices, value, interpret):
 
 @dataclasses.dataclass(frozen=True)
 class _Refs:
-    """One (batch, query head)'s operands, whole sequences: each program slices its own
+    """One (batch, KV head)'s operands, whole sequences: each program slices its own
     tile out of them (programs of both kinds share one launch, so BlockSpecs cannot cut
-    the tiles). dq/dk/dv and grads are None where the launch does not produce them."""
+    the tiles). q, d_out, dq are [S, group, D] and lse_log2, delta [group, S]: the query
+    heads of the KV head's GQA group. dq/dk/dv and grads are None where the launch does
+    not produce them."""
     q: object
     k: object
     v: object
@@ -118,21 +121,23 @@ class _Refs:
     grads: list        # per captured score array, its float32 gradient buffer or None
 
 
-def _dq_program(q_tile, head, batch, refs: _Refs, *, mask_program, score_program, differentiable_sites,
-                scale, q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
-                broadcast_batch, broadcast_heads, interpret, **_):
-    """dQ of one query tile, walking the KV tables like the forward; also scatter-adds
-    the gradients of captured score arrays."""
+def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
+                differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
+                mask_block_kv, broadcast_batch, broadcast_heads, group, interpret, **_):
+    """dQ of one query tile of query head `member` of the KV head's group, walking the
+    KV tables like the forward; also scatter-adds the gradients of captured score
+    arrays."""
+    head = kv_head * group + member
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
     mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
     precision = online_softmax.dot_precision(refs.q.dtype)
 
     rows = pl.ds(q_tile * block_q, block_q)
-    q = refs.q[rows, :]
-    d_out = refs.d_out[rows, :]
-    lse_log2 = refs.lse_log2[rows][:, None]
-    delta = refs.delta[rows][:, None]
+    q = refs.q[rows, member, :]
+    d_out = refs.d_out[rows, member, :]
+    lse_log2 = refs.lse_log2[member, rows][:, None]
+    delta = refs.delta[member, rows][:, None]
     q_idx = jnp.minimum(q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
                         q_len - 1)
 
@@ -162,16 +167,16 @@ def _dq_program(q_tile, head, batch, refs: _Refs, *, mask_program, score_program
     d_q = jnp.zeros(q.shape, jnp.float32)
     d_q = walk(full_kv_num_blocks, full_kv_indices, d_q, masked=False)
     d_q = walk(kv_num_blocks, kv_indices, d_q, masked=True)
-    refs.dq[rows, :] = (d_q * scale).astype(refs.dq.dtype)
+    refs.dq[rows, member, :] = (d_q * scale).astype(refs.dq.dtype)
 
 
-def _dkdv_program(kv_tile, head, batch, refs: _Refs, *, mask_program, score_program, scale, q_len,
-                  kv_len, block_q, block_kv, mask_block_q, mask_block_kv, broadcast_batch,
-                  broadcast_heads, **_):
-    """dK and dV of one KV tile (for this program's query head), walking the
-    transposed tables: the query blocks of its KV block."""
+def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_program, scale,
+                  q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
+                  broadcast_batch, broadcast_heads, group, **_):
+    """dK and dV of one KV tile, summed over the query heads of its GQA group: for each
+    of them, walks the transposed tables (the query blocks of its KV block). Summing
+    here, in float32 registers, spares a [B, S, Hq, D] float32 output and its sum."""
     table_batch = 0 if broadcast_batch else batch
-    table_head = 0 if broadcast_heads else head
     mask_column = lax.div(kv_tile, jnp.int32(mask_block_kv // block_kv))
     precision = online_softmax.dot_precision(refs.q.dtype)
 
@@ -182,20 +187,20 @@ def _dkdv_program(kv_tile, head, batch, refs: _Refs, *, mask_program, score_prog
     # operands of dV += P^T dO and dK += dS^T Q as they come out of the dots.
     kv_idx = kv_tile * block_kv + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
 
-    def visit_tile(q_start, state, masked):
+    def visit_tile(q_start, state, masked, member):
         d_k, d_v = state
         q_rows = pl.ds(q_start, block_q)
-        q = refs.q[q_rows, :]
-        d_out = refs.d_out[q_rows, :]
-        lse_log2 = refs.lse_log2[q_rows][None, :]
-        delta = refs.delta[q_rows][None, :]
+        q = refs.q[q_rows, member, :]
+        d_out = refs.d_out[q_rows, member, :]
+        lse_log2 = refs.lse_log2[member, q_rows][None, :]
+        delta = refs.delta[member, q_rows][None, :]
         q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1),
                             q_len - 1)
         probabilities_t, d_scores_t, _, _ = _tile_gradients(
             q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
-            head=head, masked=masked, mask_program=mask_program, mask_refs=refs.mask,
-            score_program=score_program, score_refs=refs.score, scale=scale, kv_len=kv_len,
-            precision=precision, transposed=True)
+            head=kv_head * group + member, masked=masked, mask_program=mask_program,
+            mask_refs=refs.mask, score_program=score_program, score_refs=refs.score,
+            scale=scale, kv_len=kv_len, precision=precision, transposed=True)
         d_v = d_v + lax.dot_general(probabilities_t.astype(d_out.dtype), d_out,
                                     (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32, precision=precision)
@@ -203,38 +208,49 @@ def _dkdv_program(kv_tile, head, batch, refs: _Refs, *, mask_program, score_prog
                                     preferred_element_type=jnp.float32, precision=precision)
         return d_k, d_v
 
-    def walk(num_blocks_ref, indices_ref, state, masked):
-        return walk_listed_tiles(
-            num_blocks_ref, indices_ref, (table_batch, table_head, mask_column),
-            mask_block=mask_block_q, tile=block_q,
-            visit=lambda start, state: visit_tile(start, state, masked), state=state)
-
     q_num_blocks, q_indices, full_q_num_blocks, full_q_indices = refs.q_tables
+
+    def walk_member(member, state):
+        table_head = 0 if broadcast_heads else kv_head * group + member
+        for num_blocks_ref, indices_ref, masked in ((full_q_num_blocks, full_q_indices, False),
+                                                    (q_num_blocks, q_indices, True)):
+            state = walk_listed_tiles(
+                num_blocks_ref, indices_ref, (table_batch, table_head, mask_column),
+                mask_block=mask_block_q, tile=block_q,
+                visit=functools.partial(visit_tile, masked=masked, member=member),
+                state=state)
+        return state
+
     state = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-    state = walk(full_q_num_blocks, full_q_indices, state, masked=False)
-    state = walk(q_num_blocks, q_indices, state, masked=True)
+    if group == 1:
+        state = walk_member(0, state)
+    else:
+        state = lax.fori_loop(0, group, walk_member, state)
     refs.dk[rows, :] = (state[0] * scale).astype(refs.dk.dtype)
     refs.dv[rows, :] = state[1].astype(refs.dv.dtype)
 
 
-def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, first_program, unpack, dq_settings,
-                     dkdv_settings):
-    """Programs [0, num_kv_tiles) of the whole launch own a KV tile (dK/dV); the next
-    num_q_tiles own a query tile (dQ), longest causal rows first. A launch covers
-    programs [first_program, first_program + grid size); `unpack` maps the flat refs to
-    a `_Refs`."""
+def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unpack,
+                     dq_settings, dkdv_settings):
+    """Grid (program, KV head, batch). Programs [0, num_kv_tiles) of the whole launch own
+    a KV tile (dK/dV); the next num_q_tiles * group own a (query tile, query head of the
+    group) pair (dQ), longest causal rows first and the group's heads side by side (they
+    read the same K/V). A launch covers programs [first_program, first_program + grid
+    size); `unpack` maps the flat refs to a `_Refs`."""
     refs = unpack(refs)
     # Program ids are read here, outside the branches: interpret mode substitutes them
     # in the kernel body only.
     program = pl.program_id(0) + first_program
-    head, batch = pl.program_id(1), pl.program_id(2)
+    kv_head, batch = pl.program_id(1), pl.program_id(2)
     if dkdv_settings is not None:
         pl.when(program < num_kv_tiles)(
-            lambda: _dkdv_program(program, head, batch, refs, **dkdv_settings))
+            lambda: _dkdv_program(program, kv_head, batch, refs, **dkdv_settings))
     if dq_settings is not None:
+        dq_program = program - num_kv_tiles
+        q_tile = num_q_tiles - 1 - lax.div(dq_program, jnp.int32(group))
+        member = lax.rem(dq_program, jnp.int32(group))
         pl.when(program >= num_kv_tiles)(
-            lambda: _dq_program(num_kv_tiles + num_q_tiles - 1 - program, head, batch, refs,
-                                **dq_settings))
+            lambda: _dq_program(q_tile, member, kv_head, batch, refs, **dq_settings))
 
 
 def _differentiable_sites(score_program, wanted=None):
@@ -314,9 +330,7 @@ def _launch_parameters(warps: int, stages: int, owned_rows: int):
 def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bool,
                        wanted_const_grads=None):
     """(dQ [B, Sq_padded, Hq, D_padded], {position among the score_mod's captured
-    arrays: float32 gradient}, dK [B, Skv_padded, Hq, D_padded], dV [..., Dv_padded]).
-    dK/dV are per *query* head: in k's dtype without GQA, else float32 for the caller to
-    sum over each group."""
+    arrays: float32 gradient}, dK [B, Skv_padded, Hkv, D_padded], dV [..., Dv_padded])."""
     q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
     batch, padded_q_len, q_heads, padded_dim = q.shape
     padded_kv_len, kv_heads, padded_value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -336,25 +350,27 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     # input/output aliasing (kernel outputs start uninitialised).
     grad_buffers = [jnp.zeros(score_inputs[position].shape, jnp.float32)
                     for position in grad_positions]
-    dkdv_dtype = k.dtype if group == 1 else jnp.float32
 
-    def head_spec(length, dim, kv=False):
-        return pl.BlockSpec((None, length, None, dim),
-                            (lambda i, h, b: (b, 0, h // group, 0)) if kv
-                            else (lambda i, h, b: (b, 0, h, 0)))
+    # Grid (program, KV head, batch): a program sees its KV head's K/V and the query
+    # rows of the heads of its group.
+    def kv_head_spec(length, dim):
+        return pl.BlockSpec((None, length, None, dim), lambda i, h, b: (b, 0, h, 0))
 
-    vector_spec = pl.BlockSpec((None, None, padded_q_len), lambda i, h, b: (b, h, 0))
+    def group_spec(length, dim):
+        return pl.BlockSpec((None, length, group, dim), lambda i, h, b: (b, 0, h, 0))
+
+    vector_spec = pl.BlockSpec((None, group, padded_q_len), lambda i, h, b: (b, h, 0))
     whole = pl.no_block_spec
     inputs = (q, k, v, d_out, launch.lse_log2, launch.delta,
               block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
               *mask_inputs, *score_inputs)
-    in_specs = [head_spec(padded_q_len, padded_dim), head_spec(padded_kv_len, padded_dim, True),
-                head_spec(padded_kv_len, padded_value_dim, True),
-                head_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
+    in_specs = [group_spec(padded_q_len, padded_dim), kv_head_spec(padded_kv_len, padded_dim),
+                kv_head_spec(padded_kv_len, padded_value_dim),
+                group_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
                 ] + [whole] * (8 + len(mask_inputs) + len(score_inputs))
-    settings = dict(launch.kernel_settings)
+    settings = dict(launch.kernel_settings, group=group)
     dq_settings = dict(settings, block_q=dq_block_q, block_kv=dq_block_kv,
                        differentiable_sites=sites, interpret=interpret)
     dkdv_settings = dict(settings, block_q=dkdv_block_q, block_kv=dkdv_block_kv)
@@ -363,14 +379,12 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         out_shape, out_specs = [], []
         if with_dq:
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
-            out_specs.append(head_spec(padded_q_len, padded_dim))
+            out_specs.append(group_spec(padded_q_len, padded_dim))
         if with_dkdv:
-            out_shape += [
-                jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_dim), dkdv_dtype),
-                jax.ShapeDtypeStruct((batch, padded_kv_len, q_heads, padded_value_dim),
-                                     dkdv_dtype)]
-            out_specs += [head_spec(padded_kv_len, padded_dim),
-                          head_spec(padded_kv_len, padded_value_dim)]
+            out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype),
+                          jax.ShapeDtypeStruct(v.shape, v.dtype)]
+            out_specs += [kv_head_spec(padded_kv_len, padded_dim),
+                          kv_head_spec(padded_kv_len, padded_value_dim)]
         buffers = grad_buffers if with_dq else []
         out_shape += [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers]
         out_specs += [whole] * len(buffers)
@@ -396,13 +410,13 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
 
         kernel = functools.partial(
             _backward_kernel, num_kv_tiles=num_kv_tiles, num_q_tiles=num_q_tiles,
-            first_program=first_program, unpack=unpack,
+            group=group, first_program=first_program, unpack=unpack,
             dq_settings=dq_settings if with_dq else None,
             dkdv_settings=dkdv_settings if with_dkdv else None)
         first_buffer = len(inputs)
         return pl.pallas_call(
             kernel,
-            grid=(num_programs, q_heads, batch),
+            grid=(num_programs, kv_heads, batch),
             in_specs=in_specs + [whole] * len(buffers),
             out_specs=out_specs,
             out_shape=out_shape,
@@ -420,14 +434,14 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))
-        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles, True, True, warps,
-                                      stages, "flex_attention_backward")
+        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles * group, True, True,
+                                      warps, stages, "flex_attention_backward")
         return d_q, unpack_grads(buffers), d_k, d_v
     d_k, d_v = run(0, num_kv_tiles, False, True, *_launch_parameters(
         options.backward_dkdv_num_warps or options.backward_num_warps,
         options.backward_dkdv_num_stages or options.backward_num_stages, dkdv_block_kv),
         "flex_attention_backward_dkdv")
-    d_q, *buffers = run(num_kv_tiles, num_q_tiles, True, False, *_launch_parameters(
+    d_q, *buffers = run(num_kv_tiles, num_q_tiles * group, True, False, *_launch_parameters(
         options.backward_num_warps, options.backward_num_stages, dq_block_q),
         "flex_attention_backward_dq")
     return d_q, unpack_grads(buffers), d_k, d_v
@@ -442,21 +456,14 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     that are not floating point or not in `wanted_const_grads` (one bool per captured
     array; None = all), which get no gradient.
     """
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
-    group = q_heads // kv_heads
+    q_len, head_dim = q.shape[1], q.shape[3]
+    kv_len, value_dim = k.shape[1], v.shape[3]
     launch = _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale)
     d_q, grads, d_k, d_v = _backward_launches(launch, options=options, interpret=interpret,
                                               wanted_const_grads=wanted_const_grads)
-
-    def sum_groups(x):  # [B, S, Hq, D] -> [B, S, Hkv, D]
-        if group == 1:
-            return x
-        return x.reshape(batch, x.shape[1], kv_heads, group, x.shape[3]).sum(axis=3)
-
-    d_q = d_q[:, :q_len, :, :head_dim].astype(q.dtype)
-    d_k = sum_groups(d_k[:, :kv_len, :, :head_dim]).astype(k.dtype)
-    d_v = sum_groups(d_v[:, :kv_len, :, :value_dim]).astype(v.dtype)
+    d_q = d_q[:, :q_len, :, :head_dim]
+    d_k = d_k[:, :kv_len, :, :head_dim]
+    d_v = d_v[:, :kv_len, :, :value_dim]
     const_grads = [None] * len(captured_inputs(score_program))
     for position, gradient in grads.items():
         original = score_program.consts[position]
