@@ -31,12 +31,15 @@ def _dkdv(block_kv, block_q, warps, stages):
 
 
 # name -> kernel_options over the defaults. dq_<q rows>x<kv rows>_<warps>w<stages>s,
-# dkdv_<kv rows>x<q rows>_<warps>w<stages>s.
+# dkdv_<kv rows>x<q rows>_<warps>w<stages>s, fwd_<q rows>x<kv rows>_<warps>w<stages>s.
 CONFIGS = {"default": {}}
 for _tiles in [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3),
                (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 3)]:
     CONFIGS["dq_%dx%d_%dw%ds" % _tiles] = _dq(*_tiles)
     CONFIGS["dkdv_%dx%d_%dw%ds" % _tiles] = _dkdv(*_tiles)
+for _tiles in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]:
+    CONFIGS["fwd_%dx%d_%dw%ds" % _tiles] = dict(zip(("block_q", "block_kv", "num_warps",
+                                                     "num_stages"), _tiles))
 
 
 def main():
@@ -45,6 +48,8 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--variants", default="noop,causal")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--q-heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=0, help="0: as many as q heads")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="tile loops read each index in the iteration that uses it")
     parser.add_argument("--parts", default="forward,backward")
@@ -54,10 +59,13 @@ def main():
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
-    batch, heads, length, dim = 4, 16, 4096, 128
+    batch, heads, length, dim = 4, args.q_heads, 4096, 128
+    kv_heads = args.kv_heads or heads
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    q, k, v, d_out = (jax.random.normal(key, (batch, length, heads, dim), jnp.bfloat16)
-                      for key in keys)
+    q, d_out = (jax.random.normal(key, (batch, length, heads, dim), jnp.bfloat16)
+                for key in keys[:2])
+    k, v = (jax.random.normal(key, (batch, length, kv_heads, dim), jnp.bfloat16)
+            for key in keys[2:])
     variants = {"noop": (None, None), "causal": (masks.causal_mask, None),
                 "softcap": (masks.causal_mask, masks.tanh_softcap(30.0)),
                 "alibi": (masks.causal_mask, masks.alibi(heads))}
@@ -80,7 +88,8 @@ def main():
 
             arguments = (q, k, v, out, lse, d_out, block_mask, score_program)
             row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
-                       prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH)
+                       prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
+                       q_heads=heads, kv_heads=kv_heads)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
                 return forward.flex_attention_forward(q, k, v, block_mask, score_program,
                                                       scale=scale, options=options,

@@ -136,6 +136,34 @@ def test_gradients_of_captured_arrays(backend, kind):
     assert np.abs(np.asarray(grads[3])).max() > 0
 
 
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch"])
+def test_layout_switches_give_the_same_gradients(backend, switch, monkeypatch):
+    """The benchmark-only switches (two backward launches without GQA; tile indices read
+    in the iteration that uses them) compute the same gradients as the defaults."""
+    from pallas_flex.kernels import backward, block_walk
+    if switch == "two_launches":
+        monkeypatch.setattr(backward, "FUSED_LAUNCH", False)
+    else:
+        monkeypatch.setattr(block_walk, "PREFETCH_INDICES", False)
+    batch, heads, q_len, kv_len = 1, 2, 45, 38
+    q, k, v = random_qkv(21, batch, q_len, kv_len, heads, heads, 32, 32, jnp.float32)
+    parameter, make_score_mod = _learnable_case("alibi_slopes", batch, heads, q_len, kv_len)
+    d_out = _cotangent((batch, q_len, heads, 32), 22)
+
+    def loss(q, k, v, parameter):
+        out = pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                           score_mod=make_score_mod(parameter), backend=backend,
+                           kernel_options=SMALL_TILES)
+        return jnp.sum(out * d_out)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, parameter)
+    expected = _golden_gradients(q, k, v, d_out, lambda p: masks.causal_mask, make_score_mod,
+                                 argnums=(0, 1, 2, 3), extra=(parameter,))
+    for name, grad, golden_grad in zip(["dq", "dk", "dv", "d_slopes"], grads, expected):
+        _assert_gradient_close(grad, golden_grad, name=name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_mod_closing_over_two_arrays_differentiates_only_one(backend):
     batch, heads, length = 1, 2, 40

@@ -284,7 +284,11 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
     num_q_blocks, num_kv_blocks = block_mask.num_blocks
     mask_block_q, mask_block_kv = block_mask.block_size
     # delta = rowsum(dO * O) - dlse: the lse output's own gradient folds in here.
-    delta = jnp.einsum("bshd,bshd->bhs", d_out.astype(jnp.float32), out.astype(jnp.float32))
+    # An elementwise product summed over D in the arrays' own layout (one fused read of
+    # dO and O), then the small [B, S, H] result transposed: as an einsum this lowered
+    # to a batched dot_general over transposed float32 copies of both.
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=3)
+    delta = jnp.transpose(delta, (0, 2, 1))
     if d_lse is not None:
         delta = delta - d_lse
     # Rows with lse = -inf (nothing attended) and padded rows get +inf: P = exp2(s - inf) = 0.
@@ -311,9 +315,12 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
             broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1))
 
 
-# One launch for both program kinds (as PyTorch's FlexAttention backward does): the
-# last wave of one kind overlaps the other's, and one launch has one tail. A switch
-# only so that benchmarks can time two launches against it.
+# Without GQA, one launch for both program kinds (as PyTorch's FlexAttention backward
+# does): the last wave of one kind overlaps the other's, and one launch has one tail
+# (H100, B4 H16 S4096 D128 noop: 3.60 ms, two launches 3.65). With GQA, two: a dK/dV
+# program sums `group` heads and runs that many times longer than a dQ program, and in
+# one launch those started last leave SMs idle at the end (32:8 heads: 8.08 ms in one
+# launch, 7.13 in two). False forces two launches everywhere (for benchmarks).
 FUSED_LAUNCH = True
 
 
@@ -430,7 +437,7 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     def unpack_grads(buffers):
         return {position: buffer for position, buffer in zip(grad_positions, buffers)}
 
-    if FUSED_LAUNCH:
+    if FUSED_LAUNCH and group == 1:
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))

@@ -18,11 +18,10 @@ class KernelOptions:
     num_warps, num_stages: Triton warps per program and software-pipelining depth.
     backward_block_q, backward_block_kv: tiles of the dQ programs (each owns a query
       tile, walks KV tiles); backward_dkdv_block_q, backward_dkdv_block_kv: tiles of the
-      dK/dV programs (each owns a KV tile, walks query tiles). Both kinds run in one
-      launch with backward_num_warps/num_stages; 8 warps need 128-row owned tiles (on
-      fewer rows the launch takes 4 warps and at most 2 stages).
-      backward_dkdv_num_warps/num_stages (0 = the same) only serve the two-launch layout
-      that `benchmarks/probe_backward.py --separate` times against the one launch.
+      dK/dV programs (each owns a KV tile, walks query tiles). Without GQA both kinds
+      run in one launch with backward_num_warps/num_stages; with GQA in two, the dK/dV
+      one with backward_dkdv_num_warps/num_stages (0 = the same). 8 warps need
+      128-row owned tiles (on fewer rows a launch takes 4 warps and at most 2 stages).
     decode_max_q_len: queries this short (and within one BlockMask query block) run
       the split-KV decode kernel instead of the forward kernel.
     decode_block_kv: KV rows per decode tile (0 = by head dim: 128 up to D 128, 64 up
