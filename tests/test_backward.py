@@ -255,3 +255,13 @@ def test_works_under_vmap_and_checkpoint():
     for ours, expected in zip(jax.jit(batched, static_argnums=0)("interpret"),
                               batched("reference")):
         np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_launch_parameters_keep_eight_warps_for_128_row_tiles_only():
+    """8 warps on 64-row tiles split columns and ran 2x slower on the H100: launches whose
+    owned tiles are shorter than 128 rows take at most 4 warps and 2 stages."""
+    from pallas_flex.kernels.backward import _launch_parameters
+    assert _launch_parameters(8, 3, 128) == (8, 3)
+    assert _launch_parameters(8, 3, 64) == (4, 2)
+    assert _launch_parameters(4, 2, 32) == (4, 2)
+    assert _launch_parameters(2, 1, 16) == (2, 1)
