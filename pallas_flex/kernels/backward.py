@@ -268,7 +268,7 @@ def _differentiable_sites(score_program, wanted=None):
 
 @dataclasses.dataclass(frozen=True)
 class _Launch:
-    """What both backward launches share: padded operands, tables, static settings."""
+    """The backward's padded operands and the static settings of both program kinds."""
     q: jax.Array          # [B, Sq_padded, Hq, D_padded]
     k: jax.Array          # [B, Skv_padded, Hkv, D_padded]
     v: jax.Array          # [B, Skv_padded, Hkv, Dv_padded]
@@ -277,7 +277,7 @@ class _Launch:
     delta: jax.Array      # [B, Hq, Sq_padded]
     block_mask: object
     score_program: object
-    kernel_settings: dict  # the keyword arguments both kernels take
+    kernel_settings: dict  # keyword arguments of _dq_program and _dkdv_program
 
 
 def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
