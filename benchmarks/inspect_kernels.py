@@ -40,18 +40,17 @@ def lower(args) -> None:
     from pallas_flex.kernels.config import resolve_options
     from pallas_flex.masks.mod_program import SCORE, make_mod_program
 
-    # Lower for an H100 whatever this machine has, and keep each Triton module.
+    # Lower for an H100 whatever this machine has, and keep each Triton module (the
+    # patches are undone afterwards: GPU work in the same process sees the real device).
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     modules = []
+    real_gpu_info = pallas_call_registration.gpu_info_lib.get_gpu_info
     real_lower = lowering.lower_jaxpr_to_triton_module
 
     def keep(*a, **kw):
         result = real_lower(*a, **kw)
         modules.append(result.module.operation.get_asm(enable_debug_info=False))
         return result
-
-    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
 
     options = resolve_options(json.loads(args.options), args.head_dim)
     batch, length, dim = 4, args.seq_len, args.head_dim
@@ -76,10 +75,16 @@ def lower(args) -> None:
             options=options, interpret=False, wanted_const_grads=[False] * len(
                 score_program.consts) if score_program is not None else None)
 
-    jax.jit(run_forward).trace(q_shape, kv_shape, kv_shape).lower(
-        lowering_platforms=("cuda",))
-    jax.jit(run_backward).trace(q_shape, kv_shape, kv_shape, q_shape, lse_shape,
-                                q_shape).lower(lowering_platforms=("cuda",))
+    pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
+    try:
+        jax.jit(run_forward).trace(q_shape, kv_shape, kv_shape).lower(
+            lowering_platforms=("cuda",))
+        jax.jit(run_backward).trace(q_shape, kv_shape, kv_shape, q_shape, lse_shape,
+                                    q_shape).lower(lowering_platforms=("cuda",))
+    finally:
+        pallas_call_registration.gpu_info_lib.get_gpu_info = real_gpu_info
+        pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real_lower
     os.makedirs(args.out_dir, exist_ok=True)
     for text in modules:
         name = re.search(r"tt.func public @(\w+)", text).group(1)
