@@ -54,7 +54,7 @@ def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, he
     loop, instead of every tile. `score_vjp`/`sites` give the captured-array cotangents.
 
     transposed=True computes P^T and dS^T [bk, bq] instead (lse_log2/delta [1, bq],
-    q_idx [1, bq], kv_idx [bk, 1]): the dK/dV kernel then feeds them to its matmuls as
+    q_idx [1, bq], kv_idx [bk, 1]): the dK/dV programs then feed them to their matmuls as
     they are, where transposing a [bq, bk] accumulator would go through shared memory.
     """
     q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
