@@ -78,24 +78,23 @@ def lower(args) -> None:
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        jax.jit(run_forward).trace(q_shape, kv_shape, kv_shape).lower(
-            lowering_platforms=("cuda",))
-        jax.jit(run_backward).trace(q_shape, kv_shape, kv_shape, q_shape, lse_shape,
-                                    q_shape).lower(lowering_platforms=("cuda",))
+        lowered = [
+            jax.jit(run_forward).trace(q_shape, kv_shape, kv_shape).lower(
+                lowering_platforms=("cuda",)).as_text(),
+            jax.jit(run_backward).trace(q_shape, kv_shape, kv_shape, q_shape, lse_shape,
+                                        q_shape).lower(lowering_platforms=("cuda",)).as_text()]
     finally:
         pallas_call_registration.gpu_info_lib.get_gpu_info = real_gpu_info
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real_lower
+    # Each launch's warps and stages, as the kernels chose them, from the custom calls.
+    launch_parameters = {
+        name: (int(warps), int(stages)) for name, stages, warps in re.findall(
+            r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32',
+            "".join(lowered))}
     os.makedirs(args.out_dir, exist_ok=True)
     for text in modules:
         name = re.search(r"tt.func public @(\w+)", text).group(1)
-        if name == "flex_attention_forward":
-            warps, stages = options.num_warps, options.num_stages
-        elif name == "flex_attention_backward_dkdv":
-            warps = options.backward_dkdv_num_warps or options.backward_num_warps
-            stages = options.backward_dkdv_num_stages or options.backward_num_stages
-        else:
-            warps, stages = options.backward_num_warps, options.backward_num_stages
-        # (launches on tiles under 128 rows take fewer: backward._launch_parameters)
+        warps, stages = launch_parameters[name]
         path = os.path.join(args.out_dir, f"{name}_{args.variant}_w{warps}s{stages}.ttir")
         with open(path, "w") as f:
             f.write(text)

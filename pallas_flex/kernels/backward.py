@@ -123,7 +123,7 @@ class _Refs:
 
 def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
                 differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
-                mask_block_kv, broadcast_batch, broadcast_heads, group, interpret, **_):
+                mask_block_kv, broadcast_batch, broadcast_heads, group, interpret):
     """dQ of one query tile of query head `member` of the KV head's group, walking the
     KV tables like the forward; also scatter-adds the gradients of captured score
     arrays."""
@@ -172,7 +172,7 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
 
 def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_program, scale,
                   q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
-                  broadcast_batch, broadcast_heads, group, **_):
+                  broadcast_batch, broadcast_heads, group):
     """dK and dV of one KV tile, summed over the query heads of its GQA group: for each
     of them, walks the transposed tables (the query blocks of its KV block). Summing
     here, in float32 registers, spares a [B, S, Hq, D] float32 output and its sum."""
@@ -407,9 +407,8 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             dk_ref, dv_ref = outputs[int(with_dq):int(with_dq) + 2] if with_dkdv else (None,
                                                                                        None)
             grads = [None] * len(score_inputs)
-            for slot, position in enumerate(grad_positions):
-                if with_dq:
-                    grads[position] = outputs[num_outputs_before_buffers + slot]
+            for slot, position in enumerate(grad_positions if with_dq else ()):
+                grads[position] = outputs[num_outputs_before_buffers + slot]
             return _Refs(q=q_ref, k=k_ref, v=v_ref, d_out=d_out_ref, lse_log2=lse_ref,
                          delta=delta_ref, kv_tables=kv_tables, q_tables=q_tables,
                          mask=mask_refs, score=score_refs, dq=dq_ref, dk=dk_ref, dv=dv_ref,
@@ -441,8 +440,8 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))
-        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles * group, True, True,
-                                      warps, stages, "flex_attention_backward")
+        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles, True, True, warps,
+                                      stages, "flex_attention_backward")
         return d_q, unpack_grads(buffers), d_k, d_v
     d_k, d_v = run(0, num_kv_tiles, False, True, *_launch_parameters(
         options.backward_dkdv_num_warps or options.backward_num_warps,
