@@ -40,7 +40,8 @@ from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile)
+    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile,
+    split_captured_refs)
 
 
 def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
@@ -400,8 +401,8 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         def unpack(refs):
             (q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref), rest = refs[:6], refs[6:]
             kv_tables, q_tables, rest = rest[:4], rest[4:8], rest[8:]
-            mask_refs, rest = rest[:len(mask_inputs)], rest[len(mask_inputs):]
-            score_refs, rest = rest[:len(score_inputs)], rest[len(score_inputs):]
+            mask_refs, score_refs, rest = split_captured_refs(rest, block_mask.mask_mod,
+                                                              score_program)
             outputs = rest[len(buffers):]  # skip the aliased input buffers
             dq_ref = outputs[0] if with_dq else None
             dk_ref, dv_ref = outputs[int(with_dq):int(with_dq) + 2] if with_dkdv else (None,
