@@ -7,7 +7,6 @@ B4 H16 S4096 D128 bf16. For each kernel-option set and variant, in ms (`--parts`
 tile indices in the iteration that uses them: A/B switches for what they replaced.
 """
 import argparse
-import functools
 import json
 
 import jax
@@ -19,6 +18,7 @@ from pallas_flex.kernels import backward, block_walk, forward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from benchmarks.tune_forward import time_ms
+
 
 def _dq(block_q, block_kv, warps, stages):
     return dict(backward_block_q=block_q, backward_block_kv=block_kv,
@@ -32,6 +32,7 @@ def _dkdv(block_kv, block_q, warps, stages):
 
 # name -> kernel_options over the defaults. dq_<q rows>x<kv rows>_<warps>w<stages>s,
 # dkdv_<kv rows>x<q rows>_<warps>w<stages>s, fwd_<q rows>x<kv rows>_<warps>w<stages>s.
+# The dq_ warps/stages set the one launch's (both kinds) unless --separate or GQA.
 CONFIGS = {"default": {}}
 for _tiles in [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3),
                (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 3)]:
@@ -55,7 +56,6 @@ def main():
     parser.add_argument("--parts", default="forward,backward")
     parser.add_argument("--separate", action="store_true",
                         help="dQ and dK/dV in two launches instead of one")
-    parser.add_argument("--baseline", help="module with another flex_attention_backward")
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
@@ -81,8 +81,8 @@ def main():
             options = resolve_options(CONFIGS[config_name], dim)
 
             # Arrays are arguments, not closed-over constants (XLA would fold them).
-            def whole(q, k, v, out, lse, d_out, block_mask, score_program, module=backward):
-                return module.flex_attention_backward(
+            def whole(q, k, v, out, lse, d_out, block_mask, score_program):
+                return backward.flex_attention_backward(
                     q, k, v, out, lse, d_out, None, block_mask, score_program, scale=scale,
                     options=options, interpret=False)
 
@@ -103,12 +103,6 @@ def main():
                 except Exception as error:  # one failing config must not end the probe
                     row[part] = float("nan")
                     print("failed", config_name, part, str(error)[:300], flush=True)
-            if args.baseline and config_name == "default":
-                import importlib
-                module = importlib.import_module(args.baseline)
-                row["baseline_backward"] = time_ms(
-                    jax.jit(functools.partial(whole, module=module)), *arguments,
-                    iters=args.iters)
             rows.append(row)
             print(json.dumps(row), flush=True)
     if args.out:
