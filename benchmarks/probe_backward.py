@@ -4,7 +4,9 @@ Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_backward [--out probe.json]
 B4 H16 S4096 D128 bf16. For each kernel-option set and variant, in ms (`--parts`):
 `flex_attention_backward` (delta, padding and the kernels) and the forward kernel.
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
-tile indices in the iteration that uses them: A/B switches for what they replaced.
+tile indices in the iteration that uses them, `--dv-after-dp` issues the dK/dV programs'
+dV dot after dS, `--convert-tiles` converts ALiBi's index differences on whole tiles:
+A/B switches for what they replaced.
 """
 import argparse
 import json
@@ -14,7 +16,7 @@ import jax.numpy as jnp
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.kernels import backward, block_walk, forward
+from pallas_flex.kernels import backward, block_walk, forward, tile_mods
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from benchmarks.tune_forward import time_ms
@@ -56,9 +58,15 @@ def main():
     parser.add_argument("--parts", default="forward,backward")
     parser.add_argument("--separate", action="store_true",
                         help="dQ and dK/dV in two launches instead of one")
+    parser.add_argument("--dv-after-dp", action="store_true",
+                        help="dK/dV programs issue dV's dot after dS, next to dK's")
+    parser.add_argument("--convert-tiles", action="store_true",
+                        help="convert int index differences on whole tiles")
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
+    backward.DV_BEFORE_DP = not args.dv_after_dp
+    tile_mods.CONVERT_INDEX_VECTORS = not args.convert_tiles
     batch, heads, length, dim = 4, args.q_heads, 4096, 128
     kv_heads = args.kv_heads or heads
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -89,6 +97,8 @@ def main():
             arguments = (q, k, v, out, lse, d_out, block_mask, score_program)
             row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
                        prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
+                       dv_before_dp=backward.DV_BEFORE_DP,
+                       convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        q_heads=heads, kv_heads=kv_heads)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
                 return forward.flex_attention_forward(q, k, v, block_mask, score_program,

@@ -44,22 +44,22 @@ from pallas_flex.kernels.tile_mods import (
     split_captured_refs)
 
 
-def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, head, masked,
-                    mask_program, mask_refs, score_program, score_refs, scale, kv_len,
-                    precision, transposed=False):
-    """Recomputes one tile's probabilities and returns (P, dS, score_vjp, sites).
+def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, mask_program,
+                        mask_refs, score_program, score_refs, scale, q_len, kv_len,
+                        mask_block_kv, precision, transposed=False):
+    """Recomputes one tile's probabilities: (P, score_vjp, sites).
 
-    q [bq, D], k [bk, D], v [bk, Dv], d_out [bq, Dv], lse_log2/delta [bq, 1];
-    q_idx [bq, 1], kv_idx [1, bk] (unclamped). dS includes the score_mod's derivative
-    but not `scale`: the callers multiply their dQ/dK accumulators by it once, after the
-    loop, instead of every tile. `score_vjp`/`sites` give the captured-array cotangents.
+    q [bq, D], k [bk, D], lse_log2 [bq, 1]; q_idx [bq, 1], kv_idx [1, bk] (unclamped).
+    `score_vjp`/`sites` (None/() without a score_mod) give the score_mod's derivative
+    and the captured-array reads for `_tile_score_gradients`.
 
-    transposed=True computes P^T and dS^T [bk, bq] instead (lse_log2/delta [1, bq],
-    q_idx [1, bq], kv_idx [bk, 1]): the dK/dV programs then feed them to their matmuls as
-    they are, where transposing a [bq, bk] accumulator would go through shared memory.
+    transposed=True computes P^T [bk, bq] instead (lse_log2 [1, bq], q_idx [1, bq],
+    kv_idx [bk, 1]): the dK/dV programs then feed P^T and dS^T to their matmuls as they
+    are, where transposing a [bq, bk] accumulator would go through shared memory.
     """
     q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
     kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+    indices_below = max(q_len, kv_len)
     rows, columns = (k, q) if transposed else (q, k)
     scores = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32, precision=precision)
@@ -69,23 +69,33 @@ def _tile_gradients(q, k, v, d_out, lse_log2, delta, *, q_idx, kv_idx, batch, he
     else:
         scores, score_vjp, sites = score_vjp_on_tile(score_program, score_refs, scores * scale,
                                                      batch, head, q_idx_in_range,
-                                                     kv_idx_in_range)
+                                                     kv_idx_in_range,
+                                                     indices_below=indices_below)
         logits = scores * online_softmax.LOG2_E
     if masked:
         keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
-                                  kv_idx_in_range) & (kv_idx < kv_len)
+                                  kv_idx_in_range, indices_below=indices_below)
+        if kv_len % mask_block_kv:  # else no tile reaches past the keys
+            keep = keep & (kv_idx < kv_len)
         logits = jnp.where(keep, logits, -jnp.inf)
     probabilities = jnp.exp2(logits - lse_log2)  # lse_log2 = +inf on rows to ignore
+    return probabilities, score_vjp, sites
+
+
+def _tile_score_gradients(probabilities, v, d_out, delta, score_vjp, *, precision,
+                          transposed=False):
+    """(dS, the captured-array cotangents) of one tile from its probabilities.
+
+    v [bk, Dv], d_out [bq, Dv], delta [bq, 1] ([1, bq] and dS^T when transposed). dS
+    includes the score_mod's derivative but not `scale`: the callers multiply their
+    dQ/dK accumulators by it once, after the loop, instead of every tile."""
     rows, columns = (v, d_out) if transposed else (d_out, v)
     d_probabilities = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
                                       preferred_element_type=jnp.float32, precision=precision)
     d_modded = probabilities * (d_probabilities - delta)
-    site_cotangents = ()
-    if score_vjp is not None:
-        d_scores, site_cotangents = score_vjp(d_modded)
-    else:
-        d_scores = d_modded
-    return probabilities, d_scores, site_cotangents, sites
+    if score_vjp is None:
+        return d_modded, ()
+    return score_vjp(d_modded)
 
 
 def _scatter_add(target_ref, indices, value, interpret):
@@ -146,11 +156,13 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
         k = refs.k[pl.ds(kv_start, block_kv), :]
         v = refs.v[pl.ds(kv_start, block_kv), :]
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-        _, d_scores, site_cotangents, sites = _tile_gradients(
-            q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
-            head=head, masked=masked, mask_program=mask_program, mask_refs=refs.mask,
-            score_program=score_program, score_refs=refs.score, scale=scale, kv_len=kv_len,
-            precision=precision)
+        probabilities, score_vjp, sites = _tile_probabilities(
+            q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=batch, head=head,
+            masked=masked, mask_program=mask_program, mask_refs=refs.mask,
+            score_program=score_program, score_refs=refs.score, scale=scale, q_len=q_len,
+            kv_len=kv_len, mask_block_kv=mask_block_kv, precision=precision)
+        d_scores, site_cotangents = _tile_score_gradients(
+            probabilities, v, d_out, delta, score_vjp, precision=precision)
         for site in differentiable_sites:
             position, indices = sites[site]
             _scatter_add(refs.grads[position], indices,
@@ -197,14 +209,25 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
         delta = refs.delta[member, q_rows][None, :]
         q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1),
                             q_len - 1)
-        probabilities_t, d_scores_t, _, _ = _tile_gradients(
-            q, k, v, d_out, lse_log2, delta, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
+        probabilities_t, score_vjp, _ = _tile_probabilities(
+            q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
             head=kv_head * group + member, masked=masked, mask_program=mask_program,
             mask_refs=refs.mask, score_program=score_program, score_refs=refs.score,
-            scale=scale, kv_len=kv_len, precision=precision, transposed=True)
-        d_v = d_v + lax.dot_general(probabilities_t.astype(d_out.dtype), d_out,
-                                    (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32, precision=precision)
+            scale=scale, q_len=q_len, kv_len=kv_len, mask_block_kv=mask_block_kv,
+            precision=precision, transposed=True)
+
+        def accumulate_d_v(d_v):
+            return d_v + lax.dot_general(probabilities_t.astype(d_out.dtype), d_out,
+                                         (((1,), (0,)), ((), ())),
+                                         preferred_element_type=jnp.float32,
+                                         precision=precision)
+
+        if DV_BEFORE_DP:
+            d_v = accumulate_d_v(d_v)
+        d_scores_t, _ = _tile_score_gradients(probabilities_t, v, d_out, delta, score_vjp,
+                                              precision=precision, transposed=True)
+        if not DV_BEFORE_DP:
+            d_v = accumulate_d_v(d_v)
         d_k = d_k + lax.dot_general(d_scores_t.astype(q.dtype), q, (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32, precision=precision)
         return d_k, d_v
@@ -323,6 +346,9 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
 # one launch those started last leave SMs idle at the end (32:8 heads: 8.08 ms in one
 # launch, 7.13 in two). False forces two launches everywhere (for benchmarks).
 FUSED_LAUNCH = True
+# dK/dV programs: issue dV += P^T dO before dP^T = V dO^T (PyTorch's order), so that the
+# tensor cores run both back to back; False issues it after dS^T, next to dK's.
+DV_BEFORE_DP = True
 
 
 def _launch_parameters(warps: int, stages: int, owned_rows: int):

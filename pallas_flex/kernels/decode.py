@@ -100,13 +100,15 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = scores * (scale * online_softmax.LOG2_E)
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch, head,
-                                         q_idx, kv_idx_in_range) * online_softmax.LOG2_E
+                                         q_idx, kv_idx_in_range,
+                                         indices_below=max(q_len, kv_len)
+                                         ) * online_softmax.LOG2_E
         keep = None
         if in_length is not None:
             keep = kv_idx < kv_length
         if masked:
             mask = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
-                                      kv_idx_in_range)
+                                      kv_idx_in_range, indices_below=max(q_len, kv_len))
             keep = mask if keep is None else mask & keep
         if keep is not None:
             scores = jnp.where(keep, scores, -jnp.inf)

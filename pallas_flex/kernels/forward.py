@@ -90,10 +90,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = scores * (scale * online_softmax.LOG2_E)
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
-                                         head, q_idx, kv_idx_in_range) * online_softmax.LOG2_E
+                                         head, q_idx, kv_idx_in_range,
+                                         indices_below=max(q_len, kv_len)
+                                         ) * online_softmax.LOG2_E
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
-                                      kv_idx_in_range) & (kv_idx < kv_len)
+                                      kv_idx_in_range, indices_below=max(q_len, kv_len))
+            if kv_len % mask_block_kv:  # else no tile reaches past the keys
+                keep = keep & (kv_idx < kv_len)
             if paged is not None:
                 keep = keep & (kv_idx < kv_length)
             scores = jnp.where(keep, scores, -jnp.inf)

@@ -106,9 +106,34 @@ def _read_captured(value, name: str, primitive: str):
     )
 
 
-def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str):
-    """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays."""
+# Int32 values below this convert to float32 exactly, and so does the difference of two.
+EXACT_FLOAT32_INTEGERS = 2 ** 24
+# False turns the index-difference rewrite of `evaluate_jaxpr_on_tiles` off (benchmarks).
+CONVERT_INDEX_VECTORS = True
+
+
+def _is_float32_conversion(equation) -> bool:
+    return (equation.primitive.name == "convert_element_type"
+            and equation.params["new_dtype"] == jnp.float32
+            and jnp.issubdtype(equation.invars[0].aval.dtype, jnp.integer))
+
+
+def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
+                            small_index_args=()):
+    """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays.
+
+    small_index_args: positions of int args whose values lie in [0, 2**24), which the
+    kernels guarantee for clamped q_idx/kv_idx when both lengths are below 2**24. For
+    those, `float32(a - b)` (ALiBi, relative positions) is evaluated as
+    `float32(a) - float32(b)`: the same value exactly, but the conversions run on the
+    [block_q, 1] and [1, block_kv] index vectors instead of on every element of the
+    tile (int->float conversion runs at a quarter of the FMA rate on Hopper, like exp2,
+    and doubled the softmax's per-element cost on ALiBi).
+    """
     environment = {}
+    small_index_vars = {var for position, var in enumerate(jaxpr.invars)
+                        if position in small_index_args}
+    index_differences = {}  # var -> (a, b) of an int `a - b` of two small index values
 
     def read(atom):
         if isinstance(atom, jex_core.Literal):
@@ -123,11 +148,23 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str):
     for equation in jaxpr.eqns:
         operands = [read(atom) for atom in equation.invars]
         primitive = equation.primitive.name
-        if primitive in _CALL_PARAMS:
+        if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
+                                       for atom in equation.invars)):
+            index_differences[equation.outvars[0]] = operands
+        if (_is_float32_conversion(equation) and isinstance(equation.invars[0], jex_core.Var)
+                and equation.invars[0] in index_differences):
+            first, second = index_differences[equation.invars[0]]
+            # The int difference computed for this var stays unused unless something
+            # else reads it, and then the compiler drops it.
+            outputs = [_elementwise(equation, [first]) - _elementwise(equation, [second])]
+        elif primitive in _CALL_PARAMS:
             inner = equation.params[_CALL_PARAMS[primitive]]
             inner_jaxpr = getattr(inner, "jaxpr", inner)
             inner_consts = getattr(inner, "consts", ())
-            outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name)
+            inner_small = [position for position, atom in enumerate(equation.invars)
+                           if isinstance(atom, jex_core.Var) and atom in small_index_vars]
+            outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name,
+                                              small_index_args=inner_small)
         elif primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef):
             if any(size != 1 for size in equation.params["slice_sizes"]):
                 raise ValueError(f"mod {name!r} slices a captured array; index it with "
@@ -159,39 +196,57 @@ def _captured(program, refs, log):
             for position, (ref, c) in enumerate(zip(refs, program.consts))]
 
 
-def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx):
+def _small_index_args(first_index_arg, indices_below):
+    """Positions of q_idx and kv_idx among a program's args when every index passed is
+    known to lie in [0, indices_below) with indices_below <= 2**24; else none."""
+    if (not CONVERT_INDEX_VECTORS or indices_below is None
+            or indices_below > EXACT_FLOAT32_INTEGERS):
+        return ()
+    return (first_index_arg, first_index_arg + 1)
+
+
+def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx, *, indices_below=None):
     """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]
-    (or the transposed tile, for q_idx [1, block_q] and kv_idx [block_kv, 1])."""
+    (or the transposed tile, for q_idx [1, block_q] and kv_idx [block_kv, 1]).
+
+    indices_below: a bound on every q_idx and kv_idx value passed (the kernels clamp
+    them into their sequences), or None if unknown; see `evaluate_jaxpr_on_tiles`."""
     consts = _captured(program, captured_refs, CaptureLog())
-    (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name)
+    (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name,
+                                      _small_index_args(2, indices_below))
     return jnp.broadcast_to(mask, np.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)))
 
 
-def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
-    """score_mod applied to score [block_q, block_kv] (float32)."""
+def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
+                        indices_below=None):
+    """score_mod applied to score [block_q, block_kv] (float32); indices_below as for
+    `apply_mask_on_tile`."""
     consts = _captured(program, captured_refs, CaptureLog())
     (result,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (score, b, h, q_idx, kv_idx),
-                                        program.name)
+                                        program.name, _small_index_args(3, indices_below))
     return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
 
 
-def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx):
+def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
+                      indices_below=None):
     """The modded score and its VJP, for the backward kernels.
 
     Returns `(modded [block_q, block_kv], vjp, sites)`: `vjp(cotangent)` gives the
     cotangent of `score` and one cotangent per site in `sites` (a list of
     `(captured position, indices)` reads of captured arrays), already summed over the
-    tile dimensions the site's indices do not vary along.
+    tile dimensions the site's indices do not vary along. indices_below as for
+    `apply_mask_on_tile`.
     """
+    small_index_args = _small_index_args(3, indices_below)
     recording = CaptureLog()
     evaluate_jaxpr_on_tiles(program.jaxpr, _captured(program, captured_refs, recording),
-                            (score, b, h, q_idx, kv_idx), program.name)
+                            (score, b, h, q_idx, kv_idx), program.name, small_index_args)
 
     def modded(score, site_values):
         replay = CaptureLog(replay_values=site_values)
         (result,) = evaluate_jaxpr_on_tiles(
             program.jaxpr, _captured(program, captured_refs, replay),
-            (score, b, h, q_idx, kv_idx), program.name)
+            (score, b, h, q_idx, kv_idx), program.name, small_index_args)
         return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
 
     result, vjp = jax.vjp(modded, score, list(recording.values))
