@@ -1,11 +1,10 @@
 """Times the backward (and the forward kernel) for kernel-option sets, on the GPU.
 
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_backward [--out probe.json]
-B4 H16 S4096 D128 bf16. For each kernel-option set and variant, in ms (`--parts`):
+B4 H16 S4096 D128 bf16 by default. For each kernel-option set and variant, in ms (`--parts`):
 `flex_attention_backward` (delta, padding and the kernels) and the forward kernel.
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
-tile indices in the iteration that uses them, `--dv-after-dp` issues the dK/dV programs'
-dV dot after dS, `--convert-tiles` converts ALiBi's index differences on whole tiles:
+tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index differences on whole tiles:
 A/B switches for what they replaced.
 """
 import argparse
@@ -40,7 +39,13 @@ for _tiles in [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3),
                (128, 32, 8, 3), (128, 32, 8, 4), (64, 64, 4, 3)]:
     CONFIGS["dq_%dx%d_%dw%ds" % _tiles] = _dq(*_tiles)
     CONFIGS["dkdv_%dx%d_%dw%ds" % _tiles] = _dkdv(*_tiles)
-for _tiles in [(128, 64, 4, 2), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2)]:
+# Both program kinds' tiles at once (the one launch's warps/stages): for small head dims.
+for _rows, _walked, _warps, _stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3)]:
+    CONFIGS["both_%dx%d_%dw%ds" % (_rows, _walked, _warps, _stages)] = dict(
+        _dq(_rows, _walked, _warps, _stages), **_dkdv(_rows, _walked, _warps, _stages))
+for _tiles in [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
+               (128, 128, 8, 2), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
+               (128, 32, 4, 3)]:
     CONFIGS["fwd_%dx%d_%dw%ds" % _tiles] = dict(zip(("block_q", "block_kv", "num_warps",
                                                      "num_stages"), _tiles))
 
@@ -51,6 +56,9 @@ def main():
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--variants", default="noop,causal")
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=4096)
+    parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--q-heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=0, help="0: as many as q heads")
     parser.add_argument("--no-prefetch", action="store_true",
@@ -58,16 +66,13 @@ def main():
     parser.add_argument("--parts", default="forward,backward")
     parser.add_argument("--separate", action="store_true",
                         help="dQ and dK/dV in two launches instead of one")
-    parser.add_argument("--dv-after-dp", action="store_true",
-                        help="dK/dV programs issue dV's dot after dS, next to dK's")
     parser.add_argument("--convert-tiles", action="store_true",
                         help="convert int index differences on whole tiles")
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
-    backward.DV_BEFORE_DP = not args.dv_after_dp
     tile_mods.CONVERT_INDEX_VECTORS = not args.convert_tiles
-    batch, heads, length, dim = 4, args.q_heads, 4096, 128
+    batch, heads, length, dim = args.batch, args.q_heads, args.seq_len, args.head_dim
     kv_heads = args.kv_heads or heads
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
     q, d_out = (jax.random.normal(key, (batch, length, heads, dim), jnp.bfloat16)
@@ -97,9 +102,9 @@ def main():
             arguments = (q, k, v, out, lse, d_out, block_mask, score_program)
             row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
                        prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
-                       dv_before_dp=backward.DV_BEFORE_DP,
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
-                       q_heads=heads, kv_heads=kv_heads)
+                       q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
+                       head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
                 return forward.flex_attention_forward(q, k, v, block_mask, score_program,
                                                       scale=scale, options=options,
