@@ -40,12 +40,14 @@ for _tiles in [(64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (128, 64, 8, 3),
     CONFIGS["dq_%dx%d_%dw%ds" % _tiles] = _dq(*_tiles)
     CONFIGS["dkdv_%dx%d_%dw%ds" % _tiles] = _dkdv(*_tiles)
 # Both program kinds' tiles at once (the one launch's warps/stages): for small head dims.
-for _rows, _walked, _warps, _stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3)]:
+for _rows, _walked, _warps, _stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3),
+                                        (128, 128, 8, 4)]:
     CONFIGS["both_%dx%d_%dw%ds" % (_rows, _walked, _warps, _stages)] = dict(
         _dq(_rows, _walked, _warps, _stages), **_dkdv(_rows, _walked, _warps, _stages))
 for _tiles in [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
                (128, 128, 8, 2), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-               (128, 32, 4, 3)]:
+               (128, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3),
+               (64, 128, 4, 2)]:
     CONFIGS["fwd_%dx%d_%dw%ds" % _tiles] = dict(zip(("block_q", "block_kv", "num_warps",
                                                      "num_stages"), _tiles))
 

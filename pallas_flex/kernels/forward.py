@@ -86,7 +86,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                                          precision=precision)
                          for q_chunk, key in zip(q_chunks, keys))
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
-        if score_program is None:
+        logit_scale = None
+        if score_program is None and scale > 0:
+            logit_scale = scale * online_softmax.LOG2_E  # applied inside the softmax
+        elif score_program is None:
             scores = scores * (scale * online_softmax.LOG2_E)
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
@@ -102,8 +105,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keep = keep & (kv_idx < kv_length)
             scores = jnp.where(keep, scores, -jnp.inf)
         if paged is not None:
-            return online_softmax.update_chunks(state, scores, v, precision)
-        return online_softmax.update(state, scores, v, precision)
+            return online_softmax.update_chunks(state, scores, v, precision,
+                                                logit_scale=logit_scale)
+        return online_softmax.update(state, scores, v, precision, logit_scale=logit_scale)
 
     def walk(num_blocks_ref, indices_ref, state, masked):
         return walk_listed_tiles(
