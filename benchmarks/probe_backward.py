@@ -4,7 +4,8 @@ Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_backward [--out probe.json]
 B4 H16 S4096 D128 bf16 by default. For each kernel-option set and variant, in ms (`--parts`):
 `flex_attention_backward` (delta, padding and the kernels) and the forward kernel.
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
-tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index differences on whole tiles:
+tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index
+differences on whole tiles, `--scale-first` scales scores before the forward's softmax:
 A/B switches for what they replaced.
 """
 import argparse
@@ -70,10 +71,13 @@ def main():
                         help="dQ and dK/dV in two launches instead of one")
     parser.add_argument("--convert-tiles", action="store_true",
                         help="convert int index differences on whole tiles")
+    parser.add_argument("--scale-first", action="store_true",
+                        help="forward multiplies scores by the scale before the softmax")
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
     tile_mods.CONVERT_INDEX_VECTORS = not args.convert_tiles
+    forward.SCALE_IN_EXPONENT = not args.scale_first
     batch, heads, length, dim = args.batch, args.q_heads, args.seq_len, args.head_dim
     kv_heads = args.kv_heads or heads
     keys = jax.random.split(jax.random.PRNGKey(0), 4)
@@ -105,6 +109,7 @@ def main():
             row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
                        prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
+                       scale_in_exponent=forward.SCALE_IN_EXPONENT,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
                        head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
