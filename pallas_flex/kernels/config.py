@@ -62,7 +62,12 @@ class KernelOptions:
 # Hopper (sm_90) defaults by padded head dim, measured on the H100 (see
 # benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
 _HOPPER_FORWARD = {
-    64: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=3),
+    # D 64 (B8 H16 S2048): 64x64 forward tiles 0.420/0.254 ms noop/causal against
+    # 0.446/0.268 for 128x64; 128x128 backward tiles in both program kinds 1.23/0.76 ms
+    # against 1.28/0.77 (benchmarks/results/2026-11-22-h100-d64-tuning.json).
+    64: KernelOptions(block_q=64, block_kv=64, num_warps=4, num_stages=3,
+                      backward_block_q=128, backward_block_kv=128, backward_dkdv_block_q=128,
+                      backward_dkdv_block_kv=128),
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                        backward_block_q=32, backward_block_kv=32, backward_dkdv_block_q=32,
