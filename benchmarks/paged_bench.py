@@ -17,7 +17,6 @@ import pallas_flex as pf
 from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import masks
-from pallas_flex.kernels import forward
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
 
@@ -45,12 +44,7 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--kernel-options", default="{}", help="JSON dict for both layouts")
     parser.add_argument("--cases", default="decode,prefill")
-    parser.add_argument("--pages-in-iteration", action="store_true",
-                        help="the forward reads each tile's pages in the iteration that "
-                             "loads it, not one iteration ahead (A/B)")
-    parser.add_argument("--page-sizes", default="16,64,128")
     args = parser.parse_args()
-    forward.PAGES_AHEAD = not args.pages_in_iteration
     options = json.loads(args.kernel_options)
     rows = []
     for name, batch, q_len, length, q_heads, kv_heads in (
@@ -68,7 +62,7 @@ def main():
         base_ms = time_ms(contiguous, q, k, v, block_mask)
         rows.append(dict(case=name, layout="contiguous", ms=base_ms, kernel_options=options))
         print(f"{name} contiguous {base_ms:.4f} ms", flush=True)
-        for page_size in [int(size) for size in args.page_sizes.split(",")]:
+        for page_size in (16, 64, 128):
             cache = paged_copy(k, v, page_size)
             paged = jax.jit(lambda q, cache, bm: paged_flex_attention(
                 q, cache, block_mask=bm, kernel_options=options))
@@ -78,8 +72,7 @@ def main():
             max_diff = float(jnp.max(jnp.abs(out_paged.astype(jnp.float32)
                                              - out_contiguous.astype(jnp.float32))))
             rows.append(dict(case=name, layout=f"paged{page_size}", ms=ms, kernel_options=options,
-                             overhead=ms / base_ms - 1, max_abs_diff=max_diff,
-                             pages_ahead=forward.PAGES_AHEAD))
+                             overhead=ms / base_ms - 1, max_abs_diff=max_diff))
             print(f"{name} page_size {page_size} {ms:.4f} ms "
                   f"overhead {100 * (ms / base_ms - 1):+.1f}% max|diff| {max_diff:.2e}", flush=True)
     if args.out:

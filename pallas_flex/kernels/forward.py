@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
-from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view, tile_pages
+from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -59,15 +59,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         kv_length = jnp.minimum(lengths_ref[batch], kv_len)
         q_chunks = [q_ref[:, pl.ds(start, width)] for start, width in dim_chunks]
 
-        page_of = page_table_row(page_table_ref, batch)
-
-    def load_paged(ref, kv_start, pages, valid, start, width):
-        view = paged_tile_view(ref, page_of, kv_head, kv_start, tile=block_kv,
-                               page_size=page_size, column_start=start, width=width,
-                               pages=pages)
+    def load_paged(ref, kv_start, valid, start, width):
+        view = paged_tile_view(ref, page_table_row(page_table_ref, batch), kv_head, kv_start,
+                               tile=block_kv, page_size=page_size, column_start=start,
+                               width=width)
         return load_rows(view, valid)
 
-    def visit_tile(kv_start, state, masked, pages=None):
+    def visit_tile(kv_start, state, masked):
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         if paged is None:
             k = k_ref[pl.ds(kv_start, block_kv), :]  # [block_kv, D]
@@ -81,8 +79,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             if masked:
                 valid = (kv_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
                          ) < kv_length
-            keys = [load_paged(k_ref, kv_start, pages, valid, *chunk) for chunk in dim_chunks]
-            v = [load_paged(v_ref, kv_start, pages, valid, *chunk) for chunk in value_chunks]
+            keys = [load_paged(k_ref, kv_start, valid, *chunk) for chunk in dim_chunks]
+            v = [load_paged(v_ref, kv_start, valid, *chunk) for chunk in value_chunks]
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=precision)
@@ -112,15 +110,10 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         return online_softmax.update(state, scores, v, precision, logit_scale=logit_scale)
 
     def walk(num_blocks_ref, indices_ref, state, masked):
-        lookahead = None
-        if paged is not None and PAGES_AHEAD:
-            lookahead = functools.partial(tile_pages, page_of, tile=block_kv,
-                                          page_size=page_size)
         return walk_listed_tiles(
             num_blocks_ref, indices_ref, (table_batch, table_head, mask_row),
             mask_block=mask_block_kv, tile=block_kv,
-            visit=lambda start, state, *pages: visit_tile(start, state, masked, *pages),
-            state=state, lookahead=lookahead)
+            visit=lambda start, state: visit_tile(start, state, masked), state=state)
 
     if paged is None:
         state = online_softmax.initial_state(block_q, out_ref.shape[-1])
@@ -137,10 +130,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             out_ref[:, pl.ds(start, width)] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
 
-
-# Paged: read each tile's pages one iteration ahead, with its index (see
-# block_walk.walk_listed_tile_range); False reads them in the iteration (benchmarks).
-PAGES_AHEAD = True
 
 # Without a score_mod, scale scores inside the softmax's exponent (one FMA per score)
 # instead of multiplying them first; False restores the multiply (benchmarks).

@@ -22,38 +22,19 @@ def page_table_row(page_table_ref, batch):
     return lambda slot: page_table_ref[batch, jnp.minimum(slot, max_pages - 1)]
 
 
-def tile_pages(page_of, tile_start, *, tile: int, page_size: int):
-    """The physical pages of a tile's rows, for `paged_tile_view(pages=...)`: one scalar
-    when the tile lies inside one page, else a [tile, 1] column (one entry per row).
-
-    Kernels read them one tile ahead (`walk_listed_tile_range(lookahead=...)`), so that
-    the tile's loads depend on loop-carried values only: a page-table read in the same
-    iteration takes pipeline stages from the tile loads that depend on it."""
-    if page_size % tile == 0:
-        return jnp.maximum(page_of(lax.div(tile_start, jnp.int32(page_size))), 0)
-    positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
-    return jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
-
-
 def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int,
-                    column_start: int, width: int, pages=None):
+                    column_start: int, width: int):
     """A `[tile, width]` view of logical rows tile_start.. of one KV head's pages.
 
     `page_of(slot)` maps logical page numbers (a scalar or an index array) to physical
     pages, reading whatever table the caller keeps (a page table row, or a ragged list).
-    `pages`, if given, are the tile's pages as `tile_pages` returns them (page_of is then
-    not called).
     """
     if page_size % tile == 0:  # the tile lies inside one page
-        page = pages if pages is not None else jnp.maximum(
-            page_of(lax.div(tile_start, jnp.int32(page_size))), 0)
+        page = jnp.maximum(page_of(lax.div(tile_start, jnp.int32(page_size))), 0)
         offset = lax.rem(tile_start, jnp.int32(page_size))
         return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
     positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, width), 0)
-    if pages is not None:
-        pages = jnp.broadcast_to(pages, (tile, width))
-    else:
-        pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
+    pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
     offsets = lax.rem(positions, jnp.int32(page_size))
     columns = column_start + lax.broadcasted_iota(jnp.int32, (tile, width), 1)
     return pages_ref.at[pages, jnp.full((tile, width), kv_head), offsets, columns]
