@@ -1,6 +1,7 @@
 """Prints the Triton launch parameters PyTorch FlexAttention compiles for one shape.
 
-Usage (GPU machine): PYTHONPATH=$PWD python3 -m benchmarks.torch_configs --head-dim 64
+Usage (GPU machine): PYTHONPATH=$PWD python3 -m benchmarks.torch_configs --head-dim 64 \
+    [--copy-to $OUT/torch_kernels]
 Compiles torch's flex_attention forward and backward with a fresh Triton cache and
 reads each kernel's metadata (warps, stages, shared memory) and block constants from
 the cache: what our config table is compared with. Never imports jax.
@@ -10,6 +11,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import tempfile
 
 
@@ -20,6 +22,8 @@ def main():
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--copy-to", default=None,
+                        help="copy each flex kernel's .ttgir/.ptx into this folder")
     args = parser.parse_args()
     cache = tempfile.mkdtemp(prefix="triton_cache_")
     os.environ["TRITON_CACHE_DIR"] = cache
@@ -54,6 +58,11 @@ def main():
             text = open(source[0]).read()
             # Block sizes appear as the extents of tensors; record the distinct ones.
             constants["tensor_shapes"] = sorted(set(re.findall(r"tensor<(\d+x\d+)x", text)))[:12]
+        if args.copy_to:
+            os.makedirs(args.copy_to, exist_ok=True)
+            for suffix in ("ttgir", "ptx"):
+                for found in glob.glob(os.path.join(os.path.dirname(path), f"*.{suffix}")):
+                    shutil.copy(found, os.path.join(args.copy_to, os.path.basename(found)))
         print(json.dumps(dict(name=name, num_warps=meta.get("num_warps"),
                               num_stages=meta.get("num_stages"), shared=meta.get("shared"),
                               **constants)))
