@@ -86,16 +86,21 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                                          precision=precision)
                          for q_chunk, key in zip(q_chunks, keys))
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+        # The factor that turns scores into base-2 logits is applied inside the softmax's
+        # exponent (one FMA per score) rather than by a multiply of its own.
         logit_scale = None
         if score_program is None and scale > 0 and SCALE_IN_EXPONENT:
-            logit_scale = scale * online_softmax.LOG2_E  # applied inside the softmax
+            logit_scale = scale * online_softmax.LOG2_E
         elif score_program is None:
             scores = scores * (scale * online_softmax.LOG2_E)
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
                                          head, q_idx, kv_idx_in_range,
-                                         indices_below=max(q_len, kv_len)
-                                         ) * online_softmax.LOG2_E
+                                         indices_below=max(q_len, kv_len))
+            if SCALE_IN_EXPONENT:
+                logit_scale = online_softmax.LOG2_E
+            else:
+                scores = scores * online_softmax.LOG2_E
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
                                       kv_idx_in_range, indices_below=max(q_len, kv_len))
@@ -131,8 +136,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     lse_ref[...] = lse
 
 
-# Without a score_mod, scale scores inside the softmax's exponent (one FMA per score)
-# instead of multiplying them first; False restores the multiply (benchmarks).
+# Apply the scale (without a score_mod) or log2(e) (after one) inside the softmax's
+# exponent, one FMA per score, instead of multiplying the scores first; False restores
+# the multiply (benchmarks).
 SCALE_IN_EXPONENT = True
 
 
