@@ -14,6 +14,7 @@ import numpy as np
 from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import paged
+from pallas_flex.kernels import ragged as ragged_kernel
 
 MIXES = {
     # name: [(past_len, new_len)] per sequence
@@ -48,9 +49,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--backends", default="pallas,xla")
+    parser.add_argument("--num-splits", type=int, default=0,
+                        help="programs per work item in the Pallas kernel (0 = automatic)")
+    parser.add_argument("--mixes", default=",".join(MIXES))
     args = parser.parse_args()
+    ragged_kernel.NUM_SPLITS = args.num_splits
     rows = []
-    for name, seqs in MIXES.items():
+    for name in args.mixes.split(","):
+        seqs = MIXES[name]
         inputs = make_inputs(seqs)
         kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
         outputs = {}
@@ -63,7 +69,8 @@ def main():
             except Exception as error:
                 ms = float("nan")
                 print("failed", name, backend, str(error)[:400])
-            rows.append(dict(mix=name, backend=backend, ms=ms, tb_per_s=kv_bytes / ms / 1e9))
+            rows.append(dict(mix=name, backend=backend, ms=ms, tb_per_s=kv_bytes / ms / 1e9,
+                             num_splits=args.num_splits))
             print(f"{name:34s} {backend:7s} {ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s",
                   flush=True)
         if len(outputs) == 2:

@@ -13,6 +13,12 @@ The KV walk covers positions [first visible position of the item's first token, 
 of its last token]; every tile is masked elementwise (causal, window, cache length), so
 tokens of different positions in one item each see exactly their own range. Pages are
 read in place through `block_indices[block_indices_begins[s] + p // block_size]`.
+
+Split-KV: a third grid axis cuts each item's tiles into `num_splits` consecutive shares,
+as the decode kernel does, so that a batch of few work items with long histories (decode
+steps) still puts enough programs on the GPU. Each split writes a normalized partial
+output and its lse; an exact log-sum-exp merge combines them (empty splits carry
+lse = -inf and weigh nothing).
 """
 
 from __future__ import annotations
@@ -30,6 +36,11 @@ from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
+# Programs to aim for when choosing num_splits automatically (the decode kernel's target:
+# four per SM on the H100).
+_TARGET_PROGRAMS = 528
+# num_splits for every call: 0 = automatic (tests and benchmarks set it).
+NUM_SPLITS = 0
 
 
 def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
@@ -50,8 +61,8 @@ def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
 def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, block_indices_ref,
                    block_begins_ref, scale_ref, window_ref, slopes_ref, q_ref, k_ref, v_ref,
                    out_ref, lse_ref, *, group, tokens_per_item, rows, block_kv, page_size,
-                   dim_chunks, value_chunks, interpret):
-    item, kv_head = pl.program_id(0), pl.program_id(1)
+                   dim_chunks, value_chunks, num_splits, interpret):
+    item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
     seq_begin, end = begins_ref[seq], begins_ref[seq + 1]
@@ -113,16 +124,23 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
         scores = jnp.where(visible, scores, -jnp.inf)
         return online_softmax.update_chunks(state, scores, values, precision)
 
+    # This split's share of the item's tiles: [low, high).
+    per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
+    low = split * per_split
+    high = jnp.minimum(num_tiles, low + per_split)
     state = online_softmax.initial_state_chunks(rows, [w for _, w in value_chunks])
-    state = lax.fori_loop(0, num_tiles, visit, state)
+    state = lax.fori_loop(low, high, visit, state)
     outs, lse = online_softmax.finalize_chunks(state)
+    # With splits the outputs carry a split axis after the token axis: [T, splits, ...].
+    split_index = () if num_splits == 1 else (jnp.broadcast_to(split, token.shape),)
     for (start, width), out in zip(value_chunks, outs):
         shape = (rows, width)
         columns = start + lax.broadcasted_iota(jnp.int32, shape, 1)
-        _masked_scatter(out_ref, (jnp.broadcast_to(token, shape), jnp.broadcast_to(head, shape),
-                                  columns), out.astype(out_ref.dtype),
-                        jnp.broadcast_to(real, shape), interpret)
-    _masked_scatter(lse_ref, (token[:, 0], head[:, 0]), lse, real[:, 0], interpret)
+        indices = (token,) + split_index + (head, columns)
+        _masked_scatter(out_ref, tuple(jnp.broadcast_to(i, shape) for i in indices),
+                        out.astype(out_ref.dtype), jnp.broadcast_to(real, shape), interpret)
+    _masked_scatter(lse_ref, tuple(i[:, 0] for i in (token,) + split_index + (head,)), lse,
+                    real[:, 0], interpret)
 
 
 def _masked_scatter(ref, indices, value, mask, interpret):
@@ -136,13 +154,37 @@ def _masked_scatter(ref, indices, value, mask, interpret):
         plgpu.store(ref.at[indices], value, mask=mask)
 
 
+def choose_num_splits(num_items: int, kv_heads: int, max_tiles: int, *, interpret: bool,
+                      requested: int = 0) -> int:
+    """Programs sharing one work item's tiles. Automatic (requested = 0): enough to reach
+    `_TARGET_PROGRAMS` programs (one when the items alone reach it: prefill-heavy
+    batches then need no [splits, T, Hq, Dv] float32 partials and no merge), at most the
+    tiles an item can have; in interpret mode one (the interpreter runs programs one
+    after another, so splits only cost time)."""
+    if requested:
+        return max(1, min(requested, max_tiles))
+    if interpret:
+        return 1
+    return max(1, min(-(-_TARGET_PROGRAMS // (num_items * kv_heads)), max_tiles))
+
+
+def _merge_splits(partial_out, partial_lse):
+    """Exact LSE merge over axis 1 (the splits) of normalized partial outputs
+    [T, splits, Hq, Dv] with lse [T, splits, Hq]; empty splits carry lse = -inf."""
+    lse = jax.nn.logsumexp(partial_lse, axis=1)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weights = jnp.exp(partial_lse - safe[:, None])  # exp(-inf) = 0 for empty splits
+    return jnp.sum(weights[..., None] * partial_out, axis=1), lse
+
+
 def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence_begins,
                            block_indices, block_indices_begins, scale, sliding_window,
                            alibi_slopes, *, interpret: bool, block_kv: int = 64,
-                           num_warps: int = 4, num_stages: int = 2):
+                           num_warps: int = 4, num_stages: int = 2, num_splits: int = None):
     """(out [T, Hq, Dv] in query's dtype, lse [T, Hq] float32) from caches that already
     hold the new tokens. query [T, Hq, D]; caches [num_blocks, Hkv, block_size, D/Dv];
-    scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq]."""
+    scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq].
+    num_splits: programs per work item (0 = automatic; None = the module's NUM_SPLITS)."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
@@ -163,22 +205,36 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     scalars = (jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)),
                jnp.reshape(jnp.asarray(sliding_window, jnp.int32), (1,)),
                jnp.asarray(alibi_slopes, jnp.float32))
+    # An item sees at most every listed page's positions (plus one tile of misalignment).
+    max_tiles = -(-block_indices.shape[0] * block_size // block_kv) + 1
+    num_splits = choose_num_splits(num_items, kv_heads, max_tiles, interpret=interpret,
+                                   requested=NUM_SPLITS if num_splits is None else num_splits)
     kernel = functools.partial(
         _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
         block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),
-        value_chunks=column_chunks(padded_value_dim), interpret=interpret)
+        value_chunks=column_chunks(padded_value_dim), num_splits=num_splits,
+        interpret=interpret)
+    if num_splits == 1:
+        out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
+                     jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((num_tokens, num_splits, q_heads, padded_value_dim),
+                                          jnp.float32),
+                     jax.ShapeDtypeStruct((num_tokens, num_splits, q_heads), jnp.float32)]
     whole = pl.no_block_spec
     out, lse = pl.pallas_call(
         kernel,
-        grid=(num_items, kv_heads),
+        grid=(num_items, kv_heads, num_splits),
         in_specs=[whole] * 12,
         out_specs=[whole, whole],
-        out_shape=[jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
-                   jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)],
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
     )(work_seq, work_first, past_lens.astype(jnp.int32), subsequence_begins.astype(jnp.int32),
       block_indices.astype(jnp.int32), block_indices_begins.astype(jnp.int32), *scalars,
       query, key_cache, value_cache)
+    if num_splits > 1:
+        out, lse = _merge_splits(out, lse)
+        out = out.astype(query.dtype)
     return out[:, :, :value_dim], lse

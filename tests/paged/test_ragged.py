@@ -14,6 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_flex import paged
+from pallas_flex.kernels import ragged as ragged_kernel
 from pallas_flex.masks import alibi_slopes
 from tests.conftest import FLOAT32_TOLERANCE, dense_low_precision, rmse
 from tests.paged.ragged_reference import reference_paged_attention, to_float64
@@ -170,6 +171,54 @@ def test_matches_reference(config_name, option, backend):
     assert_caches_exact(key_cache, value_cache, expected_k, expected_v)
     for name, value in snapshot(case).items():  # inputs are not mutated
         np.testing.assert_array_equal(value, before[name], err_msg=name)
+
+
+# Long histories, so that work items span several 64-position kernel tiles: decode
+# steps, chunked prefill on history, a prompt from scratch, no new tokens.
+MIX_LONG = [(300, 1), (190, 5), (0, 150), (77, 2), (64, 0)]
+
+
+@pytest.fixture
+def fresh_traces():
+    """The op's jit cache does not key on ragged_kernel.NUM_SPLITS: trace anew."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
+# Split-KV: programs sharing one work item's tiles. 3 leaves uneven shares, 64 more
+# splits than any item has tiles (empty splits must weigh nothing in the merge).
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("num_splits", [1, 3, 64])
+@pytest.mark.parametrize("option", ["plain", "scale_window_alibi"])
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "gqa_bf16_page16"])
+def test_split_kv_matches_reference(config_name, option, num_splits, backend, monkeypatch,
+                                    fresh_traces):
+    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+    config, _ = case_config(config_name)
+    case = make_case(2, MIX_LONG, **config)
+    options = OPTIONS[option](config["q_heads"])
+    out, scores, key_cache, value_cache = paged.paged_attention(
+        **case, **options, return_scores=True, backend=backend)
+    expected, expected_scores, expected_k, expected_v = reference_paged_attention(
+        **case, **options)
+    assert out.dtype == config["dtype"]
+    assert_output_close(out, expected, case, config, options)
+    assert_caches_exact(key_cache, value_cache, expected_k, expected_v)
+    # The scores are weights recomputed with the merged lse (float32 even for bf16
+    # inputs): they meet the float32 bar only if the merge is exact.
+    used = expected_scores.shape[0]
+    np.testing.assert_allclose(np.asarray(scores[:used]), expected_scores,
+                               atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
+
+
+def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
+    choose = ragged_kernel.choose_num_splits
+    assert choose(68, 8, 65, interpret=False) == 1          # 544 programs already
+    assert choose(2, 8, 65, interpret=False) == 33          # 16 programs: 528 / 16
+    assert choose(2, 8, 4, interpret=False) == 4            # no more splits than tiles
+    assert choose(2, 8, 65, interpret=True) == 1            # interpreter: no splits
+    assert choose(2, 8, 65, interpret=True, requested=5) == 5
 
 
 SCORE_WINDOWS = {
