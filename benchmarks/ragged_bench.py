@@ -2,10 +2,14 @@
 kernel against the XLA loop, on mixed prefill + decode batches.
 
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.ragged_bench [--out results.json]
+       [--num-splits 1,0] [--mixes decode_64x4096,...] [--backends pallas,xla]
 bf16, Hq 32, Hkv 8, D 128, block (page) size 16, pages shuffled. Bandwidth counts the
 K/V bytes each sequence's tokens must read at least once (its whole history + new).
 The caches are donated and fed back call after call, as in serving (`--no-donate`: the
 call as a plain function, which copies both caches each time).
+`--num-splits` lists the Pallas kernel's KV splits to time (0 = automatic); each row
+records the value asked for (`num_splits`) and the one the kernel used
+(`num_splits_used`), so one run can A/B them.
 """
 import argparse
 
@@ -66,18 +70,40 @@ def _donating_step(inputs, backend):
     return call
 
 
+def _splits_used(inputs, seqs, requested, backend):
+    """The kernel's split count for these inputs (requested 0 = automatic)."""
+    head_dim = inputs["key_cache"].shape[3]
+    query_shape = (inputs["query"].shape[0], inputs["query"].shape[1] // head_dim, head_dim)
+    return ragged_kernel.planned_num_splits(query_shape, inputs["key_cache"].shape, len(seqs),
+                                            inputs["block_indices"].shape[0],
+                                            requested=requested,
+                                            interpret=backend == "interpret")
+
+
+def _time(name, inputs, backend, donate):
+    fn = jax.jit(lambda inputs: paged.paged_attention(**inputs, backend=backend)[0])
+    if donate:
+        fn = _donating_step(inputs, backend)
+    try:
+        return time_ms(fn, inputs, iters=10, repeats=3), fn(inputs)
+    except Exception as error:
+        print("failed", name, backend, str(error)[:400])
+        return float("nan"), None
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--backends", default="pallas,xla")
-    parser.add_argument("--num-splits", type=int, default=0,
-                        help="programs per work item in the Pallas kernel (0 = automatic)")
+    parser.add_argument("--num-splits", default="0",
+                        help="comma-separated KV splits per work item to time in the Pallas "
+                             "kernel (0 = automatic), e.g. 1,0,4")
     parser.add_argument("--mixes", default=",".join(MIXES))
     parser.add_argument("--no-donate", dest="donate", action="store_false",
                         help="time the call without donating the caches: XLA then copies "
                              "both whole caches every call to write the new tokens")
     args = parser.parse_args()
-    ragged_kernel.NUM_SPLITS = args.num_splits
+    split_counts = [int(count) for count in args.num_splits.split(",")]
     rows = []
     for name in args.mixes.split(","):
         seqs = MIXES[name]
@@ -85,23 +111,28 @@ def main():
         kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
         outputs = {}
         for backend in args.backends.split(","):
-            fn = jax.jit(lambda inputs, backend=backend: paged.paged_attention(
-                **inputs, backend=backend)[0])
-            if args.donate:
-                fn = _donating_step(inputs, backend)
-            try:
-                ms = time_ms(fn, inputs, iters=10, repeats=3)
-                outputs[backend] = fn(inputs)
-            except Exception as error:
-                ms = float("nan")
-                print("failed", name, backend, str(error)[:400])
-            rows.append(dict(mix=name, backend=backend, ms=ms, tb_per_s=kv_bytes / ms / 1e9,
-                             num_splits=args.num_splits))
-            print(f"{name:34s} {backend:7s} {ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s",
-                  flush=True)
-        if len(outputs) == 2:
-            a, b = (x.astype(jnp.float32) for x in outputs.values())
-            print(f"{name}: max |pallas - xla| = {float(jnp.max(jnp.abs(a - b))):.3e}")
+            # The XLA loop has no splits: time it once.
+            for requested in split_counts if backend != "xla" else [None]:
+                # paged_attention reads NUM_SPLITS on each call; its compiled programs
+                # are cached per value.
+                ragged_kernel.NUM_SPLITS = requested or 0
+                ms, out = _time(name, inputs, backend, args.donate)
+                used = (None if requested is None
+                        else _splits_used(inputs, seqs, requested, backend))
+                label = (backend if requested is None
+                         else f"{backend}/{'auto:' if requested == 0 else ''}{used}")
+                if out is not None:
+                    outputs[label] = out
+                rows.append(dict(mix=name, backend=backend, ms=ms,
+                                 tb_per_s=kv_bytes / ms / 1e9, num_splits=requested,
+                                 num_splits_used=used, caches_donated=args.donate))
+                print(f"{name:34s} {label:14s} {ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s",
+                      flush=True)
+        if "xla" in outputs:
+            reference = outputs.pop("xla").astype(jnp.float32)
+            for label, out in outputs.items():
+                error = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference)))
+                print(f"{name}: max |{label} - xla| = {error:.3e}")
     if args.out:
         write_rows(args.out, rows)
 

@@ -4,21 +4,25 @@ sequence's positions in a paged cache.
 
 Work is cut into *work items*: a run of up to `tokens_per_item` consecutive new tokens
 of one sequence. Their number depends on the metadata, so the grid has the static upper
-bound `ceil(T / tokens_per_item) + num_seqs` and unused items do nothing. One program
-owns one work item and one KV head: its rows are (token, query head of the group) pairs,
-so a GQA group reads each KV tile once, and a decode token (one row per head) costs one
-pass over its sequence's pages, like the decode kernel's programs.
+bound `min(ceil(T / tokens_per_item) + num_seqs, T)` (every item holds at least one
+token) and unused items do nothing. One program owns one work item and one KV head (and
+one split, below): its rows are (token, query head of the group) pairs, so a GQA group
+reads each KV tile once, and a decode token (one row per head) costs one pass over its
+sequence's pages, like the decode kernel's programs.
 
 The KV walk covers positions [first visible position of the item's first token, position
 of its last token]; every tile is masked elementwise (causal, window, cache length), so
 tokens of different positions in one item each see exactly their own range. Pages are
 read in place through `block_indices[block_indices_begins[s] + p // block_size]`.
 
-Split-KV: a third grid axis cuts each item's tiles into `num_splits` consecutive shares,
-as the decode kernel does, so that a batch of few work items with long histories (decode
-steps) still puts enough programs on the GPU. Each split writes a normalized partial
-output and its lse; an exact log-sum-exp merge combines them (empty splits carry
-lse = -inf and weigh nothing).
+Split-KV: a third grid axis cuts each item's tiles into `num_splits` consecutive shares
+(split j walks tiles [j * per_split, (j + 1) * per_split) of the item's range, with
+per_split = ceil(num_tiles / num_splits)), as the decode kernel does, so that a batch of
+few work items with long histories (decode steps) still puts enough programs on the
+GPU. Each split writes a normalized float32 partial output [T, splits, Hq, Dv] and its
+lse [T, splits, Hq]; an exact log-sum-exp merge in jnp combines them afterwards (empty
+splits carry lse = -inf and weigh nothing). With one split the kernel writes the output
+and lse directly, with no partials and no merge. `choose_num_splits` picks the count.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically (the decode kernel's target:
 # four per SM on the H100).
 _TARGET_PROGRAMS = 528
-# num_splits for every call: 0 = automatic (tests and benchmarks set it).
+# num_splits the op (`pf.paged.paged_attention`) asks for: 0 = automatic. Tests and the
+# benchmark set it; the op reads it on each call, outside its jit, and passes it as a
+# static argument, so compiled programs are cached per value.
 NUM_SPLITS = 0
 
 
@@ -157,15 +163,46 @@ def _masked_scatter(ref, indices, value, mask, interpret):
 def choose_num_splits(num_items: int, kv_heads: int, max_tiles: int, *, interpret: bool,
                       requested: int = 0) -> int:
     """Programs sharing one work item's tiles. Automatic (requested = 0): enough to reach
-    `_TARGET_PROGRAMS` programs (one when the items alone reach it: prefill-heavy
-    batches then need no [splits, T, Hq, Dv] float32 partials and no merge), at most the
-    tiles an item can have; in interpret mode one (the interpreter runs programs one
-    after another, so splits only cost time)."""
+    `_TARGET_PROGRAMS` programs, at most the tiles an item can have. When the items alone
+    reach the target (long prefills, or many sequences), one: the GPU is already full,
+    and more splits would only add [T, splits, Hq, Dv] float32 partials (T x Hq x Dv x 4
+    bytes each, large exactly when T is) and a merge pass. In interpret mode one: the
+    interpreter runs programs one after another, so splits only cost time."""
     if requested:
         return max(1, min(requested, max_tiles))
     if interpret:
         return 1
     return max(1, min(-(-_TARGET_PROGRAMS // (num_items * kv_heads)), max_tiles))
+
+
+def _work_layout(num_tokens: int, q_heads: int, kv_heads: int, num_seqs: int):
+    """(group, tokens_per_item, rows, num_items): a program's rows hold tokens_per_item
+    tokens x the group's query heads; num_items bounds the work items of any metadata
+    (each sequence adds at most one partial item, and each item holds a token)."""
+    group = q_heads // kv_heads
+    tokens_per_item = max(1, _ROWS // group)
+    rows = tile_extent(tokens_per_item * group)
+    num_items = min(-(-num_tokens // tokens_per_item) + num_seqs, num_tokens)
+    return group, tokens_per_item, rows, num_items
+
+
+def _max_tiles(num_listed_blocks: int, block_size: int, block_kv: int) -> int:
+    """Tiles an item can walk: every listed block's positions, plus one tile of
+    misalignment (the walk starts at a tile boundary)."""
+    return -(-max(num_listed_blocks, 1) * block_size // block_kv) + 1
+
+
+def planned_num_splits(query_shape, key_cache_shape, num_seqs: int, num_listed_blocks: int,
+                       *, interpret: bool = False, requested: int = 0,
+                       block_kv: int = 64) -> int:
+    """The num_splits `ragged_paged_attention` uses for these static shapes (query
+    [T, Hq, D], key_cache [num_blocks, Hkv, block_size, D]); benchmarks record it."""
+    num_tokens, q_heads = query_shape[0], query_shape[1]
+    kv_heads, block_size = key_cache_shape[1], key_cache_shape[2]
+    num_items = _work_layout(num_tokens, q_heads, kv_heads, num_seqs)[3]
+    return choose_num_splits(num_items, kv_heads,
+                             _max_tiles(num_listed_blocks, block_size, block_kv),
+                             interpret=interpret, requested=requested)
 
 
 def _merge_splits(partial_out, partial_lse):
@@ -180,21 +217,22 @@ def _merge_splits(partial_out, partial_lse):
 def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence_begins,
                            block_indices, block_indices_begins, scale, sliding_window,
                            alibi_slopes, *, interpret: bool, block_kv: int = 64,
-                           num_warps: int = 4, num_stages: int = 2, num_splits: int = None):
+                           num_warps: int = 4, num_stages: int = 2, num_splits: int = 0):
     """(out [T, Hq, Dv] in query's dtype, lse [T, Hq] float32) from caches that already
     hold the new tokens. query [T, Hq, D]; caches [num_blocks, Hkv, block_size, D/Dv];
     scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq].
-    num_splits: programs per work item (0 = automatic; None = the module's NUM_SPLITS)."""
+    num_splits: programs per work item (0 = automatic, see `choose_num_splits`; a larger
+    request than an item's possible tiles is capped)."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
         return (jnp.zeros((0, q_heads, value_dim), query.dtype),
                 jnp.zeros((0, q_heads), jnp.float32))
-    group = q_heads // kv_heads
-    tokens_per_item = max(1, _ROWS // group)
-    rows = tile_extent(tokens_per_item * group)
-    num_seqs = past_lens.shape[0]
-    num_items = -(-num_tokens // tokens_per_item) + num_seqs
+    group, tokens_per_item, rows, num_items = _work_layout(num_tokens, q_heads, kv_heads,
+                                                           past_lens.shape[0])
+    num_splits = planned_num_splits(query.shape, key_cache.shape, past_lens.shape[0],
+                                    block_indices.shape[0], interpret=interpret,
+                                    requested=num_splits, block_kv=block_kv)
     work_seq, work_first = work_items(subsequence_begins, tokens_per_item, num_items)
 
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
@@ -205,10 +243,6 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     scalars = (jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)),
                jnp.reshape(jnp.asarray(sliding_window, jnp.int32), (1,)),
                jnp.asarray(alibi_slopes, jnp.float32))
-    # An item sees at most every listed page's positions (plus one tile of misalignment).
-    max_tiles = -(-block_indices.shape[0] * block_size // block_kv) + 1
-    num_splits = choose_num_splits(num_items, kv_heads, max_tiles, interpret=interpret,
-                                   requested=NUM_SPLITS if num_splits is None else num_splits)
     kernel = functools.partial(
         _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
         block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),

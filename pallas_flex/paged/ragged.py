@@ -26,7 +26,7 @@ from jax import lax
 
 from pallas_flex.api import default_backend
 from pallas_flex.kernels import online_softmax
-from pallas_flex.kernels.ragged import ragged_paged_attention
+from pallas_flex.kernels import ragged as ragged_kernel
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, require)
 
@@ -130,7 +130,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-        aggregation_window, return_scores=bool(return_scores), backend=backend)
+        aggregation_window, return_scores=bool(return_scores), backend=backend,
+        num_splits=ragged_kernel.NUM_SPLITS)
 
 
 def score_offsets(past_lens, subsequence_begins):
@@ -352,10 +353,11 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 # -- (b) cache write, (c) attention, (d) scores ----------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("return_scores", "backend"))
+@functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits"))
 def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
-                         alibi_slopes, aggregation_window, *, return_scores, backend="xla"):
+                         alibi_slopes, aggregation_window, *, return_scores, backend="xla",
+                         num_splits=0):
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
@@ -378,10 +380,10 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
     if backend == "xla":
         out, lse = pages.attend(value_cache)
     else:  # the Pallas kernel reads the updated caches in place
-        out, lse = ragged_paged_attention(
+        out, lse = ragged_kernel.ragged_paged_attention(
             query.reshape(num_tokens, q_heads, head_dim), key_cache, value_cache, past_lens,
             subsequence_begins, block_indices, block_indices_begins, scale, sliding_window,
-            alibi_slopes, interpret=backend == "interpret")
+            alibi_slopes, interpret=backend == "interpret", num_splits=num_splits)
         lse = lse.reshape(num_tokens, kv_heads, group)
     output = out.reshape(num_tokens, q_heads * value_dim).astype(query.dtype)
     if not return_scores:

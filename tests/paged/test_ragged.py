@@ -178,26 +178,34 @@ def test_matches_reference(config_name, option, backend):
 MIX_LONG = [(300, 1), (190, 5), (0, 150), (77, 2), (64, 0)]
 
 
-@pytest.fixture
-def fresh_traces():
-    """The op's jit cache does not key on ragged_kernel.NUM_SPLITS: trace anew."""
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
+def random_long_mix(seed):
+    """A shuffled batch with one sequence of each kind the split must handle (a decode
+    step on a long history, chunked prefill on history, a prompt from scratch, no new
+    tokens) and two more of random kinds, with random lengths."""
+    rng = np.random.default_rng(seed)
+    kinds = [lambda: (int(rng.integers(130, 400)), 1),
+             lambda: (int(rng.integers(60, 260)), int(rng.integers(2, 40))),
+             lambda: (0, int(rng.integers(20, 140))),
+             lambda: (int(rng.integers(1, 200)), 0)]
+    seqs = [kind() for kind in kinds] + [kinds[rng.integers(0, 3)]() for _ in range(2)]
+    return [seqs[i] for i in rng.permutation(len(seqs))]
 
 
-# Split-KV: programs sharing one work item's tiles. 3 leaves uneven shares, 64 more
-# splits than any item has tiles (empty splits must weigh nothing in the merge).
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("num_splits", [1, 3, 64])
-@pytest.mark.parametrize("option", ["plain", "scale_window_alibi"])
-@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "gqa_bf16_page16"])
-def test_split_kv_matches_reference(config_name, option, num_splits, backend, monkeypatch,
-                                    fresh_traces):
-    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
-    config, _ = case_config(config_name)
-    case = make_case(2, MIX_LONG, **config)
-    options = OPTIONS[option](config["q_heads"])
+SPLIT_MIXES = {"fixed": MIX_LONG, "random_a": random_long_mix(10),
+               "random_b": random_long_mix(11)}
+
+# A window of 100 positions leaves items whose walk starts past tile 0 and still spans
+# several tiles, so the window and the split shares interact; the small ALiBi slopes
+# keep weight on far positions.
+SPLIT_OPTIONS = {
+    "plain": OPTIONS["plain"],
+    "scale_window_alibi": OPTIONS["scale_window_alibi"],
+    "long_window_alibi": lambda q_heads: dict(scale=0.7, sliding_window=100,
+                                              alibi_slopes=alibi_slopes(q_heads)),
+}
+
+
+def assert_matches_reference_with_scores(case, config, options, backend):
     out, scores, key_cache, value_cache = paged.paged_attention(
         **case, **options, return_scores=True, backend=backend)
     expected, expected_scores, expected_k, expected_v = reference_paged_attention(
@@ -212,6 +220,88 @@ def test_split_kv_matches_reference(config_name, option, num_splits, backend, mo
                                atol=FLOAT32_TOLERANCE, rtol=FLOAT32_TOLERANCE)
 
 
+# Split-KV: programs sharing one work item's tiles. 3 leaves uneven shares; 8 and 64 are
+# more splits than some or all items have tiles (empty splits must weigh nothing in the
+# merge). The op reads NUM_SPLITS on each call and keys its compiled program on it.
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8, 64])
+@pytest.mark.parametrize("option", SPLIT_OPTIONS)
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "gqa_bf16_page16"])
+def test_split_kv_matches_reference(config_name, option, num_splits, backend, monkeypatch):
+    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+    config, _ = case_config(config_name)
+    case = make_case(2, MIX_LONG, **config)
+    assert_matches_reference_with_scores(case, config, SPLIT_OPTIONS[option](config["q_heads"]),
+                                         backend)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+@pytest.mark.parametrize("mix", ["random_a", "random_b"])
+@pytest.mark.parametrize("config_name", ["gqa_bf16_page16", "mqa_bf16_page4"])
+def test_split_kv_random_mixes_match_reference(config_name, mix, num_splits, backend,
+                                               monkeypatch):
+    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+    config, _ = case_config(config_name)
+    case = make_case(3, SPLIT_MIXES[mix], **config)
+    options = SPLIT_OPTIONS["long_window_alibi"](config["q_heads"])
+    assert_matches_reference_with_scores(case, config, options, backend)
+
+
+@pytest.mark.parametrize("num_splits", [2, 8])
+def test_split_kv_decode_only_batch_matches_reference(num_splits, monkeypatch):
+    # The case split-KV exists for: one new token per sequence, long histories.
+    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+    config, _ = case_config("gqa_dv_f32_page16")
+    seqs = [(past, 1) for past in (383, 256, 129, 64, 1, 300)]
+    case = make_case(4, seqs, **config)
+    assert_matches_reference_with_scores(case, config, {}, "interpret")
+
+
+@pytest.mark.parametrize("num_splits", [2, 5, 40])
+def test_split_kv_kernel_lse_equals_one_split(num_splits):
+    # The kernel's merged (out, lse) against its own single-split result: the lse must
+    # stay natural-log and exact, the output merged without loss.
+    config, _ = case_config("gqa_dv_f32_page16")
+    case = make_case(5, random_long_mix(12), **config)
+    _, _, key_cache, value_cache = reference_paged_attention(**case)
+    q_heads, head_dim = config["q_heads"], config["head_dim"]
+    args = (case["query"].reshape(-1, q_heads, head_dim),
+            jnp.asarray(key_cache, jnp.float32), jnp.asarray(value_cache, jnp.float32),
+            case["past_lens"], case["subsequence_begins"], case["block_indices"],
+            case["block_indices_begins"], 0.7, 100, alibi_slopes(q_heads))
+    out_one, lse_one = ragged_kernel.ragged_paged_attention(*args, interpret=True,
+                                                            num_splits=1)
+    out, lse = ragged_kernel.ragged_paged_attention(*args, interpret=True,
+                                                    num_splits=num_splits)
+    assert out.dtype == jnp.float32 and lse.dtype == jnp.float32
+    assert out.shape == out_one.shape and lse.shape == lse_one.shape
+    assert np.isfinite(np.asarray(lse)).all()
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_one), atol=1e-5, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_one), atol=1e-5, rtol=1e-5)
+
+
+def test_num_splits_setting_reaches_an_already_compiled_op(monkeypatch):
+    # The benchmark sets NUM_SPLITS between calls of one shape: each value must reach
+    # the kernel, not a program traced for an earlier value.
+    kernel = ragged_kernel.ragged_paged_attention
+    requested = []
+
+    def recording(*args, num_splits, **kwargs):
+        requested.append(num_splits)
+        return kernel(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(ragged_kernel, "ragged_paged_attention", recording)
+    config, _ = case_config("mha_f32_page4")
+    case = make_case(6, [(29, 1), (0, 3), (11, 2)], **config)  # shapes no other test uses
+    for num_splits in (2, 2, 3, 3):
+        monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+        paged.paged_attention(**case, backend="interpret")
+    # (The op's very first call in a process may trace twice, for reasons of its own.)
+    assert set(requested) == {2, 3} and requested[-1] == 3
+    assert requested.count(3) == 1  # the second call with 3 reuses its program
+
+
 def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
     choose = ragged_kernel.choose_num_splits
     assert choose(68, 8, 65, interpret=False) == 1          # 544 programs already
@@ -219,6 +309,23 @@ def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
     assert choose(2, 8, 4, interpret=False) == 4            # no more splits than tiles
     assert choose(2, 8, 65, interpret=True) == 1            # interpreter: no splits
     assert choose(2, 8, 65, interpret=True, requested=5) == 5
+    assert choose(2, 8, 4, interpret=False, requested=9) == 4
+
+
+def test_planned_splits_for_the_benchmark_batches():
+    # Hq 32, Hkv 8, D 128, pages of 16 (benchmarks/ragged_bench.py).
+    def plan(seqs):
+        num_tokens = sum(new for _, new in seqs)
+        num_blocks = sum(-(-(past + new) // 16) for past, new in seqs)
+        return ragged_kernel.planned_num_splits((num_tokens, 32, 128), (num_blocks, 8, 16, 128),
+                                                len(seqs), num_blocks)
+
+    # 64 decode steps are 64 work items (one token each), 512 programs: two splits.
+    assert plan([(4096, 1)] * 64) == 2
+    assert plan([(4096, 1)] * 8) == 9                       # 64 programs: 528 / 64
+    # Prefill-heavy batches already fill the GPU: no partials, no merge.
+    assert plan([(1024, 1024)] * 4 + [(4096, 1)] * 60) == 1
+    assert plan([(0, 4096)] * 2) == 1
 
 
 SCORE_WINDOWS = {
