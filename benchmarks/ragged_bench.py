@@ -25,6 +25,7 @@ from pallas_flex.kernels import ragged as ragged_kernel
 MIXES = {
     # name: [(past_len, new_len)] per sequence
     "decode_64x4096": [(4096, 1)] * 64,
+    "decode_16x4096": [(4096, 1)] * 16,
     "mixed_4prefill1024_60decode4096": [(1024, 1024)] * 4 + [(4096, 1)] * 60,
     "prefill_2x4096": [(0, 4096)] * 2,
 }
@@ -91,6 +92,36 @@ def _time(name, inputs, backend, donate):
         return float("nan"), None
 
 
+def kernel_only(args) -> list:
+    """Times the Pallas kernel alone (caches already hold the new tokens; no writes, no
+    work-item setup outside it) for each (block_kv, num_stages, num_splits)."""
+    rows = []
+    for name in args.mixes.split(","):
+        seqs = MIXES[name]
+        inputs = make_inputs(seqs)
+        kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
+        num_tokens, q_heads = inputs["query"].shape[0], 32
+        query = inputs["query"].reshape(num_tokens, q_heads, 128)
+        for config in args.kernel_configs.split(","):
+            block_kv, stages, splits = (int(x) for x in config.split("/"))
+            fn = jax.jit(lambda query, key_cache, value_cache, past_lens, begins, blocks,
+                         block_begins, block_kv=block_kv, stages=stages, splits=splits:
+                         ragged_kernel.ragged_paged_attention(
+                             query, key_cache, value_cache, past_lens, begins, blocks,
+                             block_begins, 128 ** -0.5, 0, jnp.zeros((q_heads,), jnp.float32),
+                             interpret=False, block_kv=block_kv, num_stages=stages,
+                             num_splits=splits)[0])
+            ms = time_ms(fn, query, inputs["key_cache"], inputs["value_cache"],
+                         inputs["past_lens"], inputs["subsequence_begins"],
+                         inputs["block_indices"], inputs["block_indices_begins"],
+                         iters=50, repeats=5)
+            rows.append(dict(mix=name, kernel_only=True, block_kv=block_kv, num_stages=stages,
+                             num_splits=splits, ms=ms, tb_per_s=kv_bytes / ms / 1e9))
+            print(f"{name:34s} kernel block_kv {block_kv} stages {stages} splits {splits} "
+                  f"{ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
@@ -102,7 +133,15 @@ def main():
     parser.add_argument("--no-donate", dest="donate", action="store_false",
                         help="time the call without donating the caches: XLA then copies "
                              "both whole caches every call to write the new tokens")
+    parser.add_argument("--kernel-configs", default="",
+                        help="time the kernel alone instead, for block_kv/num_stages/num_splits "
+                             "triples, e.g. 64/2/1,32/3/2 (0 splits = automatic)")
     args = parser.parse_args()
+    if args.kernel_configs:
+        rows = kernel_only(args)
+        if args.out:
+            write_rows(args.out, rows)
+        return
     split_counts = [int(count) for count in args.num_splits.split(",")]
     rows = []
     for name in args.mixes.split(","):

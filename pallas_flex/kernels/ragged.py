@@ -40,9 +40,11 @@ from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
-# Programs to aim for when choosing num_splits automatically (the decode kernel's target:
-# four per SM on the H100).
-_TARGET_PROGRAMS = 528
+# Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
+# steps on 4096-token histories: 64 sequences (512 programs unsplit) 0.453 ms unsplit,
+# 0.462 in 2 splits; 16 sequences (128 programs) 0.187 / 0.176 / 0.207 ms in 1 / 2 / 4
+# splits (benchmarks/results/2026-11-23-h100-ragged-kernel.json).
+_TARGET_PROGRAMS = 256
 # num_splits the op (`pf.paged.paged_attention`) asks for: 0 = automatic. Tests and the
 # benchmark set it; the op reads it on each call, outside its jit, and passes it as a
 # static argument, so compiled programs are cached per value.
@@ -56,7 +58,11 @@ def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
     items_per_seq = (new_lens + tokens_per_item - 1) // tokens_per_item
     ends = jnp.cumsum(items_per_seq)
     item = jnp.arange(num_items, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(ends, item, side="right"), 0, new_lens.shape[0] - 1)
+    # "scan_unrolled": a fixed number of vectorized steps. The default method is a while
+    # loop, and on a GPU each of its iterations waits for the host to read the loop
+    # condition (a decode call spent 0.6 ms there against 0.2 ms in the kernel).
+    seq = jnp.clip(jnp.searchsorted(ends, item, side="right", method="scan_unrolled"), 0,
+                   new_lens.shape[0] - 1)
     index_in_seq = item - (ends[seq] - items_per_seq[seq])
     first = subsequence_begins[seq] + index_in_seq * tokens_per_item
     num_tokens = subsequence_begins[-1]

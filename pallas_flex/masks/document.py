@@ -96,7 +96,9 @@ def document_mask_from_offsets(offsets, total_length):
             f"offsets must have shape [num_documents + 1], got shape {offsets.shape}"
         )
     positions = jnp.arange(total_length, dtype=offsets.dtype)
-    document_ids = jnp.searchsorted(offsets, positions, side="right") - 1
+    # Unrolled: the default while loop syncs with the host on every iteration on a GPU.
+    document_ids = jnp.searchsorted(offsets, positions, side="right",
+                                    method="scan_unrolled") - 1
     mask_mod = document_mask(document_ids)
     mask_mod.__name__ = "document_mask_from_offsets"
     return mask_mod

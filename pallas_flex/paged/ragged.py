@@ -315,7 +315,9 @@ def _ceil_div(a, b):
 def _sequence_of(xp, begins, items):
     """The s with begins[s] <= item < begins[s + 1] (empty ranges skipped), clamped."""
     num_seqs = begins.shape[0] - 1
-    return xp.clip(xp.searchsorted(begins[1:], items, side="right"), 0, num_seqs - 1)
+    # jnp: unrolled (no while loop, whose every iteration syncs with the host on a GPU).
+    method = {} if xp is np else {"method": "scan_unrolled"}
+    return xp.clip(xp.searchsorted(begins[1:], items, side="right", **method), 0, num_seqs - 1)
 
 
 class _TokenLayout(NamedTuple):

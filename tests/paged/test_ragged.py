@@ -305,7 +305,8 @@ def test_num_splits_setting_reaches_an_already_compiled_op(monkeypatch):
 def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
     choose = ragged_kernel.choose_num_splits
     assert choose(68, 8, 65, interpret=False) == 1          # 544 programs already
-    assert choose(2, 8, 65, interpret=False) == 33          # 16 programs: 528 / 16
+    assert choose(32, 8, 65, interpret=False) == 1          # 256 programs: the target
+    assert choose(2, 8, 65, interpret=False) == 16          # 16 programs: 256 / 16
     assert choose(2, 8, 4, interpret=False) == 4            # no more splits than tiles
     assert choose(2, 8, 65, interpret=True) == 1            # interpreter: no splits
     assert choose(2, 8, 65, interpret=True, requested=5) == 5
@@ -320,9 +321,10 @@ def test_planned_splits_for_the_benchmark_batches():
         return ragged_kernel.planned_num_splits((num_tokens, 32, 128), (num_blocks, 8, 16, 128),
                                                 len(seqs), num_blocks)
 
-    # 64 decode steps are 64 work items (one token each), 512 programs: two splits.
-    assert plan([(4096, 1)] * 64) == 2
-    assert plan([(4096, 1)] * 8) == 9                       # 64 programs: 528 / 64
+    # 64 decode steps are 64 work items (one token each), 512 programs: no splits.
+    assert plan([(4096, 1)] * 64) == 1
+    assert plan([(4096, 1)] * 16) == 2                      # 128 programs: 256 / 128
+    assert plan([(4096, 1)] * 8) == 4                       # 64 programs: 256 / 64
     # Prefill-heavy batches already fill the GPU: no partials, no merge.
     assert plan([(1024, 1024)] * 4 + [(4096, 1)] * 60) == 1
     assert plan([(0, 4096)] * 2) == 1
