@@ -39,9 +39,12 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
         # the whole [tile, width] tile ("element"), they were built in the page-table
         # gather's layout and converted through shared memory every tile (a [64, 128]
         # pointer tensor, 32 KiB more shared memory: one program per SM instead of two).
-        positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, 1), 0)
-        pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
-        offsets = lax.rem(positions, jnp.int32(page_size))
+        # The page table is read as a [tile] vector, then given its column axis: read
+        # as [tile, 1], each thread loaded its rows' entries once per column of the
+        # copy layout it shares (8x the loads).
+        positions = tile_start + lax.iota(jnp.int32, tile)
+        pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)[:, None]
+        offsets = lax.rem(positions, jnp.int32(page_size))[:, None]
         columns = column_start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
         return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
     positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, width), 0)
