@@ -9,7 +9,6 @@ differences on whole tiles, `--scale-first` scales scores before the forward's s
 A/B switches for what they replaced.
 """
 import argparse
-import itertools
 import json
 
 import jax
@@ -74,8 +73,6 @@ def main():
                         help="convert int index differences on whole tiles")
     parser.add_argument("--scale-first", action="store_true",
                         help="forward multiplies scores by the scale before the softmax")
-    parser.add_argument("--pairs-per-group", default="1",
-                        help="backward.PAIRS_PER_GROUP values to time (launch order), e.g. 1,4,8")
     args = parser.parse_args()
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
@@ -99,10 +96,8 @@ def main():
         out, lse = pf.flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
         score_program = (make_mod_program(score_mod, SCORE) if score_mod is not None
                          else None)
-        for config_name, pairs_per_group in itertools.product(
-                args.configs.split(","), [int(n) for n in args.pairs_per_group.split(",")]):
+        for config_name in args.configs.split(","):
             options = resolve_options(CONFIGS[config_name], dim)
-            backward.PAIRS_PER_GROUP = pairs_per_group
 
             # Arrays are arguments, not closed-over constants (XLA would fold them).
             def whole(q, k, v, out, lse, d_out, block_mask, score_program):
@@ -116,7 +111,7 @@ def main():
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        scale_in_exponent=forward.SCALE_IN_EXPONENT,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
-                       head_dim=dim, pairs_per_group=pairs_per_group)
+                       head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):
                 return forward.flex_attention_forward(q, k, v, block_mask, score_program,
                                                       scale=scale, options=options,

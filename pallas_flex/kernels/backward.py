@@ -248,42 +248,18 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
     refs.dv[rows, :] = state[1].astype(refs.dv.dtype)
 
 
-# Launch order: the programs of this many (batch, KV head) pairs are interleaved, each
-# pair's longest program first, so that the long programs of all of them start before
-# the short ones (1 = one pair's programs after another's). A group's Q/K/V/dO stay in L2
-# while its programs run.
-PAIRS_PER_GROUP = 1
-
-
-def _pairs_per_group(num_pairs: int) -> int:
-    """The largest divisor of num_pairs not above PAIRS_PER_GROUP."""
-    return max(d for d in range(1, min(PAIRS_PER_GROUP, num_pairs) + 1) if num_pairs % d == 0)
-
-
-def _locate(launch_index, *, num_programs: int, kv_heads: int, pairs_per_group: int):
-    """(program, KV head, batch) of a launch's flat program index: groups of
-    `pairs_per_group` (batch, KV head) pairs in turn, and inside a group, program 0 of
-    each of its pairs, then program 1, ..."""
-    per_group = jnp.int32(num_programs * pairs_per_group)
-    group_index, in_group = lax.div(launch_index, per_group), lax.rem(launch_index, per_group)
-    program = lax.div(in_group, jnp.int32(pairs_per_group))
-    pair = group_index * pairs_per_group + lax.rem(in_group, jnp.int32(pairs_per_group))
-    return program, lax.rem(pair, jnp.int32(kv_heads)), lax.div(pair, jnp.int32(kv_heads))
-
-
 def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unpack,
-                     dq_settings, dkdv_settings, locate):
-    """A flat grid of (program, KV head, batch) triples (see `_locate`). Programs
-    [0, num_kv_tiles) of the whole launch own a KV tile (dK/dV); the next
-    num_q_tiles * group own a (query tile, query head of the group) pair (dQ), longest
-    causal rows first and the group's heads side by side (they read the same K/V). A
-    launch covers programs [first_program, first_program + its programs); `unpack` maps
-    the flat refs to a `_Refs`."""
+                     dq_settings, dkdv_settings):
+    """Grid (program, KV head, batch). Programs [0, num_kv_tiles) of the whole launch own
+    a KV tile (dK/dV); the next num_q_tiles * group own a (query tile, query head of the
+    group) pair (dQ), longest causal rows first and the group's heads side by side (they
+    read the same K/V). A launch covers programs [first_program, first_program + grid
+    size); `unpack` maps the flat refs to a `_Refs`."""
     refs = unpack(refs)
     # Program ids are read here, outside the branches: interpret mode substitutes them
     # in the kernel body only.
-    program, kv_head, batch = locate(pl.program_id(0))
-    program = program + first_program
+    program = pl.program_id(0) + first_program
+    kv_head, batch = pl.program_id(1), pl.program_id(2)
     if dkdv_settings is not None:
         pl.when(program < num_kv_tiles)(
             lambda: _dkdv_program(program, kv_head, batch, refs, **dkdv_settings))
@@ -400,37 +376,31 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     grad_buffers = [jnp.zeros(score_inputs[position].shape, jnp.float32)
                     for position in grad_positions]
 
+    # Grid (program, KV head, batch): a program sees its KV head's K/V and the query
+    # rows of the heads of its group.
+    def kv_head_spec(length, dim):
+        return pl.BlockSpec((None, length, None, dim), lambda i, h, b: (b, 0, h, 0))
+
+    def group_spec(length, dim):
+        return pl.BlockSpec((None, length, group, dim), lambda i, h, b: (b, 0, h, 0))
+
+    vector_spec = pl.BlockSpec((None, group, padded_q_len), lambda i, h, b: (b, h, 0))
     whole = pl.no_block_spec
     inputs = (q, k, v, d_out, launch.lse_log2, launch.delta,
               block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_num_blocks,
               block_mask.full_kv_indices, block_mask.q_num_blocks, block_mask.q_indices,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
               *mask_inputs, *score_inputs)
+    in_specs = [group_spec(padded_q_len, padded_dim), kv_head_spec(padded_kv_len, padded_dim),
+                kv_head_spec(padded_kv_len, padded_value_dim),
+                group_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
+                ] + [whole] * (8 + len(mask_inputs) + len(score_inputs))
     settings = dict(launch.kernel_settings, group=group)
     dq_settings = dict(settings, block_q=dq_block_q, block_kv=dq_block_kv,
                        differentiable_sites=sites, interpret=interpret)
     dkdv_settings = dict(settings, block_q=dkdv_block_q, block_kv=dkdv_block_kv)
 
     def run(first_program, num_programs, with_dq, with_dkdv, warps, stages, name):
-        locate = functools.partial(_locate, num_programs=num_programs, kv_heads=kv_heads,
-                                   pairs_per_group=_pairs_per_group(kv_heads * batch))
-
-        # A program sees its KV head's K/V and the query rows of the heads of its group.
-        def kv_head_spec(length, dim):
-            return pl.BlockSpec((None, length, None, dim),
-                                lambda i: (locate(i)[2], 0, locate(i)[1], 0))
-
-        def group_spec(length, dim):
-            return pl.BlockSpec((None, length, group, dim),
-                                lambda i: (locate(i)[2], 0, locate(i)[1], 0))
-
-        vector_spec = pl.BlockSpec((None, group, padded_q_len),
-                                   lambda i: (locate(i)[2], locate(i)[1], 0))
-        in_specs = [group_spec(padded_q_len, padded_dim),
-                    kv_head_spec(padded_kv_len, padded_dim),
-                    kv_head_spec(padded_kv_len, padded_value_dim),
-                    group_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
-                    ] + [whole] * (8 + len(mask_inputs) + len(score_inputs))
         out_shape, out_specs = [], []
         if with_dq:
             out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
@@ -466,11 +436,11 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             _backward_kernel, num_kv_tiles=num_kv_tiles, num_q_tiles=num_q_tiles,
             group=group, first_program=first_program, unpack=unpack,
             dq_settings=dq_settings if with_dq else None,
-            dkdv_settings=dkdv_settings if with_dkdv else None, locate=locate)
+            dkdv_settings=dkdv_settings if with_dkdv else None)
         first_buffer = len(inputs)
         return pl.pallas_call(
             kernel,
-            grid=(num_programs * kv_heads * batch,),
+            grid=(num_programs, kv_heads, batch),
             in_specs=in_specs + [whole] * len(buffers),
             out_specs=out_specs,
             out_shape=out_shape,
