@@ -5,8 +5,13 @@ B4 H16 S4096 D128 bf16 by default. For each kernel-option set and variant, in ms
 `flex_attention_backward` (delta, padding and the kernels) and the forward kernel.
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
 tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index
-differences on whole tiles, `--scale-first` scales scores before the forward's softmax:
-A/B switches for what they replaced.
+differences on whole tiles, `--scale-first` scales scores before the forward's softmax,
+`--full-blocks-first` walks full blocks before masked ones in the backward,
+`--dq-shortest-first` starts dQ programs at the first query tile: A/B switches for what
+they replaced.
+The backward here differentiates the score_mod's captured arrays too (ALiBi's slopes:
+atomics per tile), which training with constant slopes skips: its ALiBi rows cost more
+than the same backward under `jax.grad` of q, k, v only.
 """
 import argparse
 import json
@@ -47,7 +52,8 @@ for _rows, _walked, _warps, _stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128
         _dq(_rows, _walked, _warps, _stages), **_dkdv(_rows, _walked, _warps, _stages))
 for _tiles in [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
                (128, 128, 8, 2), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
-               (128, 32, 4, 3), (64, 64, 4, 2), (64, 64, 4, 4), (64, 128, 4, 3),
+               (128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 4),
+               (64, 128, 4, 3),
                (64, 128, 4, 2)]:
     CONFIGS["fwd_%dx%d_%dw%ds" % _tiles] = dict(zip(("block_q", "block_kv", "num_warps",
                                                      "num_stages"), _tiles))
@@ -73,7 +79,13 @@ def main():
                         help="convert int index differences on whole tiles")
     parser.add_argument("--scale-first", action="store_true",
                         help="forward multiplies scores by the scale before the softmax")
+    parser.add_argument("--full-blocks-first", action="store_true",
+                        help="the backward walks full blocks before masked ones")
+    parser.add_argument("--dq-shortest-first", action="store_true",
+                        help="dQ programs in query-tile order (shortest causal rows first)")
     args = parser.parse_args()
+    backward.MASKED_FIRST = not args.full_blocks_first
+    backward.DQ_LONGEST_FIRST = not args.dq_shortest_first
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
     tile_mods.CONVERT_INDEX_VECTORS = not args.convert_tiles
@@ -110,6 +122,8 @@ def main():
                        prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        scale_in_exponent=forward.SCALE_IN_EXPONENT,
+                       masked_first=backward.MASKED_FIRST,
+                       dq_longest_first=backward.DQ_LONGEST_FIRST,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
                        head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):

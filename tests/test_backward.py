@@ -145,15 +145,21 @@ def test_gradients_of_captured_arrays(backend, kind):
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch"])
+@pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch", "full_blocks_first",
+                                    "dq_shortest_first"])
 def test_layout_switches_give_the_same_gradients(backend, switch, monkeypatch):
     """The benchmark-only switches (two backward launches without GQA; tile indices read
-    in the iteration that uses them) compute the same gradients as the defaults."""
+    in the iteration that uses them; full blocks walked first; dQ programs in query
+    order) compute the same gradients as the float64 reference."""
     from pallas_flex.kernels import backward, block_walk
     if switch == "two_launches":
         monkeypatch.setattr(backward, "FUSED_LAUNCH", False)
-    else:
+    elif switch == "no_index_prefetch":
         monkeypatch.setattr(block_walk, "PREFETCH_INDICES", False)
+    elif switch == "full_blocks_first":
+        monkeypatch.setattr(backward, "MASKED_FIRST", False)
+    else:
+        monkeypatch.setattr(backward, "DQ_LONGEST_FIRST", False)
     _check_learnable_gradients(backend, "alibi_slopes", q_heads=2, kv_heads=2, seed=21)
 
 
