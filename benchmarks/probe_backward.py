@@ -6,7 +6,7 @@ B4 H16 S4096 D128 bf16 by default. For each kernel-option set and variant, in ms
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
 tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index
 differences on whole tiles, `--scale-first` scales scores before the forward's softmax,
-`--full-blocks-first` walks full blocks before masked ones in the backward,
+`--walk-order masked-first|full-first` sets which blocks the backward walks first,
 `--dq-shortest-first` starts dQ programs at the first query tile: A/B switches for what
 they replaced.
 The backward here differentiates the score_mod's captured arrays too (ALiBi's slopes:
@@ -79,12 +79,13 @@ def main():
                         help="convert int index differences on whole tiles")
     parser.add_argument("--scale-first", action="store_true",
                         help="forward multiplies scores by the scale before the softmax")
-    parser.add_argument("--full-blocks-first", action="store_true",
-                        help="the backward walks full blocks before masked ones")
+    parser.add_argument("--walk-order", choices=["default", "masked-first", "full-first"],
+                        default="default",
+                        help="which blocks the backward walks first (default: the head "
+                             "dim's backward_masked_first)")
     parser.add_argument("--dq-shortest-first", action="store_true",
                         help="dQ programs in query-tile order (shortest causal rows first)")
     args = parser.parse_args()
-    backward.MASKED_FIRST = not args.full_blocks_first
     backward.DQ_LONGEST_FIRST = not args.dq_shortest_first
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
@@ -110,6 +111,9 @@ def main():
                          else None)
         for config_name in args.configs.split(","):
             options = resolve_options(CONFIGS[config_name], dim)
+            if args.walk_order != "default":
+                options = options.replace(
+                    backward_masked_first=args.walk_order == "masked-first")
 
             # Arrays are arguments, not closed-over constants (XLA would fold them).
             def whole(q, k, v, out, lse, d_out, block_mask, score_program):
@@ -122,7 +126,7 @@ def main():
                        prefetch=block_walk.PREFETCH_INDICES, fused=backward.FUSED_LAUNCH,
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        scale_in_exponent=forward.SCALE_IN_EXPONENT,
-                       masked_first=backward.MASKED_FIRST,
+                       masked_first=options.backward_masked_first,
                        dq_longest_first=backward.DQ_LONGEST_FIRST,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
                        head_dim=dim)

@@ -114,7 +114,8 @@ def _learnable_case(kind, batch, q_heads, q_len, kv_len):
     raise AssertionError(kind)
 
 
-def _check_learnable_gradients(backend, kind, q_heads, kv_heads, seed):
+def _check_learnable_gradients(backend, kind, q_heads, kv_heads, seed,
+                               kernel_options=SMALL_TILES):
     """Gradients for q, k, v and a learnable score_mod array (causal mask) match the
     float64 reference; returns the learnable array's gradient."""
     batch, q_len, kv_len = 2, 45, 38
@@ -125,7 +126,7 @@ def _check_learnable_gradients(backend, kind, q_heads, kv_heads, seed):
     def loss(q, k, v, parameter):
         out = pf.attention(q, k, v, mask_mod=masks.causal_mask,
                            score_mod=make_score_mod(parameter), backend=backend,
-                           kernel_options=SMALL_TILES)
+                           kernel_options=kernel_options)
         return jnp.sum(out * d_out)
 
     grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, parameter)
@@ -146,21 +147,23 @@ def test_gradients_of_captured_arrays(backend, kind):
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch", "full_blocks_first",
-                                    "dq_shortest_first"])
+                                    "masked_blocks_first", "dq_shortest_first"])
 def test_layout_switches_give_the_same_gradients(backend, switch, monkeypatch):
     """The benchmark-only switches (two backward launches without GQA; tile indices read
-    in the iteration that uses them; full blocks walked first; dQ programs in query
-    order) compute the same gradients as the float64 reference."""
+    in the iteration that uses them; either walk order of full and masked blocks; dQ
+    programs in query order) compute the same gradients as the float64 reference."""
     from pallas_flex.kernels import backward, block_walk
+    options = SMALL_TILES
     if switch == "two_launches":
         monkeypatch.setattr(backward, "FUSED_LAUNCH", False)
     elif switch == "no_index_prefetch":
         monkeypatch.setattr(block_walk, "PREFETCH_INDICES", False)
-    elif switch == "full_blocks_first":
-        monkeypatch.setattr(backward, "MASKED_FIRST", False)
+    elif switch in ("full_blocks_first", "masked_blocks_first"):
+        options = dict(SMALL_TILES, backward_masked_first=switch == "masked_blocks_first")
     else:
         monkeypatch.setattr(backward, "DQ_LONGEST_FIRST", False)
-    _check_learnable_gradients(backend, "alibi_slopes", q_heads=2, kv_heads=2, seed=21)
+    _check_learnable_gradients(backend, "alibi_slopes", q_heads=2, kv_heads=2, seed=21,
+                               kernel_options=options)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

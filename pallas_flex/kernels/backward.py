@@ -134,7 +134,8 @@ class _Refs:
 
 def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
                 differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
-                mask_block_kv, broadcast_batch, broadcast_heads, group, interpret):
+                mask_block_kv, broadcast_batch, broadcast_heads, group, masked_first,
+                interpret):
     """dQ of one query tile of query head `member` of the KV head's group, walking the
     KV tables like the forward; also scatter-adds the gradients of captured score
     arrays."""
@@ -179,14 +180,14 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
     kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = refs.kv_tables
     d_q = jnp.zeros(q.shape, jnp.float32)
     walks = [(full_kv_num_blocks, full_kv_indices, False), (kv_num_blocks, kv_indices, True)]
-    for num_blocks_ref, indices_ref, masked in walks[::-1] if MASKED_FIRST else walks:
+    for num_blocks_ref, indices_ref, masked in walks[::-1] if masked_first else walks:
         d_q = walk(num_blocks_ref, indices_ref, d_q, masked=masked)
     refs.dq[rows, member, :] = (d_q * scale).astype(refs.dq.dtype)
 
 
 def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_program, scale,
                   q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
-                  broadcast_batch, broadcast_heads, group):
+                  broadcast_batch, broadcast_heads, group, masked_first):
     """dK and dV of one KV tile, summed over the query heads of its GQA group: for each
     of them, walks the transposed tables (the query blocks of its KV block). Summing
     here, in float32 registers, spares a [B, S, Hq, D] float32 output and its sum."""
@@ -232,7 +233,7 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
     def walk_member(member, state):
         table_head = 0 if broadcast_heads else kv_head * group + member
         walks = [(full_q_num_blocks, full_q_indices, False), (q_num_blocks, q_indices, True)]
-        for num_blocks_ref, indices_ref, masked in walks[::-1] if MASKED_FIRST else walks:
+        for num_blocks_ref, indices_ref, masked in walks[::-1] if masked_first else walks:
             state = walk_listed_tiles(
                 num_blocks_ref, indices_ref, (table_batch, table_head, mask_column),
                 mask_block=mask_block_q, tile=block_q,
@@ -343,11 +344,6 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
 # one launch those started last leave SMs idle at the end (32:8 heads: 8.08 ms in one
 # launch, 7.13 in two). False forces two launches everywhere (for benchmarks).
 FUSED_LAUNCH = True
-# Both program kinds walk the masked blocks before the full ones (PyTorch's order). H100,
-# B4 H16 S4096 D128 backward: causal 2.043 -> 1.976 ms, ALiBi 2.619 -> 2.584, noop (no
-# masked blocks) unchanged (benchmarks/results/2026-11-23-h100-backward-walk-order.json).
-# False walks the full blocks first (benchmarks).
-MASKED_FIRST = True
 # dQ programs start at the last query tile (longest causal rows first); False starts at
 # the first (PyTorch's order), which measured the same or slower (benchmarks).
 DQ_LONGEST_FIRST = True
@@ -406,7 +402,10 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
                 kv_head_spec(padded_kv_len, padded_value_dim),
                 group_spec(padded_q_len, padded_value_dim), vector_spec, vector_spec
                 ] + [whole] * (8 + len(mask_inputs) + len(score_inputs))
-    settings = dict(launch.kernel_settings, group=group)
+    # Which blocks of a row both program kinds walk first is a tuning choice
+    # (KernelOptions.backward_masked_first, by head dim in kernels/config.py).
+    settings = dict(launch.kernel_settings, group=group,
+                    masked_first=options.backward_masked_first)
     dq_settings = dict(settings, block_q=dq_block_q, block_kv=dq_block_kv,
                        differentiable_sites=sites, interpret=interpret)
     dkdv_settings = dict(settings, block_q=dkdv_block_q, block_kv=dkdv_block_kv)

@@ -33,6 +33,8 @@ class KernelOptions:
       keep the [rows, Dv] float32 accumulator within 64 KiB).
     paged_num_stages: pipelining depth of the forward kernel on a paged cache (0 = by
       page size, measured on the H100).
+    backward_masked_first: the backward's programs walk a row's (or column's) masked
+      blocks before its full ones (PyTorch's order) instead of after them.
     """
 
     block_q: int = 128
@@ -54,6 +56,7 @@ class KernelOptions:
     decode_num_stages: int = 0
     decode_max_rows: int = 0
     paged_num_stages: int = 0
+    backward_masked_first: bool = True
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -65,13 +68,18 @@ _HOPPER_FORWARD = {
     # D 64 (B8 H16 S2048): 64x64 forward tiles 0.420/0.254 ms noop/causal against
     # 0.446/0.268 for 128x64; 128x128 backward tiles in both program kinds 1.23/0.76 ms
     # against 1.28/0.77 (benchmarks/results/2026-11-22-h100-d64-tuning.json).
+    # Backward walk order (benchmarks/results/2026-11-23-h100-backward-walk-order.json):
+    # masked blocks first at D 128 (causal backward 2.043 -> 1.976 ms), full blocks first
+    # at D 64 with its 128x128 tiles (causal 0.75 ms against 0.82 masked first); D 256 keeps
+    # the order it was tuned with.
     64: KernelOptions(block_q=64, block_kv=64, num_warps=4, num_stages=3,
                       backward_block_q=128, backward_block_kv=128, backward_dkdv_block_q=128,
-                      backward_dkdv_block_kv=128),
+                      backward_dkdv_block_kv=128, backward_masked_first=False),
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
                        backward_block_q=32, backward_block_kv=32, backward_dkdv_block_q=32,
-                       backward_dkdv_block_kv=32, backward_num_warps=4, backward_num_stages=2),
+                       backward_dkdv_block_kv=32, backward_num_warps=4, backward_num_stages=2,
+                       backward_masked_first=False),
 }
 
 
@@ -111,6 +119,9 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
+    if not isinstance(kernel_options.get("backward_masked_first", True), bool):
+        raise ValueError(f"kernel_options['backward_masked_first'] must be a bool, got "
+                         f"{kernel_options['backward_masked_first']!r}")
     for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
                  "decode_num_warps"):
         count = kernel_options.get(name, 1)
