@@ -15,8 +15,15 @@ pipelining. Two steps, in two environments:
        /tmp/tvenv/bin/python benchmarks/inspect_kernels.py compile /tmp/ttir/*.ttir
 
    It writes <name>.ttgir and <name>.ptx next to each input and prints shared memory,
-   async copies (pipelined loads), wgmma count and `ptxas -v`'s registers and spills.
+   async copies (pipelined loads), wgmma count and `ptxas -v`'s registers and spills,
+   then, per loop of the PTX (a block that branches back to itself), its global loads,
+   async copies and wgmma instructions: per-tile work the pipeliner did not turn into
+   async copies shows up there (a paged kernel's page-table reads did, 64 per tile).
    Warps and stages come from the file name (`..._w8s3.ttir`, as `lower` writes it).
+
+`lower --page-size N` lowers `paged_flex_attention` on a cache of N-row pages instead (no
+backward): the forward kernel for a prefill (`--q-len`, default 2048 new tokens on the
+sequence), the decode kernel with `--q-len 1`.
 """
 
 from __future__ import annotations
@@ -32,25 +39,12 @@ import sys
 def lower(args) -> None:
     import jax
     import jax.numpy as jnp
-    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
     import pallas_flex as pf
     from pallas_flex import masks
     from pallas_flex.kernels import backward, forward
     from pallas_flex.kernels.config import resolve_options
     from pallas_flex.masks.mod_program import SCORE, make_mod_program
-
-    # Lower for an H100 whatever this machine has, and keep each Triton module (the
-    # patches are undone afterwards: GPU work in the same process sees the real device).
-    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
-    modules = []
-    real_gpu_info = pallas_call_registration.gpu_info_lib.get_gpu_info
-    real_lower = lowering.lower_jaxpr_to_triton_module
-
-    def keep(*a, **kw):
-        result = real_lower(*a, **kw)
-        modules.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
 
     options = resolve_options(json.loads(args.options), args.head_dim)
     batch, length, dim = 4, args.seq_len, args.head_dim
@@ -65,6 +59,10 @@ def lower(args) -> None:
     block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
     scale = dim ** -0.5
 
+    if args.page_size:
+        lower_paged(args, options)
+        return
+
     def run_forward(q, k, v):
         return forward.flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                               options=options, interpret=False)
@@ -75,14 +73,69 @@ def lower(args) -> None:
             options=options, interpret=False, wanted_const_grads=[False] * len(
                 score_program.consts) if score_program is not None else None)
 
+    _write_ttir(args, [(run_forward, (q_shape, kv_shape, kv_shape)),
+                       (run_backward, (q_shape, kv_shape, kv_shape, q_shape, lse_shape,
+                                       q_shape))], suffix=args.variant)
+
+
+def lower_paged(args, options) -> None:
+    """The kernels of `paged_flex_attention` on a cache of args.page_size-row pages:
+    queries are the last q_len positions of seq_len-token rows (causal, or the variant's
+    mods), pages [B * seq_len / page_size, Hkv, page_size, D]."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flex as pf
+    from pallas_flex import masks
+    from pallas_flex.paged.cache import PagedKVCache
+    from pallas_flex.paged.flex_attention import paged_flex_attention
+
+    batch, length, dim, page_size = 4, args.seq_len, args.head_dim, args.page_size
+    q_len = args.q_len or min(2048, length)
+    kv_heads = args.kv_heads or args.q_heads
+    num_pages = batch * (-(-length // page_size))
+    pages = jax.ShapeDtypeStruct((num_pages, kv_heads, page_size, dim), jnp.bfloat16)
+    cache = PagedKVCache(
+        k_pages=pages, v_pages=pages,
+        page_table=jax.ShapeDtypeStruct((batch, num_pages // batch), jnp.int32),
+        lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
+        page_owner=jax.ShapeDtypeStruct((num_pages,), jnp.int32))
+    q_shape = jax.ShapeDtypeStruct((batch, q_len, args.q_heads, dim), jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, length - q_len)
+    score_mod = {"alibi": masks.alibi(args.q_heads), "softcap": masks.tanh_softcap(30.0)
+                 }.get(args.variant)
+    block_mask = pf.create_block_mask(mask_mod, None, None, q_len, length)
+
+    def run(q, cache):
+        return paged_flex_attention(q, cache, block_mask=block_mask, score_mod=score_mod,
+                                    backend="pallas", kernel_options=options)
+
+    _write_ttir(args, [(run, (q_shape, cache))], suffix=f"{args.variant}_page{page_size}")
+
+
+def _write_ttir(args, functions, *, suffix: str) -> None:
+    """Lowers each (function, argument shapes) for an H100 and writes the Triton module
+    of every kernel it launches as <kernel>_<suffix>_w<warps>s<stages>.ttir."""
+    import jax
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+
+    # Lower for an H100 whatever this machine has, and keep each Triton module (the
+    # patches are undone afterwards: GPU work in the same process sees the real device).
+    h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
+    modules = []
+    real_gpu_info = pallas_call_registration.gpu_info_lib.get_gpu_info
+    real_lower = lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **kw):
+        result = real_lower(*a, **kw)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        lowered = [
-            jax.jit(run_forward).trace(q_shape, kv_shape, kv_shape).lower(
-                lowering_platforms=("cuda",)).as_text(),
-            jax.jit(run_backward).trace(q_shape, kv_shape, kv_shape, q_shape, lse_shape,
-                                        q_shape).lower(lowering_platforms=("cuda",)).as_text()]
+        lowered = [jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+                   for fn, shapes in functions]
     finally:
         pallas_call_registration.gpu_info_lib.get_gpu_info = real_gpu_info
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real_lower
@@ -95,10 +148,30 @@ def lower(args) -> None:
     for text in modules:
         name = re.search(r"tt.func public @(\w+)", text).group(1)
         warps, stages = launch_parameters[name]
-        path = os.path.join(args.out_dir, f"{name}_{args.variant}_w{warps}s{stages}.ttir")
+        path = os.path.join(args.out_dir, f"{name}_{suffix}_w{warps}s{stages}.ttir")
         with open(path, "w") as f:
             f.write(text)
         print(path)
+
+
+def loop_instruction_counts(ptx: str) -> list[tuple[str, int, int, int]]:
+    """(label, global loads, async copies, wgmma) of each PTX loop: a block whose
+    instructions run up to a branch back to its own label."""
+    loops, label, counts = [], None, [0, 0, 0]
+    for line in ptx.splitlines():
+        start = re.match(r"^(\$L__BB\d+_\d+):", line)
+        if start:
+            label, counts = start.group(1), [0, 0, 0]
+            continue
+        if label is None:
+            continue
+        counts[0] += "ld.global" in line
+        counts[1] += "cp.async.cg" in line or "cp.async.ca" in line
+        counts[2] += "wgmma.mma_async" in line
+        branch = re.search(r"\bbra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if branch and branch.group(1) == label:
+            loops.append((label, *counts))
+    return loops
 
 
 def compile_files(args) -> None:
@@ -136,6 +209,9 @@ def compile_files(args) -> None:
               f"{metadata.get('shared')} B, async copies "
               f"{ttgir.count('async_copy_global_to_local')}, wgmma "
               f"{ttgir.count('warp_group_dot ')}; ptxas: {registers}")
+        ptx = open(path[:-len(".ttir")] + ".ptx").read()
+        for label, loads, copies, wgmma in loop_instruction_counts(ptx):
+            print(f"  loop {label}: ld.global {loads}, cp.async {copies}, wgmma {wgmma}")
 
 
 def main(argv=None) -> None:
@@ -151,6 +227,11 @@ def main(argv=None) -> None:
     lower_parser.add_argument("--seq-len", type=int, default=4096)
     lower_parser.add_argument("--head-dim", type=int, default=128)
     lower_parser.add_argument("--out-dir", default="/tmp/ttir")
+    lower_parser.add_argument("--page-size", type=int, default=0,
+                              help="lower paged_flex_attention on pages of this many rows")
+    lower_parser.add_argument("--q-len", type=int, default=0,
+                              help="with --page-size: new tokens (1 = the decode kernel; "
+                                   "0 = min(2048, seq-len))")
     compile_parser = commands.add_parser("compile", help="compile TTIR files (pip triton)")
     compile_parser.add_argument("files", nargs="+")
     args = parser.parse_args(argv)
