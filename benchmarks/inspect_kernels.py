@@ -47,6 +47,9 @@ def lower(args) -> None:
     from pallas_flex.masks.mod_program import SCORE, make_mod_program
 
     options = resolve_options(json.loads(args.options), args.head_dim)
+    if args.page_size:
+        lower_paged(args, options)
+        return
     batch, length, dim = 4, args.seq_len, args.head_dim
     kv_heads = args.kv_heads or args.q_heads
     q_shape = jax.ShapeDtypeStruct((batch, length, args.q_heads, dim), jnp.bfloat16)
@@ -58,10 +61,6 @@ def lower(args) -> None:
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
     block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
     scale = dim ** -0.5
-
-    if args.page_size:
-        lower_paged(args, options)
-        return
 
     def run_forward(q, k, v):
         return forward.flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,

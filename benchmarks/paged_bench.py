@@ -18,7 +18,6 @@ import pallas_flex as pf
 from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import masks
-from pallas_flex.kernels import kv_tiles
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
 
@@ -46,8 +45,6 @@ def main():
     parser.add_argument("--out")
     parser.add_argument("--kernel-options", default="{}", help="JSON dict for both layouts")
     parser.add_argument("--cases", default="decode,prefill")
-    parser.add_argument("--gather-forms", default="row",
-                        help="kernels.kv_tiles.GATHER_FORM values to time, e.g. row,element")
     parser.add_argument("--page-sizes", default="16,64,128")
     parser.add_argument("--paged-options", default="",
                         help="';'-separated JSON dicts over --kernel-options for the paged "
@@ -72,10 +69,8 @@ def main():
         base_ms = time_ms(contiguous, q, k, v, block_mask)
         rows.append(dict(case=name, layout="contiguous", ms=base_ms, kernel_options=options))
         print(f"{name} contiguous {base_ms:.4f} ms", flush=True)
-        for page_size, gather_form, paged_options in itertools.product(
-                [int(p) for p in args.page_sizes.split(",")], args.gather_forms.split(","),
-                paged_option_sets):
-            kv_tiles.GATHER_FORM = gather_form
+        for page_size, paged_options in itertools.product(
+                [int(p) for p in args.page_sizes.split(",")], paged_option_sets):
             cache = paged_copy(k, v, page_size)
             paged = jax.jit(lambda q, cache, bm: paged_flex_attention(
                 q, cache, block_mask=bm, kernel_options=paged_options))
@@ -85,10 +80,9 @@ def main():
             max_diff = float(jnp.max(jnp.abs(out_paged.astype(jnp.float32)
                                              - out_contiguous.astype(jnp.float32))))
             rows.append(dict(case=name, layout=f"paged{page_size}", ms=ms,
-                             kernel_options=paged_options,
-                             gather_form=gather_form, overhead=ms / base_ms - 1,
+                             kernel_options=paged_options, overhead=ms / base_ms - 1,
                              max_abs_diff=max_diff))
-            print(f"{name} page_size {page_size} gather {gather_form} {paged_options} {ms:.4f} ms "
+            print(f"{name} page_size {page_size} {paged_options} {ms:.4f} ms "
                   f"overhead {100 * (ms / base_ms - 1):+.1f}% max|diff| {max_diff:.2e}", flush=True)
     if args.out:
         write_rows(args.out, rows)

@@ -6,9 +6,8 @@ B4 H16 S4096 D128 bf16 by default. For each kernel-option set and variant, in ms
 `--separate` runs dQ and dK/dV as two launches instead of one, `--no-prefetch` reads
 tile indices in the iteration that uses them, `--convert-tiles` converts ALiBi's index
 differences on whole tiles, `--scale-first` scales scores before the forward's softmax,
-`--walk-order masked-first|full-first` sets which blocks the backward walks first,
-`--dq-shortest-first` starts dQ programs at the first query tile: A/B switches for what
-they replaced.
+`--walk-order masked-first|full-first` sets which blocks the backward walks first: A/B
+switches for what they replaced.
 The backward here differentiates the score_mod's captured arrays too (ALiBi's slopes:
 atomics per tile), which training with constant slopes skips: its ALiBi rows cost more
 than the same backward under `jax.grad` of q, k, v only.
@@ -83,10 +82,7 @@ def main():
                         default="default",
                         help="which blocks the backward walks first (default: the head "
                              "dim's backward_masked_first)")
-    parser.add_argument("--dq-shortest-first", action="store_true",
-                        help="dQ programs in query-tile order (shortest causal rows first)")
     args = parser.parse_args()
-    backward.DQ_LONGEST_FIRST = not args.dq_shortest_first
     block_walk.PREFETCH_INDICES = not args.no_prefetch
     backward.FUSED_LAUNCH = not args.separate
     tile_mods.CONVERT_INDEX_VECTORS = not args.convert_tiles
@@ -127,7 +123,6 @@ def main():
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        scale_in_exponent=forward.SCALE_IN_EXPONENT,
                        masked_first=options.backward_masked_first,
-                       dq_longest_first=backward.DQ_LONGEST_FIRST,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
                        head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):

@@ -92,6 +92,11 @@ def _time(name, inputs, backend, donate):
         return float("nan"), None
 
 
+def _kv_bytes(seqs, kv_heads=8, dim=128):
+    """K/V bytes the sequences' tokens must read at least once (bf16; make_inputs' heads)."""
+    return sum(past + new for past, new in seqs) * kv_heads * dim * 2 * 2
+
+
 def kernel_only(args) -> list:
     """Times the Pallas kernel alone (caches already hold the new tokens; no writes, no
     work-item setup outside it) for each (block_kv, num_stages, num_splits)."""
@@ -99,16 +104,18 @@ def kernel_only(args) -> list:
     for name in args.mixes.split(","):
         seqs = MIXES[name]
         inputs = make_inputs(seqs)
-        kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
-        num_tokens, q_heads = inputs["query"].shape[0], 32
-        query = inputs["query"].reshape(num_tokens, q_heads, 128)
+        kv_bytes = _kv_bytes(seqs)
+        head_dim = inputs["key_cache"].shape[3]
+        num_tokens, q_heads = inputs["query"].shape[0], inputs["query"].shape[1] // head_dim
+        query = inputs["query"].reshape(num_tokens, q_heads, head_dim)
         for config in args.kernel_configs.split(","):
             block_kv, stages, splits = (int(x) for x in config.split("/"))
             fn = jax.jit(lambda query, key_cache, value_cache, past_lens, begins, blocks,
                          block_begins, block_kv=block_kv, stages=stages, splits=splits:
                          ragged_kernel.ragged_paged_attention(
                              query, key_cache, value_cache, past_lens, begins, blocks,
-                             block_begins, 128 ** -0.5, 0, jnp.zeros((q_heads,), jnp.float32),
+                             block_begins, head_dim ** -0.5, 0,
+                             jnp.zeros((q_heads,), jnp.float32),
                              interpret=False, block_kv=block_kv, num_stages=stages,
                              num_splits=splits)[0])
             ms = time_ms(fn, query, inputs["key_cache"], inputs["value_cache"],
@@ -147,7 +154,7 @@ def main():
     for name in args.mixes.split(","):
         seqs = MIXES[name]
         inputs = make_inputs(seqs)
-        kv_bytes = sum(past + new for past, new in seqs) * 8 * 128 * 2 * 2
+        kv_bytes = _kv_bytes(seqs)
         outputs = {}
         for backend in args.backends.split(","):
             # The XLA loop has no splits: time it once.

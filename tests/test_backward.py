@@ -147,21 +147,19 @@ def test_gradients_of_captured_arrays(backend, kind):
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch", "full_blocks_first",
-                                    "masked_blocks_first", "dq_shortest_first"])
+                                    "masked_blocks_first"])
 def test_layout_switches_give_the_same_gradients(backend, switch, monkeypatch):
     """The benchmark-only switches (two backward launches without GQA; tile indices read
-    in the iteration that uses them; either walk order of full and masked blocks; dQ
-    programs in query order) compute the same gradients as the float64 reference."""
+    in the iteration that uses them; either walk order of full and masked blocks) compute
+    the same gradients as the float64 reference."""
     from pallas_flex.kernels import backward, block_walk
     options = SMALL_TILES
     if switch == "two_launches":
         monkeypatch.setattr(backward, "FUSED_LAUNCH", False)
     elif switch == "no_index_prefetch":
         monkeypatch.setattr(block_walk, "PREFETCH_INDICES", False)
-    elif switch in ("full_blocks_first", "masked_blocks_first"):
-        options = dict(SMALL_TILES, backward_masked_first=switch == "masked_blocks_first")
     else:
-        monkeypatch.setattr(backward, "DQ_LONGEST_FIRST", False)
+        options = dict(SMALL_TILES, backward_masked_first=switch == "masked_blocks_first")
     _check_learnable_gradients(backend, "alibi_slopes", q_heads=2, kv_heads=2, seed=21,
                                kernel_options=options)
 

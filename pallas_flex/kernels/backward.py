@@ -132,6 +132,12 @@ class _Refs:
     grads: list        # per captured score array, its float32 gradient buffer or None
 
 
+def _walk_order(full_tables, masked_tables, masked_first: bool):
+    """((num_blocks_ref, indices_ref, masked), ...) in the order a program walks them."""
+    walks = [(*full_tables, False), (*masked_tables, True)]
+    return walks[::-1] if masked_first else walks
+
+
 def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
                 differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
                 mask_block_kv, broadcast_batch, broadcast_heads, group, masked_first,
@@ -179,8 +185,8 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
 
     kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = refs.kv_tables
     d_q = jnp.zeros(q.shape, jnp.float32)
-    walks = [(full_kv_num_blocks, full_kv_indices, False), (kv_num_blocks, kv_indices, True)]
-    for num_blocks_ref, indices_ref, masked in walks[::-1] if masked_first else walks:
+    for num_blocks_ref, indices_ref, masked in _walk_order(
+            (full_kv_num_blocks, full_kv_indices), (kv_num_blocks, kv_indices), masked_first):
         d_q = walk(num_blocks_ref, indices_ref, d_q, masked=masked)
     refs.dq[rows, member, :] = (d_q * scale).astype(refs.dq.dtype)
 
@@ -232,8 +238,8 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
 
     def walk_member(member, state):
         table_head = 0 if broadcast_heads else kv_head * group + member
-        walks = [(full_q_num_blocks, full_q_indices, False), (q_num_blocks, q_indices, True)]
-        for num_blocks_ref, indices_ref, masked in walks[::-1] if masked_first else walks:
+        for num_blocks_ref, indices_ref, masked in _walk_order(
+                (full_q_num_blocks, full_q_indices), (q_num_blocks, q_indices), masked_first):
             state = walk_listed_tiles(
                 num_blocks_ref, indices_ref, (table_batch, table_head, mask_column),
                 mask_block=mask_block_q, tile=block_q,
@@ -267,9 +273,7 @@ def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unp
             lambda: _dkdv_program(program, kv_head, batch, refs, **dkdv_settings))
     if dq_settings is not None:
         dq_program = program - num_kv_tiles
-        q_tile = lax.div(dq_program, jnp.int32(group))
-        if DQ_LONGEST_FIRST:
-            q_tile = num_q_tiles - 1 - q_tile
+        q_tile = num_q_tiles - 1 - lax.div(dq_program, jnp.int32(group))
         member = lax.rem(dq_program, jnp.int32(group))
         pl.when(program >= num_kv_tiles)(
             lambda: _dq_program(q_tile, member, kv_head, batch, refs, **dq_settings))
@@ -344,9 +348,6 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
 # one launch those started last leave SMs idle at the end (32:8 heads: 8.08 ms in one
 # launch, 7.13 in two). False forces two launches everywhere (for benchmarks).
 FUSED_LAUNCH = True
-# dQ programs start at the last query tile (longest causal rows first); False starts at
-# the first (PyTorch's order), which measured the same or slower (benchmarks).
-DQ_LONGEST_FIRST = True
 
 
 def _launch_parameters(warps: int, stages: int, owned_rows: int):

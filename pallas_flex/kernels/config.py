@@ -141,7 +141,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
 # Forward on a paged cache, B4 H16 2048 new tokens after 6144 cached, D 128 bf16 (see
 # benchmarks/results/*paged*.json): pipelining depth by page size. Tiles inside one page
 # (64) want 3 stages, and so do tiles gathered across 16-row pages since their pointers
-# are built per row (+4.9 / +5.2 % over contiguous at 3 stages, +8.3 / +9.5 % at 2);
+# are built per row (+3.9 to +6.6 % over contiguous at 3 stages, +8.3 / +9.5 % at 2);
 # 128-row pages want 2.
 _HOPPER_PAGED_STAGES = {16: 3, 64: 3}
 

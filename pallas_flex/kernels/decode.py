@@ -181,10 +181,10 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     wide = max(head_dim, value_dim)
     default_tile = 128 if wide <= 128 else 64 if wide <= 256 else 32
     if paged:
-        # Each tile's rows come through a page-table read the tile's copies wait on; with
-        # 32-row tiles more of them are in flight. H100, B8 S16384 D128: 128-row tiles
-        # cost +14 / +13 / +1 % over contiguous at pages 16 / 64 / 128, 32-row tiles
-        # +1 / -2 / -2 % (benchmarks/results/2026-11-23-h100-paged-small-pages.json).
+        # Tiles gathered across pages spill at 128 rows (800-1200 B at 255 registers);
+        # 32-row tiles take 66 registers. H100, B8 S16384 D128: 128-row tiles cost
+        # +14 / +13 / +1 % over contiguous at pages 16 / 64 / 128, 32-row tiles
+        # -1 / +0 / -1 % (benchmarks/results/2026-11-23-h100-paged-small-pages.json).
         default_tile = min(default_tile, 32)
     block_kv = options.decode_block_kv or default_tile
     block_kv = min(block_kv, mask_block_kv)

@@ -33,28 +33,19 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
         page = jnp.maximum(page_of(lax.div(tile_start, jnp.int32(page_size))), 0)
         offset = lax.rem(tile_start, jnp.int32(page_size))
         return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
-    if GATHER_FORM == "row":
-        # Indices per row ([tile, 1]) and per column ([1, width]), broadcast by the load:
-        # Triton then builds the pointers in the layout of the copy itself. Computed on
-        # the whole [tile, width] tile ("element"), they were built in the page-table
-        # gather's layout and converted through shared memory every tile (a [64, 128]
-        # pointer tensor, 32 KiB more shared memory: one program per SM instead of two).
-        # The page table is read as a [tile] vector, then given its column axis: read
-        # as [tile, 1], each thread loaded its rows' entries once per column of the
-        # copy layout it shares (8x the loads).
-        positions = tile_start + lax.iota(jnp.int32, tile)
-        pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)[:, None]
-        offsets = lax.rem(positions, jnp.int32(page_size))[:, None]
-        columns = column_start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-        return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
-    positions = tile_start + lax.broadcasted_iota(jnp.int32, (tile, width), 0)
-    pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)
-    offsets = lax.rem(positions, jnp.int32(page_size))
-    columns = column_start + lax.broadcasted_iota(jnp.int32, (tile, width), 1)
-    return pages_ref.at[pages, jnp.full((tile, width), kv_head), offsets, columns]
-
-# "row" or "element" (the earlier form; benchmarks A/B them with paged_bench --gather-forms).
-GATHER_FORM = "row"
+    # Indices per row ([tile, 1]) and per column ([1, width]), broadcast by the load:
+    # Triton builds the pointers in the copy's own layout. Computed on the whole
+    # [tile, width] tile they were built in the page-table gather's layout and converted
+    # through shared memory every tile (32 KiB more shared memory: one program per SM
+    # instead of two). The page table is read as a [tile] vector and given its column
+    # axis afterwards: read as [tile, 1], each thread loaded its rows' entries once per
+    # column of the copy layout (8x the loads). H100 results, both forms:
+    # benchmarks/results/2026-11-23-h100-paged-small-pages.json.
+    positions = tile_start + lax.iota(jnp.int32, tile)
+    pages = jnp.maximum(page_of(lax.div(positions, jnp.int32(page_size))), 0)[:, None]
+    offsets = lax.rem(positions, jnp.int32(page_size))[:, None]
+    columns = column_start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+    return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
 
 
 def load_rows(view, valid_rows):

@@ -142,17 +142,3 @@ def test_clip_block_mask_to_lengths_drops_and_demotes_blocks():
     np.testing.assert_array_equal(state[2, 0, 0], [EMPTY] * 4)
     np.testing.assert_array_equal(np.asarray(clipped.q_num_blocks)[1, 0], [0, 1, 0, 0])
 
-
-@pytest.mark.parametrize("backend", PAGED_BACKENDS)
-@pytest.mark.parametrize("case", ["decode_tile_spans_pages_alibi",
-                                  "prefill_tile_spans_pages_sliding"])
-def test_element_gather_form_reads_the_same_rows(case, backend, monkeypatch):
-    """The per-element page indexing that benchmarks A/B against the default per-row form
-    (kernels.kv_tiles.GATHER_FORM) gives the same results on tiles spanning pages."""
-    from pallas_flex.kernels import kv_tiles
-    jax.clear_caches()  # programs traced with the other form must not be reused
-    monkeypatch.setattr(kv_tiles, "GATHER_FORM", "element")
-    try:
-        test_paged_matches_contiguous_golden(case, backend)
-    finally:
-        jax.clear_caches()
