@@ -35,6 +35,12 @@ class KernelOptions:
       page size, measured on the H100).
     backward_masked_first: the backward's programs walk a row's (or column's) masked
       blocks before its full ones (PyTorch's order) instead of after them.
+    forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
+      Mosaic GPU kernel (`kernels/forward_mosaic.py`) on Hopper for the calls it covers,
+      else the Triton one; "mosaic": the Mosaic GPU kernel, a ValueError saying why if
+      it does not cover the call (with backend="interpret", its interpret mode);
+      "triton": the Triton kernel. Giving any of block_q, block_kv, num_warps or
+      num_stages (the Triton kernel's settings) without forward_kernel selects "triton".
     """
 
     block_q: int = 128
@@ -57,6 +63,7 @@ class KernelOptions:
     decode_max_rows: int = 0
     paged_num_stages: int = 0
     backward_masked_first: bool = True
+    forward_kernel: str = "auto"
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -81,6 +88,10 @@ _HOPPER_FORWARD = {
                        backward_dkdv_block_kv=32, backward_num_warps=4, backward_num_stages=2,
                        backward_masked_first=False),
 }
+
+
+FORWARD_KERNELS = ("auto", "mosaic", "triton")
+TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages"})
 
 
 def default_forward_options(head_dim: int) -> KernelOptions:
@@ -119,6 +130,9 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
+    if kernel_options.get("forward_kernel", "auto") not in FORWARD_KERNELS:
+        raise ValueError(f"kernel_options['forward_kernel'] must be one of {FORWARD_KERNELS}, "
+                         f"got {kernel_options['forward_kernel']!r}")
     if not isinstance(kernel_options.get("backward_masked_first", True), bool):
         raise ValueError(f"kernel_options['backward_masked_first'] must be a bool, got "
                          f"{kernel_options['backward_masked_first']!r}")
@@ -128,6 +142,9 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")
     options = options.replace(**kernel_options)
+    # Tile settings are the Triton kernel's: a user who tunes them wants that kernel.
+    if "forward_kernel" not in kernel_options and TRITON_FORWARD_FIELDS & set(kernel_options):
+        options = options.replace(forward_kernel="triton")
     # Tiles given for the forward only also bound the backward's (tests pass small
     # tiles to exercise many blocks on short sequences).
     for name in ("block_q", "block_kv"):

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import forward_mosaic, online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
@@ -159,6 +159,17 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     (`paged_flex_attention` clips the BlockMask so): only partial tiles check lengths.
     """
     paged = page_table is not None
+    if not paged and options.forward_kernel != "triton":
+        reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
+                                                   interpret=interpret)
+        if options.forward_kernel == "mosaic" and reason is not None:
+            raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
+                             f"GPU forward kernel does not take this call: {reason}")
+        # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests);
+        # the Mosaic kernel's interpret mode is asked for by name.
+        if reason is None and (options.forward_kernel == "mosaic" or not interpret):
+            return forward_mosaic.flex_attention_forward_mosaic(
+                q, k, v, block_mask, score_program, scale=scale, interpret=interpret)
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[1 if paged else 2], v.shape[3]
     kv_len = block_mask.shape[3]

@@ -119,7 +119,7 @@ def _is_float32_conversion(equation) -> bool:
 
 
 def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
-                            small_index_args=()):
+                            small_index_args=(), primitive_overrides=None):
     """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays.
 
     small_index_args: positions of int args whose values lie in [0, 2**24), which the
@@ -129,7 +129,12 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     [block_q, 1] and [1, block_kv] index vectors instead of on every element of the
     tile (int->float conversion runs at a quarter of the FMA rate on Hopper, like exp2,
     and doubled the softmax's per-element cost on ALiBi).
+
+    primitive_overrides: {primitive name: function of the broadcast operands} replacing
+    a primitive's own rule (the Mosaic GPU kernel swaps its approximate tanh for an
+    accurate one).
     """
+    primitive_overrides = primitive_overrides or {}
     environment = {}
     small_index_vars = {var for position, var in enumerate(jaxpr.invars)
                         if position in small_index_args}
@@ -164,7 +169,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             inner_small = [position for position, atom in enumerate(equation.invars)
                            if isinstance(atom, jex_core.Var) and atom in small_index_vars]
             outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name,
-                                              small_index_args=inner_small)
+                                              small_index_args=inner_small,
+                                              primitive_overrides=primitive_overrides)
         elif primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef):
             if any(size != 1 for size in equation.params["slice_sizes"]):
                 raise ValueError(f"mod {name!r} slices a captured array; index it with "
@@ -182,7 +188,12 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                     f"mod {name!r} builds an array with {primitive!r}; mods must compute "
                     "one scalar from scalars (precompute arrays outside and index them)"
                 )
-            outputs = _elementwise(equation, operands)
+            if primitive in primitive_overrides:
+                shape = np.broadcast_shapes(*(jnp.shape(x) for x in operands))
+                outputs = primitive_overrides[primitive](
+                    *[jnp.broadcast_to(x, shape) for x in operands])
+            else:
+                outputs = _elementwise(equation, operands)
             if not equation.primitive.multiple_results:
                 outputs = [outputs]
         for var, value in zip(equation.outvars, outputs):

@@ -1,0 +1,184 @@
+"""The warp-specialized Mosaic GPU forward kernel (`kernels/forward_mosaic.py`).
+
+On CPU it runs in Mosaic GPU's interpret mode (`forward_kernel="mosaic"` with
+backend="interpret"; the matmuls are plain dots there, everything else is the kernel's
+own code: TMA copies, barriers, the memory and compute warpgroups, the block walk and
+the mods). On the GPU (marker `gpu`) the same cases run the compiled kernel.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import masks
+from pallas_flex.kernels import forward_mosaic
+from pallas_flex.kernels.config import resolve_options
+from pallas_flex.masks.mod_program import SCORE, make_mod_program
+from tests.conftest import assert_close_to_golden, golden, random_qkv
+from tests.test_attention import LAYOUTS, VARIANTS
+
+MOSAIC = {"forward_kernel": "mosaic"}
+# Variants of the shared gallery whose mods the kernel takes (elementwise operations,
+# captured arrays read at b/h-only indices), and those it hands to the Triton kernel.
+SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional", "prefix_lm",
+             "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
+             "alibi_causal", "softcap_causal", "softcap_approx", "relative_position"]
+GATHERING = ["document", "document_causal_wrapper", "t5_bias", "bias_lookup"]
+# (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
+SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
+          (jnp.bfloat16, "MQA", 384, 128, 64), (jnp.float16, "MHA", 256, 128, 128)]
+
+
+def _mods(variant, batch, q_heads, q_len, kv_len):
+    mask_factory, score_factory, _ = VARIANTS[variant]
+    args = (batch, q_heads, q_len, kv_len)
+    return (mask_factory(*args) if mask_factory else None,
+            score_factory(*args) if score_factory else None)
+
+
+def _check(variant, dtype, layout, q_len, kv_len, dim, backend, seed=0):
+    q_heads, kv_heads = LAYOUTS[layout]
+    batch = 2
+    q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
+    mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
+    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            return_lse=True, kernel_options=MOSAIC)
+    expected_out, expected_lse = golden(q, k, v, mask_mod, score_mod)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod, score_mod)
+    masked_rows = np.isneginf(expected_lse)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(lse)), masked_rows)
+    np.testing.assert_allclose(np.asarray(lse)[~masked_rows], expected_lse[~masked_rows],
+                               atol=2e-2, rtol=2e-2)
+
+
+def _cases():
+    for index, variant in enumerate(SUPPORTED):
+        dtype, layout, q_len, kv_len, dim = SHAPES[index % len(SHAPES)]
+        yield pytest.param(variant, dtype, layout, q_len, kv_len, dim,
+                           id=f"{variant}-{jnp.dtype(dtype).name}-{layout}-{q_len}x{kv_len}-d{dim}")
+
+
+@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim", list(_cases()))
+def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
+    _check(variant, dtype, layout, q_len, kv_len, dim, "interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim", list(_cases()))
+def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
+    _check(variant, dtype, layout, 4 * q_len, 4 * kv_len, dim, "pallas")
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_fully_masked_rows_and_empty_block_rows(backend):
+    """Rows 0-127 see nothing (their BlockMask row lists no block at all); in the second
+    query block even rows see nothing and odd rows only key 0 (a partial block in which
+    whole rows are masked)."""
+    q, k, v = random_qkv(1, 1, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 128) & (q_idx % 2 == 1) & (kv_idx == 0)
+
+    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, backend=backend, return_lse=True,
+                            kernel_options=MOSAIC)
+    out, lse = np.asarray(out.astype(jnp.float32)), np.asarray(lse)
+    assert np.all(out[:, :128] == 0.0) and np.all(out[:, 128::2] == 0.0)
+    assert np.all(np.isneginf(lse[:, :, :128])) and np.all(np.isneginf(lse[:, :, 128::2]))
+    np.testing.assert_allclose(out[:, 129::2],
+                               np.broadcast_to(np.asarray(v[:, :1].astype(jnp.float32)),
+                                               out[:, 129::2].shape))
+    np.testing.assert_allclose(lse[:, :, 129::2], np.asarray(
+        jnp.einsum("bqhd,bhd->bhq", q[:, 129::2].astype(jnp.float32),
+                   k[:, 0].astype(jnp.float32)) / 8.0), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_explicit_scale_and_negative_scale(backend):
+    """The scale folds into the exponent only when positive; a negative one (legal, if
+    odd) multiplies the scores first."""
+    q, k, v = random_qkv(2, 1, 128, 256, 2, 1, 128, 128, jnp.bfloat16)
+    for scale in (0.3, -0.05):
+        out = pf.attention(q, k, v, mask_mod=masks.causal_mask, scale=scale, backend=backend,
+                           kernel_options=MOSAIC)
+        expected, _ = golden(q, k, v, masks.causal_mask, scale=scale)
+        assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, scale=scale)
+
+
+@pytest.mark.parametrize("variant", GATHERING)
+def test_gathering_mods_are_refused_with_the_reason(variant):
+    q, k, v = random_qkv(0, 2, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
+    mask_mod, score_mod = _mods(variant, 2, 2, 256, 256)
+    with pytest.raises(ValueError, match="gather"):
+        pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend="interpret",
+                     kernel_options=MOSAIC)
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(dtype=jnp.float32), "dtype"),
+    (dict(dim=96), "head dims"),
+    (dict(value_dim=128), "head dims"),
+    (dict(q_len=200), "multiples"),
+    (dict(block_size=64), "block size"),
+])
+def test_uncovered_calls_are_refused_with_the_reason(change, reason):
+    shape = dict(dtype=jnp.bfloat16, dim=64, value_dim=None, q_len=256, block_size=128)
+    shape.update(change)
+    q, k, v = random_qkv(0, 1, shape["q_len"], 256, 2, 2, shape["dim"],
+                         shape["value_dim"] or shape["dim"], shape["dtype"])
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, shape["q_len"], 256,
+                                      block_size=shape["block_size"])
+    assert reason in forward_mosaic.unsupported_reason(q, k, v, block_mask, None,
+                                                       interpret=True)
+    with pytest.raises(ValueError, match="Mosaic GPU forward kernel does not take"):
+        pf.flex_attention(q, k, v, block_mask=block_mask, backend="interpret",
+                          kernel_options=MOSAIC)
+
+
+def test_unknown_primitive_is_refused():
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + jnp.floor(kv_idx / 3.0)  # floor has no Mosaic GPU rule
+
+    program = make_mod_program(score_mod, SCORE)
+    q, k, v = random_qkv(0, 1, 128, 128, 1, 1, 64, 64, jnp.bfloat16)
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 128, 128)
+    assert "floor" in forward_mosaic.unsupported_reason(q, k, v, block_mask, program,
+                                                        interpret=True)
+
+
+def test_forward_kernel_option():
+    assert resolve_options(None, 128).forward_kernel == "auto"
+    # Tuning the Triton kernel's tiles selects it; naming a kernel wins.
+    assert resolve_options({"block_q": 64}, 128).forward_kernel == "triton"
+    assert resolve_options({"num_warps": 8, "forward_kernel": "auto"}, 128).forward_kernel == "auto"
+    with pytest.raises(ValueError, match="forward_kernel"):
+        resolve_options({"forward_kernel": "cuda"}, 128)
+
+
+@pytest.mark.gpu
+def test_auto_runs_the_mosaic_kernel_on_hopper_and_gradients_flow():
+    """With default options a covered call lowers to a Mosaic GPU kernel, and the Triton
+    backward kernels take its lse: gradients match the float64 reference's."""
+    q, k, v = random_qkv(3, 2, 512, 512, 4, 2, 128, 128, jnp.bfloat16)
+    score_mod = masks.alibi(4)
+
+    def loss(q, k, v):
+        return jnp.sum(pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod)
+                       .astype(jnp.float32) * jnp.cos(jnp.arange(128.0)))
+
+    hlo = jax.jit(loss).lower(q, k, v).as_text()
+    assert "mosaic_gpu" in hlo
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def reference_loss(q, k, v):
+        out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod,
+                           backend="reference")
+        return jnp.sum(out.astype(jnp.float32) * jnp.cos(jnp.arange(128.0)))
+
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    expected = jax.grad(reference_loss, argnums=(0, 1, 2))(q32, k32, v32)
+    for got, want in zip(grads, expected):
+        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
+        assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
