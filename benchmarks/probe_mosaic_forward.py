@@ -47,7 +47,7 @@ def main():
         "softcap": (masks.causal_mask, masks.tanh_softcap(30.0), None),
     }
     scale = dim ** -0.5
-    options = resolve_options(None, dim)
+    options = resolve_options({"forward_kernel": "triton"}, dim)
     rows = []
     for name in args.variants.split(","):
         mask, score, cudnn_causal = all_variants[name]

@@ -39,7 +39,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.tile_mods import (
-    CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, split_captured_refs)
+    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles,
+    split_captured_refs)
 from pallas_flex.masks.softcap import _tanh_with_exp2
 
 BLOCK = 128  # BlockMask block on both axes: a program's query rows, one K/V tile's rows
@@ -69,7 +70,12 @@ _STRUCTURAL = {"dynamic_slice", "squeeze", "reshape", "expand_dims", "broadcast_
 # tanh.approx.f32 (what Mosaic GPU's approximate math makes of tanh) is good to ~5e-4
 # relative: a 30-cap soft-cap would move logits by up to 0.015. The exp2 form is good to
 # 2.5e-7 and uses the same fast exp2 as the softmax.
-_PRIMITIVE_OVERRIDES = {"tanh": _tanh_with_exp2}
+# Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
+# ("Register bitwidth ... must be divisible by 8"): xor with True says the same.
+_PRIMITIVE_OVERRIDES = {
+    "tanh": _tanh_with_exp2,
+    "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
+}
 
 
 def _primitives(jaxpr):
@@ -128,6 +134,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
     kv_len = k.shape[1]
     if q_len % BLOCK or kv_len % BLOCK:
         return f"lengths {q_len}/{kv_len} not multiples of {BLOCK}"
+    if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
+        return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
     if not interpret and jax.default_backend() != "gpu":
         return "no GPU"
     if not interpret:
@@ -217,7 +225,17 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32), row_layout)
         accumulator = plgpu.layout_cast(
             jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
-        q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, tile, 0, layout=plgpu.Layout.WGMMA)
+        # Indices are vectors in the layouts of a tile's rows and columns (a mod's index
+        # arithmetic, and ALiBi's int->float conversions, then run once per row or
+        # column); `_broadcast_on_tile` spreads them over the tile where they meet.
+        # Only built where a mod reads them: an unused index vector leaves Mosaic GPU's
+        # layout inference without a solution.
+        q_idx = None
+        if _reads_index(mask_program, "q_idx") or _reads_index(score_program, "q_idx"):
+            q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WARPGROUP,), 0,
+                                                     layout=row_layout)
+        reads_kv_idx = (_reads_index(mask_program, "kv_idx")
+                        or _reads_index(score_program, "kv_idx"))
 
         @pl.when(num_steps > 0)
         def _():
@@ -232,30 +250,28 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             schedule_turn()  # the other warpgroup's q·kᵀ goes next
             plgpu.barrier_arrive(k_consumed.at[slot])
 
-            needs_indices = masked or score_program is not None
-            if needs_indices:
+            kv_idx = None
+            if reads_kv_idx and (masked or score_program is not None):
                 kv_idx = kv_block_of(step) * BLOCK + plgpu.broadcasted_iota(
-                    jnp.int32, tile, 1, layout=plgpu.Layout.WGMMA)
+                    jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
             if score_program is None:
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
-                (logits,) = evaluate_jaxpr_on_tiles(
-                    score_program.jaxpr, _captured(score_program, score_refs),
-                    (raw * scale, batch, head, q_idx, kv_idx), score_program.name,
-                    primitive_overrides=_PRIMITIVE_OVERRIDES)
-                logits = jnp.broadcast_to(logits, tile).astype(jnp.float32)
+                (logits,) = _evaluate(score_program, score_refs,
+                                      (raw * scale, batch, head, q_idx, kv_idx), 3)
+                logits = _to_shape(logits, tile).astype(jnp.float32)
                 logit_scale = online_softmax.LOG2_E
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
-                (keep,) = evaluate_jaxpr_on_tiles(
-                    mask_program.jaxpr, _captured(mask_program, mask_refs),
-                    (batch, head, q_idx, kv_idx), mask_program.name,
-                    primitive_overrides=_PRIMITIVE_OVERRIDES)
-                logits = jnp.where(jnp.broadcast_to(keep, tile), logits, -jnp.inf)
+                (keep,) = _evaluate(mask_program, mask_refs, (batch, head, q_idx, kv_idx), 2)
+                if jnp.shape(keep) == ():  # a mask that reads no index (noop_mask)
+                    logits = logits + jnp.where(keep, 0.0, -jnp.inf)
+                else:
+                    logits = jnp.where(_to_shape(keep, tile), logits, -jnp.inf)
 
             new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
             # A row that has seen only masked scores keeps max -inf: subtract 0 instead,
@@ -332,9 +348,41 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
 
 
-def _captured(program, refs):
-    return [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
-            for position, (ref, c) in enumerate(zip(refs, program.consts))]
+def _reads_index(program, name):
+    return program is not None and getattr(program, f"uses_{name}")
+
+
+def _to_shape(x, shape):
+    """x (a scalar, a [64] row-index vector, a [128] column-index vector or a tile)
+    as an array of `shape` (x's own, or the tile's)."""
+    if jnp.shape(x) == shape:
+        return x
+    if jnp.shape(x) == ():
+        return jnp.broadcast_to(x, shape)
+    row_vector = jnp.shape(x) == (ROWS_PER_WARPGROUP,)
+    return lax.broadcast_in_dim(x, shape, [0] if row_vector else [1])
+
+
+def _broadcast_on_tile(operands):
+    """Operands of one operation brought to one shape: their common vector shape, or
+    the [64, 128] tile where a row vector meets a column vector or a tile."""
+    shapes = {jnp.shape(x) for x in operands} - {()}
+    if not shapes:
+        return operands
+    shape = shapes.pop() if len(shapes) == 1 else (ROWS_PER_WARPGROUP, BLOCK)
+    return [_to_shape(x, shape) for x in operands]
+
+
+def _evaluate(program, refs, args, first_index_arg):
+    """Runs a mod on the kernel's index vectors and score tile. q_idx and kv_idx lie
+    below the lengths (whole blocks, no tail), far below 2**24: an int difference of them
+    converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles)."""
+    consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
+              for position, (ref, c) in enumerate(zip(refs, program.consts))]
+    return evaluate_jaxpr_on_tiles(
+        program.jaxpr, consts, args, program.name,
+        small_index_args=(first_index_arg, first_index_arg + 1),
+        primitive_overrides=_PRIMITIVE_OVERRIDES, broadcast=_broadcast_on_tile)
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,

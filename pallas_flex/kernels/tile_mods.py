@@ -88,11 +88,16 @@ def _as_array(value, aval):
     return jnp.asarray(value, dtype=aval.dtype)
 
 
-def _elementwise(equation, operands):
-    """Binds a scalar primitive on operands broadcast to their common tile shape."""
+def broadcast_numpy_style(operands):
+    """Operands broadcast to their common shape by numpy's rules (index columns
+    [block_q, 1] against rows [1, block_kv])."""
     shape = np.broadcast_shapes(*(jnp.shape(x) for x in operands))
-    operands = [jnp.broadcast_to(x, shape) if jnp.shape(x) != shape else x for x in operands]
-    return equation.primitive.bind(*operands, **equation.params)
+    return [jnp.broadcast_to(x, shape) if jnp.shape(x) != shape else x for x in operands]
+
+
+def _elementwise(equation, operands, broadcast=broadcast_numpy_style):
+    """Binds a scalar primitive on operands broadcast to their common tile shape."""
+    return equation.primitive.bind(*broadcast(operands), **equation.params)
 
 
 def _read_captured(value, name: str, primitive: str):
@@ -119,7 +124,8 @@ def _is_float32_conversion(equation) -> bool:
 
 
 def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
-                            small_index_args=(), primitive_overrides=None):
+                            small_index_args=(), primitive_overrides=None,
+                            broadcast=broadcast_numpy_style):
     """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays.
 
     small_index_args: positions of int args whose values lie in [0, 2**24), which the
@@ -133,6 +139,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     primitive_overrides: {primitive name: function of the broadcast operands} replacing
     a primitive's own rule (the Mosaic GPU kernel swaps its approximate tanh for an
     accurate one).
+    broadcast: how operands of different shapes meet (the Mosaic GPU kernel's index
+    vectors are 1-D, in register layouts that broadcast along one tile axis each).
     """
     primitive_overrides = primitive_overrides or {}
     environment = {}
@@ -161,7 +169,9 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             first, second = index_differences[equation.invars[0]]
             # The int difference computed for this var stays unused unless something
             # else reads it, and then the compiler drops it.
-            outputs = [_elementwise(equation, [first]) - _elementwise(equation, [second])]
+            first, second = broadcast([_elementwise(equation, [first], broadcast),
+                                       _elementwise(equation, [second], broadcast)])
+            outputs = [first - second]
         elif primitive in _CALL_PARAMS:
             inner = equation.params[_CALL_PARAMS[primitive]]
             inner_jaxpr = getattr(inner, "jaxpr", inner)
@@ -170,7 +180,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                            if isinstance(atom, jex_core.Var) and atom in small_index_vars]
             outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name,
                                               small_index_args=inner_small,
-                                              primitive_overrides=primitive_overrides)
+                                              primitive_overrides=primitive_overrides,
+                                              broadcast=broadcast)
         elif primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef):
             if any(size != 1 for size in equation.params["slice_sizes"]):
                 raise ValueError(f"mod {name!r} slices a captured array; index it with "
@@ -189,11 +200,9 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                     "one scalar from scalars (precompute arrays outside and index them)"
                 )
             if primitive in primitive_overrides:
-                shape = np.broadcast_shapes(*(jnp.shape(x) for x in operands))
-                outputs = primitive_overrides[primitive](
-                    *[jnp.broadcast_to(x, shape) for x in operands])
+                outputs = primitive_overrides[primitive](*broadcast(operands))
             else:
-                outputs = _elementwise(equation, operands)
+                outputs = _elementwise(equation, operands, broadcast)
             if not equation.primitive.multiple_results:
                 outputs = [outputs]
         for var, value in zip(equation.outvars, outputs):
