@@ -13,9 +13,10 @@ loaded. Mods run on [64, 128] tiles of scores and indices in the wgmma register 
 (`tile_mods.evaluate_jaxpr_on_tiles`, as in the Triton kernels).
 
 What it covers (`unsupported_reason` says why not; the caller then runs the Triton
-kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask over lengths that are
-whole blocks, no paging, and mods built from elementwise operations whose captured
-arrays are read at indices that depend on b and h only (a per-head ALiBi slope, a
+kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
+zero-padded to whole blocks, as for the Triton kernel), no paging, and mods built from
+elementwise operations whose captured arrays are read at indices that depend on b and h
+only (a per-head ALiBi slope, a
 soft-cap value). A table read at q_idx or kv_idx (document ids) is a per-element gather,
 which the Triton kernel does and this one does not.
 
@@ -38,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles,
     split_captured_refs)
@@ -132,8 +134,6 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
     if tuple(block_mask.block_size) != (BLOCK, BLOCK):
         return f"BlockMask block size {block_mask.block_size} (it takes {BLOCK}x{BLOCK})"
     kv_len = k.shape[1]
-    if q_len % BLOCK or kv_len % BLOCK:
-        return f"lengths {q_len}/{kv_len} not multiples of {BLOCK}"
     if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
     if not interpret and jax.default_backend() != "gpu":
@@ -179,7 +179,8 @@ def _accumulate(accumulator, p, v_smem, interpret, after_issue=None):
 
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
-            num_stages, num_q_blocks, broadcast_batch, broadcast_heads, interpret):
+            num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
+            interpret):
     mask_refs, score_refs, (out_ref, lse_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
     (qo_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
@@ -234,8 +235,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         if _reads_index(mask_program, "q_idx") or _reads_index(score_program, "q_idx"):
             q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WARPGROUP,), 0,
                                                      layout=row_layout)
+            if q_len % BLOCK:  # mods see in-range indices; padded rows are sliced off
+                q_idx = jnp.minimum(q_idx, q_len - 1)
+        # Keys past a ragged tail sit in partial blocks only (BlockMask never lists a
+        # block reaching past the keys as full): those mask them.
+        masks_key_tail = kv_len % BLOCK != 0
         reads_kv_idx = (_reads_index(mask_program, "kv_idx")
-                        or _reads_index(score_program, "kv_idx"))
+                        or _reads_index(score_program, "kv_idx") or masks_key_tail)
 
         @pl.when(num_steps > 0)
         def _():
@@ -250,10 +256,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             schedule_turn()  # the other warpgroup's q·kᵀ goes next
             plgpu.barrier_arrive(k_consumed.at[slot])
 
-            kv_idx = None
+            kv_idx = kv_position = None
             if reads_kv_idx and (masked or score_program is not None):
-                kv_idx = kv_block_of(step) * BLOCK + plgpu.broadcasted_iota(
+                kv_position = kv_block_of(step) * BLOCK + plgpu.broadcasted_iota(
                     jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
+                kv_idx = jnp.minimum(kv_position, kv_len - 1) if masks_key_tail else kv_position
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
@@ -268,6 +275,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
                 (keep,) = _evaluate(mask_program, mask_refs, (batch, head, q_idx, kv_idx), 2)
+                if masks_key_tail:
+                    keep = _broadcast_on_tile([keep, kv_position < kv_len])
+                    keep = keep[0] & keep[1]
                 if jnp.shape(keep) == ():  # a mask that reads no index (noop_mask)
                     logits = logits + jnp.where(keep, 0.0, -jnp.inf)
                 else:
@@ -347,6 +357,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_wait(v_consumed.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
 
+        # Observe the last tiles' releases too, so that every phase of the release
+        # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
+        # only idles this warpgroup until the compute warpgroups finish).
+        @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+        def _drain(step):
+            slot = lax.rem(step, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_consumed.at[slot])
+            plgpu.barrier_wait(v_consumed.at[slot])
+
 
 def _reads_index(program, name):
     return program is not None and getattr(program, f"uses_{name}")
@@ -375,7 +394,7 @@ def _broadcast_on_tile(operands):
 
 def _evaluate(program, refs, args, first_index_arg):
     """Runs a mod on the kernel's index vectors and score tile. q_idx and kv_idx lie
-    below the lengths (whole blocks, no tail), far below 2**24: an int difference of them
+    below the lengths (clamped into them), at most 2**24: an int difference of them
     converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles)."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
@@ -389,22 +408,79 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
                                   interpret: bool, num_stages: int = 0):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), as `forward.flex_attention_forward`;
     only for calls `unsupported_reason` accepts."""
-    batch, q_len, q_heads, head_dim = q.shape
-    kv_heads = k.shape[2]
-    num_q_blocks, _ = block_mask.num_blocks
-    num_stages = num_stages or _STAGES[head_dim]
-    mask_program = block_mask.mask_mod
-    captured = captured_inputs(mask_program) + captured_inputs(score_program)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
+    launch = functools.partial(_launch, num_blocks=block_mask.num_blocks, scale=scale,
+                               interpret=interpret, num_stages=num_stages)
+    return _vmappable(launch)(q, k, v, tables, block_mask.mask_mod, score_program)
+
+
+def _vmappable(launch):
+    """`launch` with a batching rule of its own.
+
+    Pallas batches a Mosaic GPU kernel by batching its body, which the compiled kernel
+    (wgmma, TMA copies) cannot run. Instead, the vmapped axis folds into the batch axis
+    when only q, k, v carry it and no mod reads `b` (the BlockMask tables repeat along
+    the new batch); otherwise the kernel runs once per element with `lax.map`.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, tables, mask_program, score_program):
+        return launch(q, k, v, tables, mask_program, score_program)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, q, k, v, tables, mask_program, score_program):
+        args = (q, k, v, tables, mask_program, score_program)
+        leaves, treedef = jax.tree.flatten(args)
+        flags = jax.tree.leaves(in_batched)
+        only_qkv = not any(jax.tree.leaves(in_batched[3:]))
+        reads_batch = mask_program.uses_batch or (score_program is not None
+                                                  and score_program.uses_batch)
+        if only_qkv and not reads_batch:
+            q, k, v = (x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                       for x, batched in zip((q, k, v), in_batched[:3]))
+            batch = q.shape[1]
+            merged = [x.reshape((axis_size * batch,) + x.shape[2:]) for x in (q, k, v)]
+            tables = tuple(t if t.shape[0] == 1 else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
+                           for t in tables)
+            out, lse = run(*merged, tables, mask_program, score_program)
+            return ((out.reshape((axis_size, batch) + out.shape[1:]),
+                     lse.reshape((axis_size, batch) + lse.shape[1:])), (True, True))
+
+        def one(batched_leaves):
+            remaining = iter(batched_leaves)
+            element = [next(remaining) if batched else leaf
+                       for leaf, batched in zip(leaves, flags)]
+            return run(*jax.tree.unflatten(treedef, element))
+
+        outs = lax.map(one, [leaf for leaf, batched in zip(leaves, flags) if batched])
+        return outs, (True, True)
+
+    return run
+
+
+def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, interpret,
+            num_stages):
+    batch, q_len, q_heads, head_dim = q.shape
+    kv_heads, kv_len = k.shape[2], k.shape[1]
+    num_q_blocks, num_kv_blocks = num_blocks
+    # Ragged lengths: zero-pad to whole blocks (as the Triton kernel's wrapper does); the
+    # kernel masks the padded keys and the padded query rows are sliced off.
+    q = pad_axis(q, 1, num_q_blocks * BLOCK)
+    k = pad_axis(k, 1, num_kv_blocks * BLOCK)
+    v = pad_axis(v, 1, num_kv_blocks * BLOCK)
+    padded_q_len = q.shape[1]
+    num_stages = num_stages or _STAGES[head_dim]
+    captured = captured_inputs(mask_program) + captured_inputs(score_program)
     tables = tuple(t.astype(jnp.int32) for t in tables)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     kernel = functools.partial(
         _kernel, mask_program=mask_program, score_program=score_program, scale=scale,
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
-        broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
-        broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, interpret=interpret)
+        q_len=q_len, kv_len=kv_len,
+        broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
+        interpret=interpret)
 
     def entry(*refs):
         inputs_and_outputs = refs
@@ -429,8 +505,8 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
             collective_axes="warpgroup",
         )
 
-    out_type = (jax.ShapeDtypeStruct((batch, q_len, q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((batch, q_heads, q_len), jnp.float32))
+    out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
+                jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32))
     grid = {"q_seq": num_q_blocks, "heads": q_heads, "batch": batch}
     names = GRID_ORDER.split(",")
     out, lse = plgpu.kernel(
@@ -443,4 +519,4 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, *tables, *captured)
-    return out, lse
+    return out[:, :q_len], lse[:, :, :q_len]
