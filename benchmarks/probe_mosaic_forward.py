@@ -29,11 +29,14 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--stages", type=int, default=0)
     parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--hand-over-early", action="store_true",
+                        help="forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND = True")
     parser.add_argument("--grid-order", default=forward_mosaic.GRID_ORDER)
     parser.add_argument("--variants", default="noop,causal,sliding_window,prefix_lm,alibi,softcap")
     args = parser.parse_args()
     length, dim = args.length, args.head_dim
     forward_mosaic.GRID_ORDER = args.grid_order
+    forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND = args.hand_over_early
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (args.batch, length, args.q_heads, dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (args.batch, length, args.kv_heads, dim), jnp.bfloat16)

@@ -41,9 +41,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
-    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles,
-    split_captured_refs)
-from pallas_flex.masks.softcap import _tanh_with_exp2
+    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, ShapeOnlyRef, captured_inputs,
+    evaluate_jaxpr_on_tiles, split_captured_refs)
+from pallas_flex.masks.softcap import tanh_with_exp2
 
 BLOCK = 128  # BlockMask block on both axes: a program's query rows, one K/V tile's rows
 ROWS_PER_WARPGROUP = 64
@@ -57,6 +57,11 @@ _STAGES = {64: 4, 128: 2}
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
 GRID_ORDER = "heads,q_seq,batch"
+# Hand the tensor cores to the other compute warpgroup right after issuing q·kᵀ, before
+# its result lands (as JAX's Mosaic GPU attention does), instead of after. Not yet
+# measured on the H100 (the candidate for its remaining noop gap: 0.961 ms against
+# 0.886 for JAX's kernel); False is the measured form.
+HAND_OVER_BEFORE_SCORES_LAND = False
 
 # Primitives with a Mosaic GPU lowering rule on register arrays (jax 0.11), plus the
 # structural ones the tile interpreter handles itself (captured-array reads, size-1
@@ -75,7 +80,7 @@ _STRUCTURAL = {"dynamic_slice", "squeeze", "reshape", "expand_dims", "broadcast_
 # Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
 # ("Register bitwidth ... must be divisible by 8"): xor with True says the same.
 _PRIMITIVE_OVERRIDES = {
-    "tanh": _tanh_with_exp2,
+    "tanh": tanh_with_exp2,
     "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
 }
 
@@ -89,28 +94,15 @@ def _primitives(jaxpr):
                 yield from _primitives(inner)
 
 
-class _IndexShapeRef:
-    """Stands in for a captured array's ref while checking a mod: records the shape of
-    every index it is read at."""
-
-    def __init__(self, shape, dtype, read_shapes):
-        self.shape, self.dtype, self.read_shapes = shape, dtype, read_shapes
-
-    def __getitem__(self, index):
-        index = index if isinstance(index, tuple) else (index,)
-        shape = np.broadcast_shapes(*(jnp.shape(i) for i in index))
-        self.read_shapes.append(shape)
-        return jnp.zeros(shape, self.dtype)
-
-
 def _mod_unsupported_reason(program):
+    """None if the kernel can run `program` (None included), else why not."""
     if program is None:
         return None
     unknown = sorted(set(_primitives(program.jaxpr)) - _ELEMENTWISE - _STRUCTURAL)
     if unknown:
         return f"{program.kind}_mod {program.name!r} uses {unknown}"
     read_shapes = []
-    consts = [CapturedRef(_IndexShapeRef(jnp.shape(c), c.dtype, read_shapes), jnp.shape(c),
+    consts = [CapturedRef(ShapeOnlyRef(jnp.shape(c), c.dtype, read_shapes), jnp.shape(c),
                           position, CaptureLog())
               for position, c in enumerate(program.consts)]
     args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 8), jnp.int32),
@@ -126,7 +118,7 @@ def _mod_unsupported_reason(program):
 
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
     """None if the Mosaic GPU kernel runs this call, else why not (a short phrase)."""
-    batch, q_len, _, head_dim = q.shape
+    _, q_len, _, head_dim = q.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (it takes bfloat16 and float16)"
     if head_dim not in HEAD_DIMS or v.shape[3] != head_dim:
@@ -149,14 +141,19 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
     return None
 
 
-def _scores(q_smem, k_smem, interpret):
-    """q·kᵀ [64, 128] float32 for one compute warpgroup's query rows and a K tile."""
+def _scores(q_smem, k_smem, interpret, after_issue=None):
+    """q·kᵀ [64, 128] float32 for one compute warpgroup's query rows and a K tile;
+    `after_issue` runs while the wgmma is in flight."""
     if interpret:
+        if after_issue is not None:
+            after_issue()
         return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
 
     def multiply(accumulator_ref):
         plgpu.wgmma(accumulator_ref, q_smem, k_smem.transpose((1, 0)))
+        if after_issue is not None:
+            after_issue()
         return accumulator_ref[...]
 
     return pl.run_scoped(multiply, plgpu.ACC((ROWS_PER_WARPGROUP, BLOCK), jnp.float32))
@@ -252,8 +249,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         def visit(step, carry, masked):
             accumulator, running_max, running_sum = carry
             slot = lax.rem(step, jnp.int32(num_stages))
-            raw = _scores(qo_smem, k_smem.at[slot], interpret)
-            schedule_turn()  # the other warpgroup's q·kᵀ goes next
+            # Then the other warpgroup's q·kᵀ goes next.
+            if HAND_OVER_BEFORE_SCORES_LAND:
+                raw = _scores(qo_smem, k_smem.at[slot], interpret, after_issue=schedule_turn)
+            else:
+                raw = _scores(qo_smem, k_smem.at[slot], interpret)
+                schedule_turn()
             plgpu.barrier_arrive(k_consumed.at[slot])
 
             kv_idx = kv_position = None

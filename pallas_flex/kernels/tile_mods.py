@@ -297,7 +297,7 @@ def captured_read_positions(program) -> list[int]:
     if program is None:
         return []
     log = CaptureLog()
-    consts = _captured(program, [_ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
+    consts = _captured(program, [ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
                        log)
     args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 8), jnp.int32)]
     if program.kind == "score":
@@ -306,16 +306,19 @@ def captured_read_positions(program) -> list[int]:
     return [position for position, _ in log.sites]
 
 
-class _ShapeOnlyRef:
-    """Stands in for a kernel ref when checking a program outside a kernel."""
+class ShapeOnlyRef:
+    """Stands in for a kernel ref when checking a program outside a kernel; appends the
+    shape of every index it is read at to `read_shapes` when given one."""
 
-    def __init__(self, shape, dtype):
+    def __init__(self, shape, dtype, read_shapes=None):
         self.shape, self.dtype = shape, dtype
+        self.read_shapes = read_shapes if read_shapes is not None else []
 
     def __getitem__(self, index):
         if not isinstance(index, tuple):
             index = (index,)
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in index))
+        self.read_shapes.append(shape)
         return jnp.zeros(shape, self.dtype)
 
 

@@ -11,7 +11,7 @@ _LOG2_E = math.log2(math.e)
 _POLYNOMIAL_LIMIT = 0.2
 
 
-def _tanh_with_exp2(x):
+def tanh_with_exp2(x):
     """tanh(x) from one exp2, a division and a short polynomial, for kernels where exp2 is
     a fast hardware instruction and tanh is a library call.
 
@@ -38,7 +38,7 @@ def tanh_softcap(soft_cap, *, approx=False):
     Args:
       soft_cap: a positive Python float (a compile-time constant) or a 0-d float array
         (read as is, so new values do not recompile).
-      approx: compute tanh from exp2 (see `_tanh_with_exp2`: a polynomial near 0, the
+      approx: compute tanh from exp2 (see `tanh_with_exp2`: a polynomial near 0, the
         exp2 form elsewhere) instead of `jnp.tanh`; the same function to ~2.5e-7 relative
         error in float32.
 
@@ -58,7 +58,7 @@ def tanh_softcap(soft_cap, *, approx=False):
         if soft_cap.ndim != 0:
             raise ValueError(f"soft_cap must be a scalar, got shape {soft_cap.shape}")
         name = "tanh_softcap"
-    tanh = _tanh_with_exp2 if approx else jnp.tanh
+    tanh = tanh_with_exp2 if approx else jnp.tanh
 
     def softcap_score(score, b, h, q_idx, kv_idx):
         return soft_cap * tanh(score / soft_cap)

@@ -225,3 +225,15 @@ def test_vmap_grad_and_checkpoint(backend):
         for got, want in zip(grads, expected):
             got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
             assert np.max(np.abs(got - want)) <= 3e-2 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_early_hand_over_gives_the_same_values(backend, monkeypatch):
+    """The A/B switch that hands the tensor cores over before q·kᵀ lands."""
+    monkeypatch.setattr(forward_mosaic, "HAND_OVER_BEFORE_SCORES_LAND", True)
+    jax.clear_caches()  # the switch is read when tracing
+    q, k, v = random_qkv(7, 1, 256, 384, 2, 2, 64, 64, jnp.bfloat16)
+    out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2),
+                       backend=backend, kernel_options=MOSAIC)
+    expected, _ = golden(q, k, v, masks.causal_mask, masks.alibi(2))
+    assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, masks.alibi(2))
