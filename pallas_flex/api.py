@@ -215,8 +215,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         masked rows, whose output is zero).
       backend: "pallas" (GPU), "interpret" (Pallas interpret mode), "xla" (blockwise,
         any device), "reference" (dense); None picks "pallas" on GPU, else "xla".
-      kernel_options: dict overriding `KernelOptions` fields (block_q, block_kv,
-        num_warps, num_stages).
+      kernel_options: dict overriding `KernelOptions` fields (forward_kernel: "auto",
+        "mosaic" or "triton", the Hopper Mosaic GPU forward or the Triton one; block_q,
+        block_kv, num_warps, num_stages: the Triton kernels' tiles; see
+        `pallas_flex/kernels/config.py`).
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True.
 

@@ -52,6 +52,7 @@ HEAD_DIMS = (64, 128)
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
 _STAGES = {64: 4, 128: 2}
+_MAX_GRID_AXIS = 65535
 # Grid axes, the first varying fastest between programs launched together. Heads first
 # (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
@@ -437,12 +438,15 @@ def _vmappable(launch):
         only_qkv = not any(jax.tree.leaves(in_batched[3:]))
         reads_batch = mask_program.uses_batch or (score_program is not None
                                                   and score_program.uses_batch)
-        if only_qkv and not reads_batch:
+        batch = q.shape[1] if in_batched[0] else q.shape[0]  # vmapped axes come first
+        # CUDA caps the grid's second and third axes (query blocks, batch) at 65535.
+        fits_grid = axis_size * batch <= _MAX_GRID_AXIS
+        if only_qkv and not reads_batch and fits_grid:
             q, k, v = (x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
                        for x, batched in zip((q, k, v), in_batched[:3]))
-            batch = q.shape[1]
             merged = [x.reshape((axis_size * batch,) + x.shape[2:]) for x in (q, k, v)]
-            tables = tuple(t if t.shape[0] == 1 else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
+            tables = tuple(t if t.shape[0] == 1
+                           else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
                            for t in tables)
             out, lse = run(*merged, tables, mask_program, score_program)
             return ((out.reshape((axis_size, batch) + out.shape[1:]),

@@ -152,7 +152,8 @@ def test_forward_kernel_option():
     assert resolve_options(None, 128).forward_kernel == "auto"
     # Tuning the Triton kernel's tiles selects it; naming a kernel wins.
     assert resolve_options({"block_q": 64}, 128).forward_kernel == "triton"
-    assert resolve_options({"num_warps": 8, "forward_kernel": "auto"}, 128).forward_kernel == "auto"
+    named = resolve_options({"num_warps": 8, "forward_kernel": "auto"}, 128)
+    assert named.forward_kernel == "auto"
     with pytest.raises(ValueError, match="forward_kernel"):
         resolve_options({"forward_kernel": "cuda"}, 128)
 
@@ -186,10 +187,10 @@ def test_auto_runs_the_mosaic_kernel_on_hopper_and_gradients_flow():
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_vmap_grad_and_checkpoint(backend):
-    """Under jax.vmap (and jax.checkpoint, on the GPU) the kernel runs with its own batching rule (Pallas would batch the
-    kernel body, which the compiled kernel cannot run): the vmapped axis folds into the
-    batch when only q, k, v carry it, and otherwise (a mod reading b, or a vmapped captured
-    array) the kernel runs once per element."""
+    """Under jax.vmap (and jax.checkpoint, on the GPU) the kernel runs with its own
+    batching rule (Pallas would batch the kernel body, which the compiled kernel cannot
+    run): the vmapped axis folds into the batch when only q, k, v carry it, and otherwise
+    (a mod reading b, or a vmapped captured array) the kernel runs once per element."""
     q, k, v = random_qkv(4, 2, 130, 256, 2, 2, 64, 64, jnp.bfloat16)
     stacked = [jnp.stack([x, (2 * x).astype(x.dtype)]) for x in (q, k, v)]
     slopes = jnp.stack([jnp.asarray([0.5, 0.25]), jnp.asarray([0.125, 1.0])])
