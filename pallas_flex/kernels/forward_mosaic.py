@@ -42,7 +42,7 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, ShapeOnlyRef, captured_inputs,
-    evaluate_jaxpr_on_tiles, split_captured_refs)
+    evaluate_jaxpr_on_tiles, reads_argument, split_captured_refs)
 from pallas_flex.masks.softcap import tanh_with_exp2
 
 BLOCK = 128  # BlockMask block on both axes: a program's query rows, one K/V tile's rows
@@ -63,6 +63,11 @@ GRID_ORDER = "heads,q_seq,batch"
 # measured on the H100 (the candidate for its remaining noop gap: 0.961 ms against
 # 0.886 for JAX's kernel); False is the measured form.
 HAND_OVER_BEFORE_SCORES_LAND = False
+# Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
+# slices (`contiguous_reads`), so that document masks run on this kernel. Tested in
+# interpret mode only, not yet on the H100: off until it is (such mods then run on the
+# Triton kernel).
+SLICE_READS = False
 
 # Primitives with a Mosaic GPU lowering rule on register arrays (jax 0.11), plus the
 # structural ones the tile interpreter handles itself (captured-array reads, size-1
@@ -95,6 +100,50 @@ def _primitives(jaxpr):
                 yield from _primitives(inner)
 
 
+def contiguous_reads(program):
+    """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
+    indices independent of both: {id(dynamic_slice equation): (captured position, axis,
+    "q" or "kv")}.
+
+    Such a read (document ids `doc_ids[q_idx]`, a per-position table `bias[h, kv_idx]`)
+    covers a contiguous slice per tile, which the kernel loads as one vector instead of
+    gathering. jnp indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the
+    kernel's indices are never negative, so that select is the index itself.
+    """
+    if program is None or not SLICE_READS:
+        return {}
+    jaxpr = program.jaxpr
+    first_index = 2 if program.kind == "mask" else 3
+    exact = {jaxpr.invars[first_index]: "q", jaxpr.invars[first_index + 1]: "kv"}
+    depends_on_index = set(exact)
+    never_true = set()
+    positions = {var: position for position, var in enumerate(jaxpr.constvars)}
+
+    def is_var(atom):
+        return isinstance(atom, jex_core.Var)
+
+    reads = {}
+    for equation in jaxpr.eqns:
+        name, inputs = equation.primitive.name, equation.invars
+        if (name == "lt" and is_var(inputs[0]) and inputs[0] in exact
+                and isinstance(inputs[1], jex_core.Literal) and inputs[1].val <= 0):
+            never_true.add(equation.outvars[0])
+        elif (name == "select_n" and len(inputs) == 3 and is_var(inputs[0])
+              and inputs[0] in never_true and is_var(inputs[1]) and inputs[1] in exact):
+            exact[equation.outvars[0]] = exact[inputs[1]]
+        elif name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions:
+            kinds = [exact.get(atom) if is_var(atom) else None for atom in inputs[1:]]
+            vector_axes = [axis for axis, kind in enumerate(kinds) if kind is not None]
+            others_scalar = not any(is_var(atom) and atom in depends_on_index
+                                    for atom, kind in zip(inputs[1:], kinds) if kind is None)
+            if len(vector_axes) == 1 and others_scalar:
+                axis = vector_axes[0]
+                reads[id(equation)] = (positions[inputs[0]], axis, kinds[axis])
+        if any(is_var(atom) and atom in depends_on_index for atom in inputs):
+            depends_on_index.update(equation.outvars)
+    return reads
+
+
 def _mod_unsupported_reason(program):
     """None if the kernel can run `program` (None included), else why not."""
     if program is None:
@@ -110,10 +159,13 @@ def _mod_unsupported_reason(program):
             jnp.zeros((4, 8), jnp.int32)]
     if program.kind == "score":
         args = [jnp.zeros((4, 8), jnp.float32)] + args
-    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name))
+    slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
+              for key, (_, axis, _) in contiguous_reads(program).items()}
+    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
+                                                   captured_reads=slices))
     if any(shape != () for shape in read_shapes):
-        return (f"{program.kind}_mod {program.name!r} reads a captured array at q_idx or "
-                "kv_idx (a per-element gather)")
+        return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
+                "computed from q_idx or kv_idx (a per-element gather)")
     return None
 
 
@@ -240,6 +292,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         masks_key_tail = kv_len % BLOCK != 0
         reads_kv_idx = (_reads_index(mask_program, "kv_idx")
                         or _reads_index(score_program, "kv_idx") or masks_key_tail)
+        needs_kv_start = reads_kv_idx or any(
+            kind == "kv" for program in (mask_program, score_program)
+            for _, _, kind in contiguous_reads(program).values())
 
         @pl.when(num_steps > 0)
         def _():
@@ -258,9 +313,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 schedule_turn()
             plgpu.barrier_arrive(k_consumed.at[slot])
 
-            kv_idx = kv_position = None
+            kv_idx = kv_position = kv_start = None
+            if needs_kv_start and (masked or score_program is not None):
+                kv_start = kv_block_of(step) * BLOCK
             if reads_kv_idx and (masked or score_program is not None):
-                kv_position = kv_block_of(step) * BLOCK + plgpu.broadcasted_iota(
+                kv_position = kv_start + plgpu.broadcasted_iota(
                     jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
                 kv_idx = jnp.minimum(kv_position, kv_len - 1) if masks_key_tail else kv_position
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
@@ -270,13 +327,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
                 (logits,) = _evaluate(score_program, score_refs,
-                                      (raw * scale, batch, head, q_idx, kv_idx), 3)
+                                      (raw * scale, batch, head, q_idx, kv_idx), 3,
+                                      q_start, kv_start, interpret)
                 logits = _to_shape(logits, tile).astype(jnp.float32)
                 logit_scale = online_softmax.LOG2_E
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
-                (keep,) = _evaluate(mask_program, mask_refs, (batch, head, q_idx, kv_idx), 2)
+                (keep,) = _evaluate(mask_program, mask_refs, (batch, head, q_idx, kv_idx), 2,
+                                    q_start, kv_start, interpret)
                 if masks_key_tail:
                     keep = _broadcast_on_tile([keep, kv_position < kv_len])
                     keep = keep[0] & keep[1]
@@ -370,7 +429,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
 
 def _reads_index(program, name):
-    return program is not None and getattr(program, f"uses_{name}")
+    """Whether the kernel must build `name`'s index vector for `program`: it reads it
+    other than as the index of a contiguous read."""
+    if program is None:
+        return False
+    position = {"q_idx": 2, "kv_idx": 3}[name] + (program.kind == "score")
+    return reads_argument(program.jaxpr, position, contiguous_reads(program))
 
 
 def _to_shape(x, shape):
@@ -394,16 +458,37 @@ def _broadcast_on_tile(operands):
     return [_to_shape(x, shape) for x in operands]
 
 
-def _evaluate(program, refs, args, first_index_arg):
+def _evaluate(program, refs, args, first_index_arg, q_start, kv_start, interpret):
     """Runs a mod on the kernel's index vectors and score tile. q_idx and kv_idx lie
     below the lengths (clamped into them), at most 2**24: an int difference of them
-    converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles)."""
+    converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles).
+    Reads at q_idx / kv_idx (`contiguous_reads`) load the slice from row q_start (64
+    rows) or kv_start (128) of the captured array, edge-padded by the wrapper."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
+
+    def slice_reader(axis, kind):
+        def read(captured, indices):
+            index = [None if i is None else jnp.clip(i, 0, size - 1)
+                     for i, size in zip(indices, captured.shape)]
+            if kind == "q":
+                index[axis] = pl.ds(q_start, ROWS_PER_WARPGROUP)
+                layout = plgpu.Layout.WGMMA.reduce(1)
+            else:
+                index[axis] = pl.ds(kv_start, BLOCK)
+                layout = plgpu.Layout.WGMMA.reduce(0)
+            if interpret:
+                return captured.ref[tuple(index)]
+            return plgpu.load(captured.ref.at[tuple(index)], layout=layout)
+        return read
+
+    reads = {key: (slice_reader(axis, kind), axis)
+             for key, (_, axis, kind) in contiguous_reads(program).items()}
     return evaluate_jaxpr_on_tiles(
         program.jaxpr, consts, args, program.name,
         small_index_args=(first_index_arg, first_index_arg + 1),
-        primitive_overrides=_PRIMITIVE_OVERRIDES, broadcast=_broadcast_on_tile)
+        primitive_overrides=_PRIMITIVE_OVERRIDES, broadcast=_broadcast_on_tile,
+        captured_reads=reads)
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
@@ -415,6 +500,21 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks, scale=scale,
                                interpret=interpret, num_stages=num_stages)
     return _vmappable(launch)(q, k, v, tables, block_mask.mask_mod, score_program)
+
+
+def _padded_for_slices(program, num_q_blocks, num_kv_blocks):
+    """`captured_inputs(program)`, each array read at q_idx / kv_idx along some axis
+    edge-padded there to the padded lengths: a slice read past the array's end then sees
+    its last entry, which is what the clamped index of the scalar semantics reads."""
+    arrays = captured_inputs(program)
+    for position, axis, kind in (contiguous_reads(program) or {}).values():
+        length = (num_q_blocks if kind == "q" else num_kv_blocks) * BLOCK
+        array = arrays[position]
+        if array.shape[axis] < length:
+            widths = [(0, 0)] * array.ndim
+            widths[axis] = (0, length - array.shape[axis])
+            arrays[position] = jnp.pad(array, widths, mode="edge")
+    return arrays
 
 
 def _vmappable(launch):
@@ -476,7 +576,8 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
     v = pad_axis(v, 1, num_kv_blocks * BLOCK)
     padded_q_len = q.shape[1]
     num_stages = num_stages or _STAGES[head_dim]
-    captured = captured_inputs(mask_program) + captured_inputs(score_program)
+    captured = (_padded_for_slices(mask_program, num_q_blocks, num_kv_blocks)
+                + _padded_for_slices(score_program, num_q_blocks, num_kv_blocks))
     tables = tuple(t.astype(jnp.int32) for t in tables)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 

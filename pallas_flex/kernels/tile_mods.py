@@ -125,7 +125,7 @@ def _is_float32_conversion(equation) -> bool:
 
 def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                             small_index_args=(), primitive_overrides=None,
-                            broadcast=broadcast_numpy_style):
+                            broadcast=broadcast_numpy_style, captured_reads=None):
     """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays.
 
     small_index_args: positions of int args whose values lie in [0, 2**24), which the
@@ -141,8 +141,15 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     accurate one).
     broadcast: how operands of different shapes meet (the Mosaic GPU kernel's index
     vectors are 1-D, in register layouts that broadcast along one tile axis each).
+    captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis)} replacing those
+    reads of captured arrays by `read(captured_ref, indices)`, whose `indices[axis]` is
+    None (the Mosaic GPU kernel loads reads at q_idx or kv_idx as contiguous slices).
     """
     primitive_overrides = primitive_overrides or {}
+    captured_reads = captured_reads or {}
+    # Dead equations are skipped: with reads replaced, the index arithmetic that fed them
+    # is dead, and the caller may not have built indices that only dead code reads.
+    live = live_equations(jaxpr, captured_reads)
     environment = {}
     small_index_vars = {var for position, var in enumerate(jaxpr.invars)
                         if position in small_index_args}
@@ -159,7 +166,11 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
         environment[var] = value
 
     for equation in jaxpr.eqns:
-        operands = [read(atom) for atom in equation.invars]
+        if id(equation) not in live:
+            continue
+        needed = _needed_inputs(equation, captured_reads)
+        operands = [read(atom) if any(atom is other for other in needed) else None
+                    for atom in equation.invars]
         primitive = equation.primitive.name
         if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
                                        for atom in equation.invars)):
@@ -182,6 +193,9 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                                               small_index_args=inner_small,
                                               primitive_overrides=primitive_overrides,
                                               broadcast=broadcast)
+        elif (primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef)
+              and id(equation) in captured_reads):
+            outputs = [captured_reads[id(equation)][0](operands[0], operands[1:])]
         elif primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef):
             if any(size != 1 for size in equation.params["slice_sizes"]):
                 raise ValueError(f"mod {name!r} slices a captured array; index it with "
@@ -209,6 +223,40 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             environment[var] = value
 
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def live_equations(jaxpr: jex_core.Jaxpr, replaced_reads=()):
+    """ids of the equations the outputs need, reads in `replaced_reads` counting as
+    needing their array only (not their indices)."""
+    live_vars = {atom for atom in jaxpr.outvars if isinstance(atom, jex_core.Var)}
+    live = set()
+    for equation in reversed(jaxpr.eqns):
+        if not any(var in live_vars for var in equation.outvars):
+            continue
+        live.add(id(equation))
+        live_vars.update(atom for atom in _needed_inputs(equation, replaced_reads)
+                         if isinstance(atom, jex_core.Var))
+    return live
+
+
+def _needed_inputs(equation, replaced_reads):
+    """equation.invars, less the index of the sliced axis of a replaced read
+    (`replaced_reads[id(equation)]` is a tuple whose second entry is that axis)."""
+    if id(equation) not in replaced_reads:
+        return equation.invars
+    sliced = 1 + replaced_reads[id(equation)][1]
+    return [atom for position, atom in enumerate(equation.invars) if position != sliced]
+
+
+def reads_argument(jaxpr: jex_core.Jaxpr, position: int, replaced_reads=()) -> bool:
+    """Whether argument `position` reaches the outputs, reads in `replaced_reads`
+    not counting their indices."""
+    argument = jaxpr.invars[position]
+    live = live_equations(jaxpr, replaced_reads)
+    for equation in jaxpr.eqns:
+        if id(equation) in live and argument in _needed_inputs(equation, replaced_reads):
+            return True
+    return argument in jaxpr.outvars
 
 
 def _captured(program, refs, log):

@@ -25,7 +25,9 @@ MOSAIC = {"forward_kernel": "mosaic"}
 SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional", "prefix_lm",
              "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
              "alibi_causal", "softcap_causal", "softcap_approx", "relative_position"]
-GATHERING = ["document", "document_causal_wrapper", "t5_bias", "bias_lookup"]
+# Supported with forward_mosaic.SLICE_READS (reads at q_idx / kv_idx as slices).
+SLICED = ["document", "document_causal_wrapper"]
+GATHERING = ["t5_bias", "bias_lookup"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
 SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
           (jnp.bfloat16, "MQA", 300, 130, 64), (jnp.float16, "MHA", 200, 128, 128),
@@ -71,6 +73,35 @@ def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
 @pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim", list(_cases()))
 def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
     _check(variant, dtype, layout, 4 * q_len, 4 * kv_len, dim, "pallas")
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("variant", SLICED)
+@pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim", [
+    (jnp.bfloat16, "GQA4", 300, 300, 64), (jnp.float16, "MHA", 256, 256, 128)])
+def test_slice_reads_of_document_ids(backend, variant, dtype, layout, q_len, kv_len, dim,
+                                     monkeypatch):
+    """With SLICE_READS, `doc_ids[q_idx]` / `doc_ids[kv_idx]` load as vectors (ragged
+    lengths read the edge-padded ids); without it, such mods are refused."""
+    q, k, v = random_qkv(0, 2, q_len, kv_len, 2, 2, dim, dim, dtype)
+    mask_mod, score_mod = _mods(variant, 2, 2, q_len, kv_len)
+    with pytest.raises(ValueError, match="gather"):
+        pf.attention(q, k, v, mask_mod=mask_mod, backend="interpret", kernel_options=MOSAIC)
+    monkeypatch.setattr(forward_mosaic, "SLICE_READS", True)
+    jax.clear_caches()  # the switch is read when tracing
+    _check(variant, dtype, layout, q_len, kv_len, dim, backend)
+
+
+def test_contiguous_reads_recognizes_index_reads_only(monkeypatch):
+    monkeypatch.setattr(forward_mosaic, "SLICE_READS", True)
+    table = jnp.zeros((4, 64))
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        # a slice read at kv_idx (row h), and a gather at a computed index
+        return score + table[h, kv_idx] + table[h, q_idx // 2]
+
+    reads = forward_mosaic.contiguous_reads(make_mod_program(score_mod, SCORE))
+    assert sorted(reads.values()) == [(0, 1, "kv")]
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -238,3 +269,17 @@ def test_early_hand_over_gives_the_same_values(backend, monkeypatch):
                        backend=backend, kernel_options=MOSAIC)
     expected, _ = golden(q, k, v, masks.causal_mask, masks.alibi(2))
     assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, masks.alibi(2))
+
+
+def test_dead_index_code_in_a_mod_is_skipped():
+    """A mod computing something from q_idx that it never uses: no index vector is built
+    for it (Mosaic GPU fails layout inference on unused vectors) and the dead code is not
+    evaluated."""
+    def score_mod(score, b, h, q_idx, kv_idx):
+        unused = q_idx * 3 + kv_idx  # noqa: F841
+        return score * 0.5
+
+    q, k, v = random_qkv(8, 1, 128, 128, 2, 2, 64, 64, jnp.bfloat16)
+    out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret", kernel_options=MOSAIC)
+    expected, _ = golden(q, k, v, None, score_mod)
+    assert_close_to_golden(out, expected, q, k, v, None, score_mod)
