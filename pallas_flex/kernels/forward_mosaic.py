@@ -290,11 +290,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         # Keys past a ragged tail sit in partial blocks only (BlockMask never lists a
         # block reaching past the keys as full): those mask them.
         masks_key_tail = kv_len % BLOCK != 0
-        reads_kv_idx = (_reads_index(mask_program, "kv_idx")
-                        or _reads_index(score_program, "kv_idx") or masks_key_tail)
-        needs_kv_start = reads_kv_idx or any(
-            kind == "kv" for program in (mask_program, score_program)
-            for _, _, kind in contiguous_reads(program).values())
+
+        def slices_at_kv(program):
+            return any(kind == "kv" for _, _, kind in contiguous_reads(program).values())
+
+        # What a tile of each loop needs: the kv_idx vector (only where it is used, as
+        # for q_idx) and the tile's first key (also for slice reads at kv_idx).
+        def kv_needs(masked):
+            vector = _reads_index(score_program, "kv_idx") or (masked and (
+                _reads_index(mask_program, "kv_idx") or masks_key_tail))
+            start = vector or slices_at_kv(score_program) or (masked and slices_at_kv(
+                mask_program))
+            return vector, start
 
         @pl.when(num_steps > 0)
         def _():
@@ -314,9 +321,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_arrive(k_consumed.at[slot])
 
             kv_idx = kv_position = kv_start = None
-            if needs_kv_start and (masked or score_program is not None):
+            needs_kv_vector, needs_kv_start = kv_needs(masked)
+            if needs_kv_start:
                 kv_start = kv_block_of(step) * BLOCK
-            if reads_kv_idx and (masked or score_program is not None):
+            if needs_kv_vector:
                 kv_position = kv_start + plgpu.broadcasted_iota(
                     jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
                 kv_idx = jnp.minimum(kv_position, kv_len - 1) if masks_key_tail else kv_position

@@ -283,3 +283,14 @@ def test_dead_index_code_in_a_mod_is_skipped():
     out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret", kernel_options=MOSAIC)
     expected, _ = golden(q, k, v, None, score_mod)
     assert_close_to_golden(out, expected, q, k, v, None, score_mod)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_ragged_keys_with_a_score_mod_that_reads_no_index(backend):
+    """Padded keys are masked in the partial tail block although neither mod reads
+    kv_idx (the kernel builds the key positions for the tail mask alone)."""
+    q, k, v = random_qkv(9, 1, 256, 200, 2, 2, 128, 128, jnp.bfloat16)
+    score_mod = masks.tanh_softcap(5.0)
+    out = pf.attention(q, k, v, score_mod=score_mod, backend=backend, kernel_options=MOSAIC)
+    expected, _ = golden(q, k, v, None, score_mod)
+    assert_close_to_golden(out, expected, q, k, v, None, score_mod)
