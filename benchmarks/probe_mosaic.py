@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 import pallas_flex as pf
 from pallas_flex import masks
+from benchmarks import jax_bench
 from benchmarks.tune_forward import time_ms
 
 
@@ -27,10 +28,7 @@ def _mosaic(causal, block_kv, backward_blocks=None):
 
 
 def _forward_backward(attend):
-    def step(q, k, v, d_out):
-        out, pullback = jax.vjp(attend, q, k, v)
-        return (out,) + pullback(d_out)
-    return jax.jit(step)
+    return jax.jit(jax_bench._forward_backward(attend))
 
 
 def main():

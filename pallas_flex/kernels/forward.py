@@ -159,15 +159,16 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     (`paged_flex_attention` clips the BlockMask so): only partial tiles check lengths.
     """
     paged = page_table is not None
-    if not paged and options.forward_kernel != "triton":
+    # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests); the
+    # Mosaic kernel's interpret mode is asked for by name.
+    named = options.forward_kernel == "mosaic"
+    if not paged and (named or (options.forward_kernel == "auto" and not interpret)):
         reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
                                                    interpret=interpret)
-        if options.forward_kernel == "mosaic" and reason is not None:
+        if named and reason is not None:
             raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
                              f"GPU forward kernel does not take this call: {reason}")
-        # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests);
-        # the Mosaic kernel's interpret mode is asked for by name.
-        if reason is None and (options.forward_kernel == "mosaic" or not interpret):
+        if reason is None:
             return forward_mosaic.flex_attention_forward_mosaic(
                 q, k, v, block_mask, score_program, scale=scale, interpret=interpret)
     batch, q_len, q_heads, head_dim = q.shape

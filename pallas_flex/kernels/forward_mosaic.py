@@ -16,9 +16,9 @@ What it covers (`unsupported_reason` says why not; the caller then runs the Trit
 kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
 zero-padded to whole blocks, as for the Triton kernel), no paging, and mods built from
 elementwise operations whose captured arrays are read at indices that depend on b and h
-only (a per-head ALiBi slope, a
-soft-cap value). A table read at q_idx or kv_idx (document ids) is a per-element gather,
-which the Triton kernel does and this one does not.
+only (a per-head ALiBi slope, a soft-cap value). A table read at q_idx or kv_idx
+(document ids) is a per-element gather, which the Triton kernel does; with
+`SLICE_READS` this kernel loads the reads at exactly q_idx or kv_idx as slices.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
 matmuls are plain dots on the shared-memory tiles (`_scores`, `_accumulate`), and all
@@ -28,11 +28,9 @@ the rest (TMA copies, barriers, the three warpgroups) is simulated.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 from jax.experimental import pallas as pl
@@ -41,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
-    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, ShapeOnlyRef, captured_inputs,
+    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, captured_read_sites,
     evaluate_jaxpr_on_tiles, reads_argument, split_captured_refs)
 from pallas_flex.masks.softcap import tanh_with_exp2
 
@@ -151,19 +149,10 @@ def _mod_unsupported_reason(program):
     unknown = sorted(set(_primitives(program.jaxpr)) - _ELEMENTWISE - _STRUCTURAL)
     if unknown:
         return f"{program.kind}_mod {program.name!r} uses {unknown}"
-    read_shapes = []
-    consts = [CapturedRef(ShapeOnlyRef(jnp.shape(c), c.dtype, read_shapes), jnp.shape(c),
-                          position, CaptureLog())
-              for position, c in enumerate(program.consts)]
-    args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 8), jnp.int32),
-            jnp.zeros((4, 8), jnp.int32)]
-    if program.kind == "score":
-        args = [jnp.zeros((4, 8), jnp.float32)] + args
     slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
               for key, (_, axis, _) in contiguous_reads(program).items()}
-    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
-                                                   captured_reads=slices))
-    if any(shape != () for shape in read_shapes):
+    sites = captured_read_sites(program, captured_reads=slices)
+    if any(jnp.shape(index) != () for _, indices in sites for index in indices):
         return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
                 "computed from q_idx or kv_idx (a per-element gather)")
     return None
@@ -230,7 +219,8 @@ def _accumulate(accumulator, p, v_smem, interpret, after_issue=None):
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
-            interpret):
+            mask_reads, score_reads, interpret):
+    """mask_reads, score_reads: the mods' `contiguous_reads`."""
     mask_refs, score_refs, (out_ref, lse_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
     (qo_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
@@ -282,7 +272,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         # Only built where a mod reads them: an unused index vector leaves Mosaic GPU's
         # layout inference without a solution.
         q_idx = None
-        if _reads_index(mask_program, "q_idx") or _reads_index(score_program, "q_idx"):
+        if (_reads_index(mask_program, mask_reads, "q_idx")
+                or _reads_index(score_program, score_reads, "q_idx")):
             q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WARPGROUP,), 0,
                                                      layout=row_layout)
             if q_len % BLOCK:  # mods see in-range indices; padded rows are sliced off
@@ -291,17 +282,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         # block reaching past the keys as full): those mask them.
         masks_key_tail = kv_len % BLOCK != 0
 
-        def slices_at_kv(program):
-            return any(kind == "kv" for _, _, kind in contiguous_reads(program).values())
+        def slices_at_kv(reads):
+            return any(kind == "kv" for _, _, kind in reads.values())
 
-        # What a tile of each loop needs: the kv_idx vector (only where it is used, as
-        # for q_idx) and the tile's first key (also for slice reads at kv_idx).
-        def kv_needs(masked):
-            vector = _reads_index(score_program, "kv_idx") or (masked and (
-                _reads_index(mask_program, "kv_idx") or masks_key_tail))
-            start = vector or slices_at_kv(score_program) or (masked and slices_at_kv(
-                mask_program))
-            return vector, start
+        # What a tile of each loop (masked or not) needs: the kv_idx vector (only where
+        # it is used, as for q_idx) and the tile's first key (also for slice reads).
+        score_kv = _reads_index(score_program, score_reads, "kv_idx")
+        mask_kv = _reads_index(mask_program, mask_reads, "kv_idx") or masks_key_tail
+        kv_needs = {
+            masked: (score_kv or (masked and mask_kv),
+                     score_kv or slices_at_kv(score_reads)
+                     or (masked and (mask_kv or slices_at_kv(mask_reads))))
+            for masked in (False, True)}
 
         @pl.when(num_steps > 0)
         def _():
@@ -321,7 +313,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_arrive(k_consumed.at[slot])
 
             kv_idx = kv_position = kv_start = None
-            needs_kv_vector, needs_kv_start = kv_needs(masked)
+            needs_kv_vector, needs_kv_start = kv_needs[masked]
             if needs_kv_start:
                 kv_start = kv_block_of(step) * BLOCK
             if needs_kv_vector:
@@ -334,7 +326,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if score_program is None:
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
-                (logits,) = _evaluate(score_program, score_refs,
+                (logits,) = _evaluate(score_program, score_reads, score_refs,
                                       (raw * scale, batch, head, q_idx, kv_idx), 3,
                                       q_start, kv_start, interpret)
                 logits = _to_shape(logits, tile).astype(jnp.float32)
@@ -342,8 +334,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
-                (keep,) = _evaluate(mask_program, mask_refs, (batch, head, q_idx, kv_idx), 2,
-                                    q_start, kv_start, interpret)
+                (keep,) = _evaluate(mask_program, mask_reads, mask_refs,
+                                    (batch, head, q_idx, kv_idx), 2, q_start, kv_start,
+                                    interpret)
                 if masks_key_tail:
                     keep = _broadcast_on_tile([keep, kv_position < kv_len])
                     keep = keep[0] & keep[1]
@@ -436,13 +429,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_wait(v_consumed.at[slot])
 
 
-def _reads_index(program, name):
+def _reads_index(program, reads, name):
     """Whether the kernel must build `name`'s index vector for `program`: it reads it
-    other than as the index of a contiguous read."""
+    other than as the index of one of its contiguous `reads`."""
     if program is None:
         return False
     position = {"q_idx": 2, "kv_idx": 3}[name] + (program.kind == "score")
-    return reads_argument(program.jaxpr, position, contiguous_reads(program))
+    return reads_argument(program.jaxpr, position, reads)
 
 
 def _to_shape(x, shape):
@@ -466,11 +459,11 @@ def _broadcast_on_tile(operands):
     return [_to_shape(x, shape) for x in operands]
 
 
-def _evaluate(program, refs, args, first_index_arg, q_start, kv_start, interpret):
+def _evaluate(program, reads, refs, args, first_index_arg, q_start, kv_start, interpret):
     """Runs a mod on the kernel's index vectors and score tile. q_idx and kv_idx lie
     below the lengths (clamped into them), at most 2**24: an int difference of them
     converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles).
-    Reads at q_idx / kv_idx (`contiguous_reads`) load the slice from row q_start (64
+    Its contiguous `reads` at q_idx / kv_idx load the slice from row q_start (64
     rows) or kv_start (128) of the captured array, edge-padded by the wrapper."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
@@ -490,13 +483,13 @@ def _evaluate(program, refs, args, first_index_arg, q_start, kv_start, interpret
             return plgpu.load(captured.ref.at[tuple(index)], layout=layout)
         return read
 
-    reads = {key: (slice_reader(axis, kind), axis)
-             for key, (_, axis, kind) in contiguous_reads(program).items()}
+    readers = {key: (slice_reader(axis, kind), axis)
+               for key, (_, axis, kind) in reads.items()}
     return evaluate_jaxpr_on_tiles(
         program.jaxpr, consts, args, program.name,
         small_index_args=(first_index_arg, first_index_arg + 1),
         primitive_overrides=_PRIMITIVE_OVERRIDES, broadcast=_broadcast_on_tile,
-        captured_reads=reads)
+        captured_reads=readers)
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
@@ -510,12 +503,11 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     return _vmappable(launch)(q, k, v, tables, block_mask.mask_mod, score_program)
 
 
-def _padded_for_slices(program, num_q_blocks, num_kv_blocks):
-    """`captured_inputs(program)`, each array read at q_idx / kv_idx along some axis
-    edge-padded there to the padded lengths: a slice read past the array's end then sees
+def _padded_for_slices(program, reads, num_q_blocks, num_kv_blocks):
+    """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded there to the padded lengths: a slice read past the array's end then sees
     its last entry, which is what the clamped index of the scalar semantics reads."""
     arrays = captured_inputs(program)
-    for position, axis, kind in (contiguous_reads(program) or {}).values():
+    for position, axis, kind in reads.values():
         length = (num_q_blocks if kind == "q" else num_kv_blocks) * BLOCK
         array = arrays[position]
         if array.shape[axis] < length:
@@ -584,8 +576,9 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
     v = pad_axis(v, 1, num_kv_blocks * BLOCK)
     padded_q_len = q.shape[1]
     num_stages = num_stages or _STAGES[head_dim]
-    captured = (_padded_for_slices(mask_program, num_q_blocks, num_kv_blocks)
-                + _padded_for_slices(score_program, num_q_blocks, num_kv_blocks))
+    mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
+    captured = (_padded_for_slices(mask_program, mask_reads, num_q_blocks, num_kv_blocks)
+                + _padded_for_slices(score_program, score_reads, num_q_blocks, num_kv_blocks))
     tables = tuple(t.astype(jnp.int32) for t in tables)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
@@ -594,7 +587,7 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
-        interpret=interpret)
+        mask_reads=mask_reads, score_reads=score_reads, interpret=interpret)
 
     def entry(*refs):
         inputs_and_outputs = refs

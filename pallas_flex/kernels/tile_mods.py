@@ -168,9 +168,9 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     for equation in jaxpr.eqns:
         if id(equation) not in live:
             continue
-        needed = _needed_inputs(equation, captured_reads)
-        operands = [read(atom) if any(atom is other for other in needed) else None
-                    for atom in equation.invars]
+        sliced = _sliced_input(equation, captured_reads)
+        operands = [None if position == sliced else read(atom)
+                    for position, atom in enumerate(equation.invars)]
         primitive = equation.primitive.name
         if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
                                        for atom in equation.invars)):
@@ -239,12 +239,17 @@ def live_equations(jaxpr: jex_core.Jaxpr, replaced_reads=()):
     return live
 
 
-def _needed_inputs(equation, replaced_reads):
-    """equation.invars, less the index of the sliced axis of a replaced read
-    (`replaced_reads[id(equation)]` is a tuple whose second entry is that axis)."""
+def _sliced_input(equation, replaced_reads):
+    """The input position of a replaced read's index along its sliced axis
+    (`replaced_reads[id(equation)]` is a tuple whose second entry is that axis), or None."""
     if id(equation) not in replaced_reads:
-        return equation.invars
-    sliced = 1 + replaced_reads[id(equation)][1]
+        return None
+    return 1 + replaced_reads[id(equation)][1]
+
+
+def _needed_inputs(equation, replaced_reads):
+    """equation.invars, less the index of a replaced read's sliced axis."""
+    sliced = _sliced_input(equation, replaced_reads)
     return [atom for position, atom in enumerate(equation.invars) if position != sliced]
 
 
@@ -342,34 +347,39 @@ def captured_read_positions(program) -> list[int]:
     captured array (in program order, as the kernels will see them), that array's
     position in `program.consts`. Raises the tile interpreter's errors early, at trace
     time, before any kernel is built."""
+    return [position for position, _ in captured_read_sites(program)]
+
+
+def captured_read_sites(program, captured_reads=None):
+    """The (captured position, indices) of each read of a captured array when `program`
+    runs on a dummy tile ([4, 1] query and [1, 8] key indices) outside any kernel;
+    `captured_reads` as for `evaluate_jaxpr_on_tiles` (those reads are not listed)."""
     if program is None:
         return []
     log = CaptureLog()
-    consts = _captured(program, [ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
+    consts = _captured(program, [_ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
                        log)
     args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 8), jnp.int32)]
     if program.kind == "score":
         args = [jnp.zeros((4, 8), jnp.float32)] + args
-    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name))
-    return [position for position, _ in log.sites]
+    jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
+                                                   captured_reads=captured_reads))
+    return log.sites
 
 
-class ShapeOnlyRef:
-    """Stands in for a kernel ref when checking a program outside a kernel; appends the
-    shape of every index it is read at to `read_shapes` when given one."""
+class _ShapeOnlyRef:
+    """Stands in for a kernel ref when checking a program outside a kernel."""
 
-    def __init__(self, shape, dtype, read_shapes=None):
+    def __init__(self, shape, dtype):
         self.shape, self.dtype = shape, dtype
-        self.read_shapes = read_shapes if read_shapes is not None else []
 
     def __getitem__(self, index):
         if not isinstance(index, tuple):
             index = (index,)
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in index))
-        self.read_shapes.append(shape)
         return jnp.zeros(shape, self.dtype)
 
 
 __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "captured_read_positions", "evaluate_jaxpr_on_tiles", "split_captured_refs",
-           "CapturedRef"]
+           "captured_read_positions", "captured_read_sites", "evaluate_jaxpr_on_tiles",
+           "split_captured_refs", "CapturedRef"]

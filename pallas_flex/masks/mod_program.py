@@ -57,7 +57,6 @@ class ModProgram:
       name: the mod's `__name__`, for error messages and reprs.
       uses_batch, uses_head: whether the mod reads `b` / `h`; when it does not, a
         BlockMask built from it broadcasts over that axis.
-      uses_q_idx, uses_kv_idx: whether it reads `q_idx` / `kv_idx`.
     """
 
     def __init__(self, kind: str, structure: _JaxprStructure, consts, name: str):
@@ -83,14 +82,6 @@ class ModProgram:
     @property
     def uses_head(self) -> bool:
         return self._reads_argument(1 if self.kind == MASK else 2)
-
-    @property
-    def uses_q_idx(self) -> bool:
-        return self._reads_argument(2 if self.kind == MASK else 3)
-
-    @property
-    def uses_kv_idx(self) -> bool:
-        return self._reads_argument(3 if self.kind == MASK else 4)
 
     def __call__(self, *args):
         """Evaluates the mod with scalar semantics (vmap it for arrays of indices)."""
