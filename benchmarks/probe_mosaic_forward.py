@@ -16,6 +16,7 @@ from pallas_flex import masks
 from pallas_flex.kernels import forward, forward_mosaic
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
+from benchmarks import suites
 from benchmarks.tune_forward import time_ms
 
 
@@ -29,14 +30,18 @@ def main():
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--stages", type=int, default=0)
     parser.add_argument("--no-triton", action="store_true")
-    parser.add_argument("--hand-over-early", action="store_true",
-                        help="forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND = True")
+    parser.add_argument("--hand-over", choices=("auto", "early", "late"), default="auto",
+                        help="forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND: None/True/False")
+    parser.add_argument("--no-slice-reads", action="store_true",
+                        help="forward_mosaic.SLICE_READS = False (document masks on Triton)")
     parser.add_argument("--grid-order", default=forward_mosaic.GRID_ORDER)
     parser.add_argument("--variants", default="noop,causal,sliding_window,prefix_lm,alibi,softcap")
     args = parser.parse_args()
     length, dim = args.length, args.head_dim
     forward_mosaic.GRID_ORDER = args.grid_order
-    forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND = args.hand_over_early
+    forward_mosaic.HAND_OVER_BEFORE_SCORES_LAND = {
+        "auto": None, "early": True, "late": False}[args.hand_over]
+    forward_mosaic.SLICE_READS = not args.no_slice_reads
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (args.batch, length, args.q_heads, dim), jnp.bfloat16)
     k, v = (jax.random.normal(key, (args.batch, length, args.kv_heads, dim), jnp.bfloat16)
@@ -48,6 +53,9 @@ def main():
         "prefix_lm": (masks.prefix_lm(1024), None, None),
         "alibi": (masks.causal_mask, masks.alibi(args.q_heads), None),
         "softcap": (masks.causal_mask, masks.tanh_softcap(30.0), None),
+        # The harness's document variant: 12 packed documents, causal within each.
+        "document": (masks.and_masks(masks.document_mask(jnp.asarray(
+            suites.document_ids(length, 12))), masks.causal_mask), None, None),
     }
     scale = dim ** -0.5
     options = resolve_options({"forward_kernel": "triton"}, dim)

@@ -57,15 +57,17 @@ _MAX_GRID_AXIS = 65535
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
 GRID_ORDER = "heads,q_seq,batch"
 # Hand the tensor cores to the other compute warpgroup right after issuing q·kᵀ, before
-# its result lands (as JAX's Mosaic GPU attention does), instead of after. Not yet
-# measured on the H100 (the candidate for its remaining noop gap: 0.961 ms against
-# 0.886 for JAX's kernel); False is the measured form.
-HAND_OVER_BEFORE_SCORES_LAND = False
+# its result lands (as JAX's Mosaic GPU attention does), or only once it has landed.
+# None picks per call (`hand_over_early`); True / False force one form (A/B probes).
+HAND_OVER_BEFORE_SCORES_LAND = None
+# Score mods with these primitives keep the late hand-over at D 128 (see hand_over_early).
+_TRANSCENDENTAL = {"tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "pow",
+                   "sqrt", "rsqrt", "cbrt", "erf", "erfc", "sin", "cos", "tan", "atan2"}
 # Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
-# slices (`contiguous_reads`), so that document masks run on this kernel. Tested in
-# interpret mode only, not yet on the H100: off until it is (such mods then run on the
-# Triton kernel).
-SLICE_READS = False
+# slices (`contiguous_reads`), so that document masks run on this kernel. On the H100
+# (B4 H16 S4096 D128, 12 causal documents) 0.176 ms against 0.220 for the Triton
+# kernel. False sends such mods to the Triton kernel.
+SLICE_READS = True
 
 # Primitives with a Mosaic GPU lowering rule on register arrays (jax 0.11), plus the
 # structural ones the tile interpreter handles itself (captured-array reads, size-1
@@ -96,6 +98,23 @@ def _primitives(jaxpr):
             inner = getattr(value, "jaxpr", value)
             if isinstance(inner, jex_core.Jaxpr):
                 yield from _primitives(inner)
+
+
+def hand_over_early(head_dim, score_program):
+    """Whether the compute warpgroups hand the tensor cores over before q·kᵀ lands.
+
+    Measured on the H100 (`probe_mosaic_forward --hand-over early|late`, ms, bf16): at
+    B4 H16 S4096 D128 early takes noop from 0.959 to 0.893 (cuDNN 0.90), prefix-LM 0.539
+    to 0.517, ALiBi 0.576 to 0.562, causal 0.492 to 0.486, but soft-cap (a tanh per
+    score) from 0.878 to 0.923. At B8 S2048 D64 the two forms are within noise of each
+    other (noop 0.349 / 0.356, prefix-LM 0.242 / 0.257, ALiBi 0.260 / 0.256): late there.
+    """
+    if HAND_OVER_BEFORE_SCORES_LAND is not None:
+        return HAND_OVER_BEFORE_SCORES_LAND
+    if head_dim != 128:
+        return False
+    return score_program is None or not (set(_primitives(score_program.jaxpr))
+                                         & _TRANSCENDENTAL)
 
 
 def contiguous_reads(program):
@@ -227,6 +246,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
+    early_hand_over = hand_over_early(head_dim, score_program)
 
     # Longest rows of a causal mask first: the last query block starts first.
     q_block = num_q_blocks - 1 - lax.axis_index("q_seq")
@@ -305,7 +325,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             accumulator, running_max, running_sum = carry
             slot = lax.rem(step, jnp.int32(num_stages))
             # Then the other warpgroup's q·kᵀ goes next.
-            if HAND_OVER_BEFORE_SCORES_LAND:
+            if early_hand_over:
                 raw = _scores(qo_smem, k_smem.at[slot], interpret, after_issue=schedule_turn)
             else:
                 raw = _scores(qo_smem, k_smem.at[slot], interpret)
@@ -480,7 +500,9 @@ def _evaluate(program, reads, refs, args, first_index_arg, q_start, kv_start, in
                 layout = plgpu.Layout.WGMMA.reduce(0)
             if interpret:
                 return captured.ref[tuple(index)]
-            return plgpu.load(captured.ref.at[tuple(index)], layout=layout)
+            # From GMEM: Mosaic GPU has no "optimized" (vectorized) transfer for it.
+            return plgpu.load(captured.ref.at[tuple(index)], layout=layout,
+                              optimized=False)
         return read
 
     readers = {key: (slice_reader(axis, kind), axis)

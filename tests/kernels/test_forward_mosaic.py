@@ -25,13 +25,22 @@ MOSAIC = {"forward_kernel": "mosaic"}
 SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional", "prefix_lm",
              "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
              "alibi_causal", "softcap_causal", "softcap_approx", "relative_position"]
-# Supported with forward_mosaic.SLICE_READS (reads at q_idx / kv_idx as slices).
+# Supported through forward_mosaic.SLICE_READS (reads at q_idx / kv_idx as slices).
 SLICED = ["document", "document_causal_wrapper"]
 GATHERING = ["t5_bias", "bias_lookup"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
 SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
           (jnp.bfloat16, "MQA", 300, 130, 64), (jnp.float16, "MHA", 200, 128, 128),
           (jnp.bfloat16, "GQA4", 17, 250, 64)]
+
+
+@pytest.fixture
+def switches(monkeypatch):
+    """monkeypatch for the kernel's module switches, which are read when tracing: jit
+    caches are cleared on the way in and out, so no trace outlives its switch."""
+    jax.clear_caches()
+    yield monkeypatch
+    jax.clear_caches()
 
 
 def _mods(variant, batch, q_heads, q_len, kv_len):
@@ -80,20 +89,18 @@ def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
 @pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim", [
     (jnp.bfloat16, "GQA4", 300, 300, 64), (jnp.float16, "MHA", 256, 256, 128)])
 def test_slice_reads_of_document_ids(backend, variant, dtype, layout, q_len, kv_len, dim,
-                                     monkeypatch):
-    """With SLICE_READS, `doc_ids[q_idx]` / `doc_ids[kv_idx]` load as vectors (ragged
-    lengths read the edge-padded ids); without it, such mods are refused."""
+                                     switches):
+    """`doc_ids[q_idx]` / `doc_ids[kv_idx]` load as vectors (ragged lengths read the
+    edge-padded ids); with SLICE_READS off, such mods are refused."""
+    _check(variant, dtype, layout, q_len, kv_len, dim, backend)
     q, k, v = random_qkv(0, 2, q_len, kv_len, 2, 2, dim, dim, dtype)
     mask_mod, score_mod = _mods(variant, 2, 2, q_len, kv_len)
+    switches.setattr(forward_mosaic, "SLICE_READS", False)
     with pytest.raises(ValueError, match="gather"):
         pf.attention(q, k, v, mask_mod=mask_mod, backend="interpret", kernel_options=MOSAIC)
-    monkeypatch.setattr(forward_mosaic, "SLICE_READS", True)
-    jax.clear_caches()  # the switch is read when tracing
-    _check(variant, dtype, layout, q_len, kv_len, dim, backend)
 
 
-def test_contiguous_reads_recognizes_index_reads_only(monkeypatch):
-    monkeypatch.setattr(forward_mosaic, "SLICE_READS", True)
+def test_contiguous_reads_recognizes_index_reads_only():
     table = jnp.zeros((4, 64))
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -260,15 +267,24 @@ def test_vmap_grad_and_checkpoint(backend):
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_early_hand_over_gives_the_same_values(backend, monkeypatch):
-    """The A/B switch that hands the tensor cores over before q·kᵀ lands."""
-    monkeypatch.setattr(forward_mosaic, "HAND_OVER_BEFORE_SCORES_LAND", True)
-    jax.clear_caches()  # the switch is read when tracing
+@pytest.mark.parametrize("early", [True, False])
+def test_both_hand_over_forms_give_the_same_values(backend, early, switches):
+    """Handing the tensor cores over before q·kᵀ lands, or after (forced both ways)."""
+    switches.setattr(forward_mosaic, "HAND_OVER_BEFORE_SCORES_LAND", early)
     q, k, v = random_qkv(7, 1, 256, 384, 2, 2, 64, 64, jnp.bfloat16)
     out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2),
                        backend=backend, kernel_options=MOSAIC)
     expected, _ = golden(q, k, v, masks.causal_mask, masks.alibi(2))
     assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, masks.alibi(2))
+
+
+def test_hand_over_is_early_at_d128_without_transcendental_score_mods():
+    program = lambda mod: make_mod_program(mod, SCORE)  # noqa: E731
+    assert forward_mosaic.hand_over_early(128, None)
+    assert forward_mosaic.hand_over_early(128, program(masks.alibi(4)))
+    assert not forward_mosaic.hand_over_early(128, program(masks.tanh_softcap(30.0)))
+    assert not forward_mosaic.hand_over_early(64, None)
+    assert not forward_mosaic.hand_over_early(64, program(masks.alibi(4)))
 
 
 def test_dead_index_code_in_a_mod_is_skipped():
