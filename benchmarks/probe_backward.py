@@ -49,6 +49,13 @@ for _rows, _walked, _warps, _stages in [(128, 128, 8, 3), (128, 128, 8, 2), (128
                                         (128, 128, 8, 4)]:
     CONFIGS["both_%dx%d_%dw%ds" % (_rows, _walked, _warps, _stages)] = dict(
         _dq(_rows, _walked, _warps, _stages), **_dkdv(_rows, _walked, _warps, _stages))
+# dQ tiles <q rows>x<kv rows> with dK/dV tiles <kv rows>x<q rows>, one launch's warps/stages.
+for _dq_q, _dq_kv, _kv, _q, _warps, _stages in [
+        (128, 128, 128, 64, 8, 3), (128, 64, 128, 64, 8, 3), (128, 128, 128, 64, 8, 2),
+        (128, 64, 128, 64, 8, 2), (128, 128, 64, 128, 8, 3), (64, 128, 128, 64, 8, 3),
+        (128, 128, 128, 64, 8, 4), (128, 128, 128, 32, 8, 3)]:
+    CONFIGS["dq_%dx%d_dkdv_%dx%d_%dw%ds" % (_dq_q, _dq_kv, _kv, _q, _warps, _stages)] = dict(
+        _dq(_dq_q, _dq_kv, _warps, _stages), **_dkdv(_kv, _q, _warps, _stages))
 for _tiles in [(128, 64, 4, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 64, 8, 3),
                (128, 128, 8, 2), (128, 128, 4, 3), (128, 128, 8, 3), (64, 64, 4, 3),
                (128, 32, 4, 3), (128, 32, 4, 2), (128, 32, 4, 4), (64, 64, 4, 2), (64, 64, 4, 4),
@@ -71,6 +78,9 @@ def main():
     parser.add_argument("--kv-heads", type=int, default=0, help="0: as many as q heads")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="tile loops read each index in the iteration that uses it")
+    parser.add_argument("--no-const-grads", action="store_true",
+                        help="skip the gradients of the score_mod's captured arrays (as "
+                             "jax.grad of q, k, v only does)")
     parser.add_argument("--parts", default="forward,backward")
     parser.add_argument("--separate", action="store_true",
                         help="dQ and dK/dV in two launches instead of one")
@@ -96,7 +106,8 @@ def main():
             for key in keys[2:])
     variants = {"noop": (None, None), "causal": (masks.causal_mask, None),
                 "softcap": (masks.causal_mask, masks.tanh_softcap(30.0)),
-                "alibi": (masks.causal_mask, masks.alibi(heads))}
+                "alibi": (masks.causal_mask, masks.alibi(heads)),
+                "prefix_lm": (masks.prefix_lm(1024), None)}
     scale = dim ** -0.5
     rows = []
     for name in args.variants.split(","):
@@ -105,6 +116,8 @@ def main():
         out, lse = pf.flex_attention(q, k, v, score_mod, block_mask, return_lse=True)
         score_program = (make_mod_program(score_mod, SCORE) if score_mod is not None
                          else None)
+        wanted = ([False] * len(score_program.consts)
+                  if args.no_const_grads and score_program is not None else None)
         for config_name in args.configs.split(","):
             options = resolve_options(CONFIGS[config_name], dim)
             if args.walk_order != "default":
@@ -115,7 +128,7 @@ def main():
             def whole(q, k, v, out, lse, d_out, block_mask, score_program):
                 return backward.flex_attention_backward(
                     q, k, v, out, lse, d_out, None, block_mask, score_program, scale=scale,
-                    options=options, interpret=False)
+                    options=options, interpret=False, wanted_const_grads=wanted)
 
             arguments = (q, k, v, out, lse, d_out, block_mask, score_program)
             row = dict(variant=name, config=config_name, options=CONFIGS[config_name],
@@ -123,6 +136,7 @@ def main():
                        convert_index_vectors=tile_mods.CONVERT_INDEX_VECTORS,
                        scale_in_exponent=forward.SCALE_IN_EXPONENT,
                        masked_first=options.backward_masked_first,
+                       const_grads=not args.no_const_grads,
                        q_heads=heads, kv_heads=kv_heads, batch=batch, seq_len=length,
                        head_dim=dim)
             def forward_only(q, k, v, out, lse, d_out, block_mask, score_program):

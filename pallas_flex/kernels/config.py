@@ -73,14 +73,18 @@ class KernelOptions:
 # benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
 _HOPPER_FORWARD = {
     # D 64 (B8 H16 S2048): 64x64 forward tiles 0.420/0.254 ms noop/causal against
-    # 0.446/0.268 for 128x64; 128x128 backward tiles in both program kinds 1.23/0.76 ms
-    # against 1.28/0.77 (benchmarks/results/2026-11-22-h100-d64-tuning.json).
+    # 0.446/0.268 for 128x64 (benchmarks/results/2026-11-22-h100-d64-tuning.json).
+    # Backward: dQ programs on 128x128 tiles, dK/dV programs on 128 keys x 64 queries
+    # (no register spills; 128x128 there spills ~700 B per thread): backward alone
+    # noop/causal/ALiBi/prefix-LM 1.235/0.750/0.829/0.871 ms against 1.245/0.752/0.883/
+    # 0.872 for 128x128 in both kinds (2026-11-23-h100-d64-backward-tiles.json).
     # Backward walk order (benchmarks/results/2026-11-23-h100-backward-walk-order.json):
     # masked blocks first at D 128 (causal backward 2.043 -> 1.976 ms), full blocks first
-    # at D 64 with its 128x128 tiles (causal 0.75 ms against 0.82 masked first); D 256 keeps
-    # the order it was tuned with.
+    # at D 64 with its 128x128 tiles (causal 0.75 ms against 0.82 masked first; with the
+    # 128x64 dK/dV tiles the two orders are within 1 %); D 256 keeps the order it was
+    # tuned with.
     64: KernelOptions(block_q=64, block_kv=64, num_warps=4, num_stages=3,
-                      backward_block_q=128, backward_block_kv=128, backward_dkdv_block_q=128,
+                      backward_block_q=128, backward_block_kv=128, backward_dkdv_block_q=64,
                       backward_dkdv_block_kv=128, backward_masked_first=False),
     128: KernelOptions(block_q=128, block_kv=64, num_warps=4, num_stages=2),
     256: KernelOptions(block_q=64, block_kv=32, num_warps=4, num_stages=2,
