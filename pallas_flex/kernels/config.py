@@ -95,7 +95,8 @@ _HOPPER_FORWARD = {
 
 
 FORWARD_KERNELS = ("auto", "mosaic", "triton")
-TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages"})
+TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
+                                   "paged_num_stages"})
 
 
 def default_forward_options(head_dim: int) -> KernelOptions:

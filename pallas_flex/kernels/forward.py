@@ -162,15 +162,16 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests); the
     # Mosaic kernel's interpret mode is asked for by name.
     named = options.forward_kernel == "mosaic"
-    if not paged and (named or (options.forward_kernel == "auto" and not interpret)):
+    if named or (options.forward_kernel == "auto" and not interpret):
         reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
-                                                   interpret=interpret)
+                                                   interpret=interpret, paged=paged)
         if named and reason is not None:
             raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
                              f"GPU forward kernel does not take this call: {reason}")
         if reason is None:
             return forward_mosaic.flex_attention_forward_mosaic(
-                q, k, v, block_mask, score_program, scale=scale, interpret=interpret)
+                q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
+                page_table=page_table, lengths=lengths)
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[1 if paged else 2], v.shape[3]
     kv_len = block_mask.shape[3]

@@ -47,6 +47,9 @@ BLOCK = 128  # BlockMask block on both axes: a program's query rows, one K/V til
 ROWS_PER_WARPGROUP = 64
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 HEAD_DIMS = (64, 128)
+# Pages of a paged cache are copied whole (or 128 rows of one page) into a K/V tile in
+# shared memory, whose tiling transform groups 8 rows.
+PAGE_ROWS_MULTIPLE = 8
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
 _STAGES = {64: 4, 128: 2}
@@ -177,8 +180,10 @@ def _mod_unsupported_reason(program):
     return None
 
 
-def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
-    """None if the Mosaic GPU kernel runs this call, else why not (a short phrase)."""
+def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
+                       paged: bool = False):
+    """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).
+    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_fetch_paged`)."""
     _, q_len, _, head_dim = q.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (it takes bfloat16 and float16)"
@@ -186,7 +191,12 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool):
         return f"head dims {head_dim}/{v.shape[3]} (it takes D = Dv in {HEAD_DIMS})"
     if tuple(block_mask.block_size) != (BLOCK, BLOCK):
         return f"BlockMask block size {block_mask.block_size} (it takes {BLOCK}x{BLOCK})"
-    kv_len = k.shape[1]
+    kv_len = block_mask.shape[3]
+    if paged:
+        page_size = k.shape[2]
+        if page_size % PAGE_ROWS_MULTIPLE or (BLOCK % page_size and page_size % BLOCK):
+            return (f"page size {page_size} (it takes multiples of 128 and divisors of 128 "
+                    f"that are multiples of {PAGE_ROWS_MULTIPLE})")
     if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
     if not interpret and jax.default_backend() != "gpu":
@@ -238,8 +248,12 @@ def _accumulate(accumulator, p, v_smem, interpret, after_issue=None):
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
-            mask_reads, score_reads, interpret):
-    """mask_reads, score_reads: the mods' `contiguous_reads`."""
+            mask_reads, score_reads, paged, interpret):
+    """mask_reads, score_reads: the mods' `contiguous_reads`. paged: whether k_ref / v_ref
+    are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
+    and per-row lengths [B] (the refs after the BlockMask tables)."""
+    if paged:
+        page_table_ref, lengths_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
     (qo_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
@@ -299,8 +313,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if q_len % BLOCK:  # mods see in-range indices; padded rows are sliced off
                 q_idx = jnp.minimum(q_idx, q_len - 1)
         # Keys past a ragged tail sit in partial blocks only (BlockMask never lists a
-        # block reaching past the keys as full): those mask them.
-        masks_key_tail = kv_len % BLOCK != 0
+        # block reaching past the keys as full): those mask them. On a paged cache the
+        # row's own length bounds its keys (the caller clipped the BlockMask to it, so
+        # full blocks lie below it).
+        clamps_key_tail = kv_len % BLOCK != 0
+        masks_key_tail = clamps_key_tail or paged
+        key_limit = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
         def slices_at_kv(reads):
             return any(kind == "kv" for _, _, kind in reads.values())
@@ -339,7 +357,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if needs_kv_vector:
                 kv_position = kv_start + plgpu.broadcasted_iota(
                     jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-                kv_idx = jnp.minimum(kv_position, kv_len - 1) if masks_key_tail else kv_position
+                kv_idx = (jnp.minimum(kv_position, kv_len - 1) if clamps_key_tail
+                          else kv_position)
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
@@ -358,7 +377,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                     (batch, head, q_idx, kv_idx), 2, q_start, kv_start,
                                     interpret)
                 if masks_key_tail:
-                    keep = _broadcast_on_tile([keep, kv_position < kv_len])
+                    keep = _broadcast_on_tile([keep, kv_position < key_limit])
                     keep = keep[0] & keep[1]
                 if jnp.shape(keep) == ():  # a mask that reads no index (noop_mask)
                     logits = logits + jnp.where(keep, 0.0, -jnp.inf)
@@ -422,10 +441,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
+        def copy_tile(source_ref, block, destination, barrier):
+            if paged:
+                _fetch_paged(source_ref, page_table_ref, batch, kv_head, block, destination,
+                             barrier)
+            else:
+                rows = (batch, pl.ds(block * BLOCK, BLOCK), kv_head)
+                plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
+
         def fetch(step, slot):
-            rows = (batch, pl.ds(kv_block_of(step) * BLOCK, BLOCK), kv_head)
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
+            block = kv_block_of(step)
+            copy_tile(k_ref, block, k_smem.at[slot], k_barriers.at[slot])
+            copy_tile(v_ref, block, v_smem.at[slot], v_barriers.at[slot])
 
         for slot in range(num_stages):
             pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
@@ -433,11 +460,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         @pl.loop(0, jnp.maximum(num_steps - num_stages, 0))
         def _refill(step):
             slot = lax.rem(step, jnp.int32(num_stages))
-            rows = (batch, pl.ds(kv_block_of(step + num_stages) * BLOCK, BLOCK), kv_head)
+            block = kv_block_of(step + num_stages)
             plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_barriers.at[slot])
+            copy_tile(k_ref, block, k_smem.at[slot], k_barriers.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_barriers.at[slot])
+            copy_tile(v_ref, block, v_smem.at[slot], v_barriers.at[slot])
 
         # Observe the last tiles' releases too, so that every phase of the release
         # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
@@ -447,6 +474,36 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             slot = lax.rem(step, jnp.int32(num_stages))
             plgpu.barrier_wait(k_consumed.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
+
+
+def copies_per_tile(page_size: int) -> int:
+    """TMA copies filling one 128-row K or V tile from pages of `page_size` rows."""
+    return max(BLOCK // page_size, 1)
+
+
+def _fetch_paged(pages_ref, page_table_ref, batch, kv_head, block, destination, barrier):
+    """Copies logical KV rows block*128.. of one head from pages [num_pages, Hkv,
+    page_size, D] into a [128, D] tile: one copy of 128 rows of one page when the page
+    holds whole tiles, else one copy per page (the tile's barrier expects that many
+    arrivals). Entries of -1 (no page), and pages past the table's end, read page 0:
+    those rows lie past the row's length and are masked."""
+    page_size, max_pages = pages_ref.shape[2], page_table_ref.shape[1]
+
+    def page_at(logical_page):
+        return jnp.maximum(page_table_ref[batch, jnp.minimum(logical_page, max_pages - 1)], 0)
+
+    if page_size >= BLOCK:
+        start = block * BLOCK
+        page = page_at(lax.div(start, jnp.int32(page_size)))
+        offset = lax.rem(start, jnp.int32(page_size))
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head, pl.ds(offset, BLOCK)],
+                                destination, barrier)
+        return
+    pages_per_tile = BLOCK // page_size
+    for index in range(pages_per_tile):
+        page = page_at(block * pages_per_tile + index)
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head],
+                                destination.at[pl.ds(index * page_size, page_size)], barrier)
 
 
 def _reads_index(program, reads, name):
@@ -515,14 +572,19 @@ def _evaluate(program, reads, refs, args, first_index_arg, q_start, kv_start, in
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
-                                  interpret: bool, num_stages: int = 0):
-    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), as `forward.flex_attention_forward`;
-    only for calls `unsupported_reason` accepts."""
+                                  interpret: bool, num_stages: int = 0, page_table=None,
+                                  lengths=None):
+    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), as `forward.flex_attention_forward`
+    (also on a paged cache: page_table given, k / v pages); only for calls
+    `unsupported_reason` accepts."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
-    launch = functools.partial(_launch, num_blocks=block_mask.num_blocks, scale=scale,
-                               interpret=interpret, num_stages=num_stages)
-    return _vmappable(launch)(q, k, v, tables, block_mask.mask_mod, score_program)
+    paging = (() if page_table is None
+              else (page_table.astype(jnp.int32), lengths.astype(jnp.int32)))
+    launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
+                               kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
+                               num_stages=num_stages)
+    return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program)
 
 
 def _padded_for_slices(program, reads, num_q_blocks, num_kv_blocks):
@@ -549,15 +611,16 @@ def _vmappable(launch):
     """
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, tables, mask_program, score_program):
-        return launch(q, k, v, tables, mask_program, score_program)
+    def run(q, k, v, tables, paging, mask_program, score_program):
+        return launch(q, k, v, tables, paging, mask_program, score_program)
 
     @run.def_vmap
-    def rule(axis_size, in_batched, q, k, v, tables, mask_program, score_program):
-        args = (q, k, v, tables, mask_program, score_program)
+    def rule(axis_size, in_batched, q, k, v, tables, paging, mask_program, score_program):
+        args = (q, k, v, tables, paging, mask_program, score_program)
         leaves, treedef = jax.tree.flatten(args)
         flags = jax.tree.leaves(in_batched)
-        only_qkv = not any(jax.tree.leaves(in_batched[3:]))
+        # Pages have no batch axis to fold into: paged calls map.
+        only_qkv = not paging and not any(jax.tree.leaves(in_batched[3:]))
         reads_batch = mask_program.uses_batch or (score_program is not None
                                                   and score_program.uses_batch)
         batch = q.shape[1] if in_batched[0] else q.shape[0]  # vmapped axes come first
@@ -570,7 +633,7 @@ def _vmappable(launch):
             tables = tuple(t if t.shape[0] == 1
                            else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
                            for t in tables)
-            out, lse = run(*merged, tables, mask_program, score_program)
+            out, lse = run(*merged, tables, paging, mask_program, score_program)
             return ((out.reshape((axis_size, batch) + out.shape[1:]),
                      lse.reshape((axis_size, batch) + lse.shape[1:])), (True, True))
 
@@ -586,22 +649,29 @@ def _vmappable(launch):
     return run
 
 
-def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, interpret,
-            num_stages):
+def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks, kv_len,
+            scale, interpret, num_stages):
+    """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
+    (logical) key length."""
     batch, q_len, q_heads, head_dim = q.shape
-    kv_heads, kv_len = k.shape[2], k.shape[1]
+    paged = bool(paging)
+    kv_heads = k.shape[1] if paged else k.shape[2]
     num_q_blocks, num_kv_blocks = num_blocks
     # Ragged lengths: zero-pad to whole blocks (as the Triton kernel's wrapper does); the
-    # kernel masks the padded keys and the padded query rows are sliced off.
+    # kernel masks the padded keys and the padded query rows are sliced off. Pages are
+    # read in place.
     q = pad_axis(q, 1, num_q_blocks * BLOCK)
-    k = pad_axis(k, 1, num_kv_blocks * BLOCK)
-    v = pad_axis(v, 1, num_kv_blocks * BLOCK)
+    if not paged:
+        k = pad_axis(k, 1, num_kv_blocks * BLOCK)
+        v = pad_axis(v, 1, num_kv_blocks * BLOCK)
     padded_q_len = q.shape[1]
     num_stages = num_stages or _STAGES[head_dim]
     mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
     captured = (_padded_for_slices(mask_program, mask_reads, num_q_blocks, num_kv_blocks)
                 + _padded_for_slices(score_program, score_reads, num_q_blocks, num_kv_blocks))
     tables = tuple(t.astype(jnp.int32) for t in tables)
+    # Each TMA copy into a K/V tile arrives once on its barrier.
+    arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     kernel = functools.partial(
@@ -609,7 +679,7 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
-        mask_reads=mask_reads, score_reads=score_reads, interpret=interpret)
+        mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret)
 
     def entry(*refs):
         inputs_and_outputs = refs
@@ -626,8 +696,8 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
             plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32),
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
-            plgpu.Barrier(num_barriers=num_stages),
-            plgpu.Barrier(num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
+            plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
@@ -647,5 +717,5 @@ def _launch(q, k, v, tables, mask_program, score_program, *, num_blocks, scale, 
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, *tables, *captured)
+    )(q, k, v, *tables, *paging, *captured)
     return out[:, :q_len], lse[:, :, :q_len]

@@ -310,3 +310,84 @@ def test_ragged_keys_with_a_score_mod_that_reads_no_index(backend):
     out = pf.attention(q, k, v, score_mod=score_mod, backend=backend, kernel_options=MOSAIC)
     expected, _ = golden(q, k, v, None, score_mod)
     assert_close_to_golden(out, expected, q, k, v, None, score_mod)
+
+
+# Paged prefill: (lengths, page_size, q_len, Hq, Hkv, D, dtype, mask, score). Page sizes
+# below 128 fill a tile with one TMA copy per page; 128 and above copy 128 rows of one
+# page. Logical lengths (max_pages * page_size) that are not whole blocks, an empty row.
+PAGED_CASES = {
+    "page16_gqa_alibi": ([300, 130], 16, 140, 4, 2, 64, jnp.bfloat16, "causal", "alibi"),
+    "page8_empty_row": ([0, 90], 8, 40, 2, 2, 64, jnp.float16, "causal", None),
+    "page32_softcap": ([200, 257], 32, 70, 2, 1, 128, jnp.bfloat16, None, "softcap"),
+    "page128_sliding": ([260, 100], 128, 150, 2, 2, 128, jnp.float16, "sliding", None),
+    "page256_causal": ([300, 511], 256, 129, 4, 1, 64, jnp.bfloat16, "causal", None),
+}
+
+
+def _paged_case(case, backend):
+    from pallas_flex.paged.cache import gather_contiguous
+    from pallas_flex.kernels import forward
+    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths, paged_flex_attention
+    from tests.paged.test_flex_attention import _filled_cache
+
+    lengths, page_size, q_len, q_heads, kv_heads, dim, dtype, mask_name, score_name = \
+        PAGED_CASES[case]
+    max_pages = -(-max(lengths) // page_size) + 1
+    cache = _filled_cache(lengths, page_size=page_size, max_pages=max_pages,
+                          kv_heads=kv_heads, dim=dim, value_dim=dim, dtype=dtype)
+    q = jax.random.normal(jax.random.PRNGKey(1), (len(lengths), q_len, q_heads, dim)
+                          ).astype(dtype)
+    positions = jnp.maximum(cache.lengths - q_len, 0)  # the queries are the last tokens
+    base_mask = {"causal": masks.causal_mask, "sliding": masks.sliding_window(40),
+                 None: None}[mask_name]
+    mask_mod = masks.offset(base_mask, positions) if base_mask is not None else None
+    score_mod = {None: None, "alibi": masks.alibi(q_heads),
+                 "softcap": masks.tanh_softcap(3.0)}[score_name]
+    if backend == "pallas":
+        out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
+                                        return_lse=True, kernel_options=MOSAIC)
+    else:
+        # The kernel through the forward's dispatch, on the BlockMask that
+        # paged_flex_attention builds, clipped outside the jitted call: Mosaic GPU's
+        # interpreter deadlocks (on the 2-core CI machine and here) when the clipping's
+        # XLA ops and the interpreted kernel share one jitted computation, whatever
+        # the kernel (the contiguous one too); the GPU runs the whole op above.
+        block_mask = clip_block_mask_to_lengths(
+            pf.create_block_mask(mask_mod or masks.noop_mask, len(lengths), None, q_len,
+                                 cache.max_seq_len), cache.lengths)
+        program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+        out, lse = jax.jit(lambda q, k, v, page_table, lengths, block_mask, program:
+                           forward.flex_attention_forward(
+                               q, k, v, block_mask, program, scale=dim ** -0.5,
+                               options=resolve_options(MOSAIC, dim), interpret=True,
+                               page_table=page_table, lengths=lengths))(
+            q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths, block_mask,
+            program)
+    k, v = gather_contiguous(cache)
+
+    def in_cache(b, h, q_idx, kv_idx):
+        keep = kv_idx < cache.lengths[b]
+        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
+
+    expected_out, expected_lse = golden(q, k, v, in_cache, score_mod)
+    assert_close_to_golden(out, expected_out, q, k, v, in_cache, score_mod)
+    finite = np.isfinite(expected_lse)
+    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
+    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], atol=3e-2)
+    if 0 in lengths:
+        np.testing.assert_array_equal(np.asarray(out[lengths.index(0)], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", PAGED_CASES)
+def test_paged_prefill(case, backend):
+    _paged_case(case, backend)
+
+
+def test_paged_page_sizes_it_does_not_take_are_refused():
+    q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
+    pages = jnp.zeros((8, 2, 48, 64), jnp.bfloat16)  # 48 rows: neither divides 128 nor a multiple
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 384)
+    reason = forward_mosaic.unsupported_reason(q, pages, pages, block_mask, None,
+                                               interpret=True, paged=True)
+    assert "page size 48" in reason
