@@ -183,7 +183,7 @@ def _mod_unsupported_reason(program):
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                        paged: bool = False):
     """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).
-    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_fetch_paged`)."""
+    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_tile_pages`)."""
     _, q_len, _, head_dim = q.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (it takes bfloat16 and float16)"
@@ -441,18 +441,23 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.set_max_registers(40, action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
-        def copy_tile(source_ref, block, destination, barrier):
+        def locate(block):
+            """Where block `block`'s rows lie: page-table entries, read once for K and V."""
             if paged:
-                _fetch_paged(source_ref, page_table_ref, batch, kv_head, block, destination,
-                             barrier)
+                return _tile_pages(page_table_ref, batch, block, k_ref.shape[2])
+            return block
+
+        def copy_tile(source_ref, location, destination, barrier):
+            if paged:
+                _copy_pages(source_ref, location, kv_head, destination, barrier)
             else:
-                rows = (batch, pl.ds(block * BLOCK, BLOCK), kv_head)
+                rows = (batch, pl.ds(location * BLOCK, BLOCK), kv_head)
                 plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
 
         def fetch(step, slot):
-            block = kv_block_of(step)
-            copy_tile(k_ref, block, k_smem.at[slot], k_barriers.at[slot])
-            copy_tile(v_ref, block, v_smem.at[slot], v_barriers.at[slot])
+            location = locate(kv_block_of(step))
+            copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
+            copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
 
         for slot in range(num_stages):
             pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
@@ -460,11 +465,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         @pl.loop(0, jnp.maximum(num_steps - num_stages, 0))
         def _refill(step):
             slot = lax.rem(step, jnp.int32(num_stages))
-            block = kv_block_of(step + num_stages)
+            # Table reads before the wait: their latency hides behind it.
+            location = locate(kv_block_of(step + num_stages))
             plgpu.barrier_wait(k_consumed.at[slot])
-            copy_tile(k_ref, block, k_smem.at[slot], k_barriers.at[slot])
+            copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
             plgpu.barrier_wait(v_consumed.at[slot])
-            copy_tile(v_ref, block, v_smem.at[slot], v_barriers.at[slot])
+            copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
 
         # Observe the last tiles' releases too, so that every phase of the release
         # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
@@ -481,29 +487,31 @@ def copies_per_tile(page_size: int) -> int:
     return max(BLOCK // page_size, 1)
 
 
-def _fetch_paged(pages_ref, page_table_ref, batch, kv_head, block, destination, barrier):
-    """Copies logical KV rows block*128.. of one head from pages [num_pages, Hkv,
-    page_size, D] into a [128, D] tile: one copy of 128 rows of one page when the page
-    holds whole tiles, else one copy per page (the tile's barrier expects that many
-    arrivals). Entries of -1 (no page), and pages past the table's end, read page 0:
-    those rows lie past the row's length and are masked."""
-    page_size, max_pages = pages_ref.shape[2], page_table_ref.shape[1]
+def _tile_pages(page_table_ref, batch, block, page_size):
+    """[(page, first row)] of logical KV rows block*128.. of row `batch`: one entry when a
+    page holds whole tiles, else one per page. Entries of -1 (no page), and pages past
+    the table's end, read page 0: those rows lie past the row's length and are masked."""
+    max_pages = page_table_ref.shape[1]
 
     def page_at(logical_page):
         return jnp.maximum(page_table_ref[batch, jnp.minimum(logical_page, max_pages - 1)], 0)
 
     if page_size >= BLOCK:
         start = block * BLOCK
-        page = page_at(lax.div(start, jnp.int32(page_size)))
-        offset = lax.rem(start, jnp.int32(page_size))
-        plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head, pl.ds(offset, BLOCK)],
-                                destination, barrier)
-        return
+        return [(page_at(lax.div(start, jnp.int32(page_size))),
+                 lax.rem(start, jnp.int32(page_size)))]
     pages_per_tile = BLOCK // page_size
-    for index in range(pages_per_tile):
-        page = page_at(block * pages_per_tile + index)
-        plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head],
-                                destination.at[pl.ds(index * page_size, page_size)], barrier)
+    return [(page_at(block * pages_per_tile + index), 0) for index in range(pages_per_tile)]
+
+
+def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
+    """TMA copies of one head's rows from pages [num_pages, Hkv, page_size, D] into a
+    [128, D] tile, per `_tile_pages` entry; the tile's barrier expects one arrival per
+    copy (`copies_per_tile`)."""
+    rows = min(pages_ref.shape[2], BLOCK)
+    for index, (page, first_row) in enumerate(tile_pages):
+        plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head, pl.ds(first_row, rows)],
+                                destination.at[pl.ds(index * rows, rows)], barrier)
 
 
 def _reads_index(program, reads, name):
