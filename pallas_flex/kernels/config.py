@@ -31,7 +31,7 @@ class KernelOptions:
       deeper pipelining stalls on the page-table reads of a paged cache).
     decode_max_rows: query rows (heads x positions) per decode program (0 = as many as
       keep the [rows, Dv] float32 accumulator within 64 KiB).
-    paged_num_stages: pipelining depth of the forward kernel on a paged cache (0 = by
+    paged_num_stages: pipelining depth of the Triton forward kernel on a paged cache (0 = by
       page size, measured on the H100).
     backward_masked_first: the backward's programs walk a row's (or column's) masked
       blocks before its full ones (PyTorch's order) instead of after them.
