@@ -57,21 +57,6 @@ def _tables(block_state: jax.Array, kind: int) -> tuple[jax.Array, jax.Array]:
     return counts, indices
 
 
-def _tables_by_scan(block_state: jax.Array, kind: int) -> tuple[jax.Array, jax.Array]:
-    """`_tables` without a sort: each selected column goes to its running count's slot
-    (a cumulative sum and a scatter); the padding after the listed columns is 0. On the
-    GPU an argsort costs a sort kernel per table, which a call that rebuilds its tables
-    every time (the paged op clipping to the lengths) pays on every step."""
-    selected = block_state == kind
-    counts = jnp.sum(selected, axis=-1, dtype=jnp.int32)
-    num_cols = selected.shape[-1]
-    slots = jnp.where(selected, jnp.cumsum(selected, axis=-1, dtype=jnp.int32) - 1, num_cols)
-    columns = jnp.broadcast_to(jnp.arange(num_cols, dtype=jnp.int32), selected.shape)
-    indices = jnp.put_along_axis(jnp.zeros_like(columns), slots, columns, axis=-1,
-                                 inplace=False, mode="drop")
-    return counts, indices
-
-
 def _state_from_tables(num_blocks, indices, num_cols, value) -> jax.Array:
     """Scatters `value` at the listed columns of each row: the inverse of `_tables`."""
     listed = jnp.arange(indices.shape[-1], dtype=jnp.int32) < num_blocks[..., None]
@@ -137,17 +122,13 @@ class BlockMask:
     # -- construction -----------------------------------------------------------------
 
     @classmethod
-    def from_block_state(cls, block_state, *, block_size, seq_lengths, mask_mod,
-                         sort_free: bool = False) -> "BlockMask":
-        """From an int8 `[B', H', nQ, nKV]` array of EMPTY (0), PARTIAL (1), FULL (2).
-        sort_free: list each row's blocks with a scan instead of an argsort (the same
-        listed blocks, in the same order; padding entries 0)."""
-        tables = _tables_by_scan if sort_free else _tables
-        kv_num_blocks, kv_indices = tables(block_state, PARTIAL)
-        full_kv_num_blocks, full_kv_indices = tables(block_state, FULL)
+    def from_block_state(cls, block_state, *, block_size, seq_lengths, mask_mod) -> "BlockMask":
+        """From an int8 `[B', H', nQ, nKV]` array of EMPTY (0), PARTIAL (1), FULL (2)."""
+        kv_num_blocks, kv_indices = _tables(block_state, PARTIAL)
+        full_kv_num_blocks, full_kv_indices = _tables(block_state, FULL)
         transposed = jnp.swapaxes(block_state, -1, -2)
-        q_num_blocks, q_indices = tables(transposed, PARTIAL)
-        full_q_num_blocks, full_q_indices = tables(transposed, FULL)
+        q_num_blocks, q_indices = _tables(transposed, PARTIAL)
+        full_q_num_blocks, full_q_indices = _tables(transposed, FULL)
         return cls(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
                    q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
                    block_size=_normalize_block_size(block_size), seq_lengths=seq_lengths,

@@ -64,13 +64,13 @@ def clip_block_mask_to_lengths(block_mask, lengths):
     beyond = starts >= length
     crossing = starts + mask_block_kv > length
     state = jnp.where(beyond, EMPTY, jnp.where(crossing & (state == FULL), PARTIAL, state))
-    # Sort-free tables: this runs inside every paged call, where four argsorts cost
-    # about as much as the paged reads themselves (H100 prefill, 2048 new tokens on
-    # 6144 cached: the contiguous call with this clipping took 0.80-0.83 ms against
-    # 0.77-0.78 without it; benchmarks/probe_paged_mosaic.py).
+    # Runs inside every paged call. On the H100 (prefill, 2048 new tokens on 6144 cached)
+    # the contiguous call with this clipping added measured 0.80-0.85 ms against
+    # 0.77-0.84 without (noisy); listing the tables with a scan instead of argsorts made
+    # no measurable difference (benchmarks/probe_paged_mosaic.py).
     return BlockMask.from_block_state(state.astype(jnp.int8), block_size=block_mask.block_size,
                                       seq_lengths=block_mask.shape[2:],
-                                      mask_mod=block_mask.mask_mod, sort_free=True)
+                                      mask_mod=block_mask.mask_mod)
 
 
 def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,

@@ -142,27 +142,3 @@ def test_clip_block_mask_to_lengths_drops_and_demotes_blocks():
     np.testing.assert_array_equal(state[2, 0, 0], [EMPTY] * 4)
     np.testing.assert_array_equal(np.asarray(clipped.q_num_blocks)[1, 0], [0, 1, 0, 0])
 
-
-
-def test_sort_free_tables_list_the_same_blocks():
-    """The paged op's clipping builds tables with a scan: the same listed blocks in the
-    same order as the argsort form, the padding 0."""
-    from pallas_flex.masks.block_mask import BlockMask
-
-    rng = np.random.default_rng(0)
-    state = jnp.asarray(rng.integers(0, 3, size=(3, 2, 5, 9)), jnp.int8)
-    sorted_mask, scanned = (BlockMask.from_block_state(
-        state, block_size=16, seq_lengths=(80, 144), mask_mod=None, sort_free=sort_free)
-        for sort_free in (False, True))
-    for name in BlockMask._TABLE_NAMES:
-        if name.endswith("num_blocks"):
-            np.testing.assert_array_equal(getattr(scanned, name), getattr(sorted_mask, name))
-    for counts, indices in [("kv_num_blocks", "kv_indices"),
-                            ("full_kv_num_blocks", "full_kv_indices"),
-                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")]:
-        count = np.asarray(getattr(sorted_mask, counts))
-        listed = np.arange(getattr(sorted_mask, indices).shape[-1]) < count[..., None]
-        np.testing.assert_array_equal(np.asarray(getattr(scanned, indices))[listed],
-                                      np.asarray(getattr(sorted_mask, indices))[listed])
-        assert np.all(np.asarray(getattr(scanned, indices))[~listed] == 0)
-    np.testing.assert_array_equal(scanned.block_state(), state)
