@@ -67,7 +67,9 @@ HAND_OVER_BEFORE_SCORES_LAND = None
 _TRANSCENDENTAL = {"tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "pow",
                    "sqrt", "rsqrt", "cbrt", "erf", "erfc", "sin", "cos", "tan", "atan2"}
 # The memory warpgroup's refill loop reads the next tile's BlockMask and page-table
-# entries before waiting for its slot to be released (True) or after (False).
+# entries before waiting for its slot to be released (True: one read for K and V) or
+# after each wait (False). Not distinguishable on the H100's paged prefill
+# (benchmarks/probe_paged_mosaic.py, results in 2026-11-23-h100-paged-mosaic.json).
 TABLE_READS_BEFORE_WAIT = True
 # Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
 # slices (`contiguous_reads`), so that document masks run on this kernel. On the H100
