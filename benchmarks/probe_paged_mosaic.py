@@ -1,7 +1,9 @@
-"""A/B of the Mosaic forward's paged tile fetch, in one process: the paged prefill of
-`paged_bench` (2048 new tokens on 6144 cached, B4 H16 D128 bf16, causal) against the
-same call on contiguous K/V, for each setting of `forward_mosaic.TABLE_READS_BEFORE_WAIT`,
-in interleaved rounds (machine-to-machine variance on this op is several percent).
+"""Paged prefill on the Mosaic forward against the same call on contiguous K/V, in one
+process and interleaved rounds (machine-to-machine variance on this op is several
+percent, so compare within a process): the prefill of `paged_bench` (2048 new tokens on
+6144 cached, B4 H16 D128 bf16, causal), and the contiguous call with the BlockMask
+clipping that every paged call does inside its jit (what of the overhead it accounts
+for).
 
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_paged_mosaic [--rounds 3] [--out f.json]
 """
@@ -15,7 +17,6 @@ import pallas_flex as pf
 from benchmarks.paged_bench import paged_copy
 from benchmarks.tune_forward import time_ms
 from pallas_flex import masks
-from pallas_flex.kernels import forward_mosaic
 from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths, paged_flex_attention
 
 
@@ -32,28 +33,21 @@ def main():
             for key in keys[1:])
     mask = masks.offset(masks.causal_mask, length - q_len)  # as paged_bench
     block_mask = pf.create_block_mask(mask, None, None, q_len, length)
+    lengths = jnp.full((batch,), length, jnp.int32)
     caches = {size: paged_copy(k, v, size) for size in map(int, args.page_sizes.split(","))}
+    contiguous = jax.jit(lambda q, k, v, bm: pf.flex_attention(q, k, v, block_mask=bm))
+    clipped = jax.jit(lambda q, k, v, bm, lengths: pf.flex_attention(
+        q, k, v, block_mask=clip_block_mask_to_lengths(bm, lengths)))
+    paged = jax.jit(lambda q, cache, bm: paged_flex_attention(q, cache, block_mask=bm))
     rows = []
     for round_index in range(args.rounds):
-        for before in (True, False):
-            forward_mosaic.TABLE_READS_BEFORE_WAIT = before
-            jax.clear_caches()
-            contiguous = jax.jit(lambda q, k, v, bm: pf.flex_attention(q, k, v, block_mask=bm))
-            row = dict(round=round_index, table_reads_before_wait=before,
-                       contiguous_ms=time_ms(contiguous, q, k, v, block_mask))
-            # The contiguous call plus the BlockMask clipping every paged call does
-            # in its jit: what of the overhead the clipping accounts for.
-            clipped = jax.jit(lambda q, k, v, bm, lengths: pf.flex_attention(
-                q, k, v, block_mask=clip_block_mask_to_lengths(bm, lengths)))
-            row["contiguous_with_clip_ms"] = time_ms(clipped, q, k, v, block_mask,
-                                                     jnp.full((batch,), length, jnp.int32))
-            for size, cache in caches.items():
-                paged = jax.jit(lambda q, cache, bm: paged_flex_attention(q, cache,
-                                                                          block_mask=bm))
-                row[f"page{size}_ms"] = time_ms(paged, q, cache, block_mask)
-                row[f"page{size}_overhead"] = row[f"page{size}_ms"] / row["contiguous_ms"] - 1
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        row = dict(round=round_index, contiguous_ms=time_ms(contiguous, q, k, v, block_mask),
+                   contiguous_with_clip_ms=time_ms(clipped, q, k, v, block_mask, lengths))
+        for size, cache in caches.items():
+            row[f"page{size}_ms"] = time_ms(paged, q, cache, block_mask)
+            row[f"page{size}_overhead"] = row[f"page{size}_ms"] / row["contiguous_ms"] - 1
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     if args.out:
         with open(args.out, "w") as handle:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,

@@ -14,11 +14,12 @@ loaded. Mods run on [64, 128] tiles of scores and indices in the wgmma register 
 
 What it covers (`unsupported_reason` says why not; the caller then runs the Triton
 kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
-zero-padded to whole blocks, as for the Triton kernel), no paging, and mods built from
-elementwise operations whose captured arrays are read at indices that depend on b and h
-only (a per-head ALiBi slope, a soft-cap value). A table read at q_idx or kv_idx
-(document ids) is a per-element gather, which the Triton kernel does; with
-`SLICE_READS` this kernel loads the reads at exactly q_idx or kv_idx as slices.
+zero-padded to whole blocks, as for the Triton kernel), contiguous K/V or a paged cache
+(`_tile_pages`), and mods built from elementwise operations whose captured arrays are
+read at indices that depend on b and h only (a per-head ALiBi slope, a soft-cap value)
+or at exactly q_idx or kv_idx (document ids: `SLICE_READS` loads those as one vector per
+tile). Reads at other indices (T5 buckets) are per-element gathers, which the Triton
+kernel does and this one does not.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
 matmuls are plain dots on the shared-memory tiles (`_scores`, `_accumulate`), and all
@@ -37,6 +38,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.kv_tiles import page_table_row
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, captured_read_sites,
@@ -66,11 +68,6 @@ HAND_OVER_BEFORE_SCORES_LAND = None
 # Score mods with these primitives keep the late hand-over at D 128 (see hand_over_early).
 _TRANSCENDENTAL = {"tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "pow",
                    "sqrt", "rsqrt", "cbrt", "erf", "erfc", "sin", "cos", "tan", "atan2"}
-# The memory warpgroup's refill loop reads the next tile's BlockMask and page-table
-# entries before waiting for its slot to be released (True: one read for K and V) or
-# after each wait (False). Not distinguishable on the H100's paged prefill
-# (benchmarks/probe_paged_mosaic.py, results in 2026-11-23-h100-paged-mosaic.json).
-TABLE_READS_BEFORE_WAIT = True
 # Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
 # slices (`contiguous_reads`), so that document masks run on this kernel. On the H100
 # (B4 H16 S4096 D128, 12 causal documents) 0.176 ms against 0.220 for the Triton
@@ -459,30 +456,24 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 rows = (batch, pl.ds(location * BLOCK, BLOCK), kv_head)
                 plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
 
-        def fetch(step, slot):
+        def fetch(step, slot, after_release):
+            # The tables are read once for K and V, before the release waits (reading
+            # them after each wait measured the same on the H100's paged prefill:
+            # benchmarks/results/2026-11-23-h100-paged-mosaic.json).
             location = locate(kv_block_of(step))
+            if after_release:
+                plgpu.barrier_wait(k_consumed.at[slot])
             copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
+            if after_release:
+                plgpu.barrier_wait(v_consumed.at[slot])
             copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
 
         for slot in range(num_stages):
-            pl.when(slot < num_steps)(functools.partial(fetch, slot, slot))
+            pl.when(slot < num_steps)(functools.partial(fetch, slot, slot, False))
 
         @pl.loop(0, jnp.maximum(num_steps - num_stages, 0))
         def _refill(step):
-            slot = lax.rem(step, jnp.int32(num_stages))
-            if TABLE_READS_BEFORE_WAIT:  # their latency hides behind the wait
-                location = locate(kv_block_of(step + num_stages))
-                plgpu.barrier_wait(k_consumed.at[slot])
-                copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
-                copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
-            else:  # each copy reads its tables after its wait
-                plgpu.barrier_wait(k_consumed.at[slot])
-                copy_tile(k_ref, locate(kv_block_of(step + num_stages)), k_smem.at[slot],
-                          k_barriers.at[slot])
-                plgpu.barrier_wait(v_consumed.at[slot])
-                copy_tile(v_ref, locate(kv_block_of(step + num_stages)), v_smem.at[slot],
-                          v_barriers.at[slot])
+            fetch(step + num_stages, lax.rem(step, jnp.int32(num_stages)), True)
 
         # Observe the last tiles' releases too, so that every phase of the release
         # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
@@ -503,10 +494,10 @@ def _tile_pages(page_table_ref, batch, block, page_size):
     """[(page, first row)] of logical KV rows block*128.. of row `batch`: one entry when a
     page holds whole tiles, else one per page. Entries of -1 (no page), and pages past
     the table's end, read page 0: those rows lie past the row's length and are masked."""
-    max_pages = page_table_ref.shape[1]
+    page_of = page_table_row(page_table_ref, batch)
 
     def page_at(logical_page):
-        return jnp.maximum(page_table_ref[batch, jnp.minimum(logical_page, max_pages - 1)], 0)
+        return jnp.maximum(page_of(logical_page), 0)
 
     if page_size >= BLOCK:
         start = block * BLOCK
@@ -608,8 +599,9 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
 
 
 def _padded_for_slices(program, reads, num_q_blocks, num_kv_blocks):
-    """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded there to the padded lengths: a slice read past the array's end then sees
-    its last entry, which is what the clamped index of the scalar semantics reads."""
+    """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
+    the read's axis to the padded lengths: a slice read past the array's end then sees its
+    last entry, which is what the clamped index of the scalar semantics reads."""
     arrays = captured_inputs(program)
     for position, axis, kind in reads.values():
         length = (num_q_blocks if kind == "q" else num_kv_blocks) * BLOCK
