@@ -140,5 +140,40 @@ def test_clip_block_mask_to_lengths_drops_and_demotes_blocks():
     np.testing.assert_array_equal(state[0, 0, 0], [FULL] * 4)
     np.testing.assert_array_equal(state[1, 0, 0], [FULL, PARTIAL, EMPTY, EMPTY])
     np.testing.assert_array_equal(state[2, 0, 0], [EMPTY] * 4)
-    np.testing.assert_array_equal(np.asarray(clipped.q_num_blocks)[1, 0], [0, 1, 0, 0])
+    assert clipped.q_num_blocks is None  # forward-only: inference runs no backward
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_clip_block_mask_to_lengths_matches_the_block_state_definition(seed):
+    """On random block states and lengths (block-aligned, mid-block, zero, past the end):
+    blocks at or past the length become EMPTY, full blocks crossing it PARTIAL, the rest
+    stay; the clipped lists stay ascending."""
+    from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask
+    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths
+
+    rng = np.random.default_rng(seed)
+    block, num_q_blocks, num_kv_blocks, batch = 16, 3, 7, 6
+    heads = 1 if seed % 2 else 2
+    state = rng.choice([EMPTY, PARTIAL, FULL], size=(1 if seed < 2 else batch, heads,
+                                                     num_q_blocks, num_kv_blocks))
+    block_mask = BlockMask.from_block_state(
+        jnp.asarray(state, jnp.int8), block_size=block,
+        seq_lengths=(num_q_blocks * block, num_kv_blocks * block),
+        mask_mod=pf.create_block_mask(None, None, None, 16, 16).mask_mod)
+    lengths = np.array([0, 16, 37, 64, 111, 112][:batch])
+    clipped = clip_block_mask_to_lengths(block_mask, jnp.asarray(lengths, jnp.int32))
+
+    starts = np.arange(num_kv_blocks) * block
+    expected = np.broadcast_to(state, (batch,) + state.shape[1:]).copy()
+    for b, length in enumerate(lengths):
+        row = expected[b]
+        row[..., starts >= length] = EMPTY
+        crossing = (starts < length) & (starts + block > length)
+        row[..., crossing] = np.where(row[..., crossing] == FULL, PARTIAL, row[..., crossing])
+    np.testing.assert_array_equal(np.asarray(clipped.block_state()), expected)
+    for num, indices in ((clipped.kv_num_blocks, clipped.kv_indices),
+                         (clipped.full_kv_num_blocks, clipped.full_kv_indices)):
+        num, indices = np.asarray(num), np.asarray(indices)
+        for row in np.ndindex(num.shape):
+            assert np.all(np.diff(indices[row][:num[row]]) > 0)
 
