@@ -4,19 +4,22 @@ memory) or from contiguous arrays, on the H100.
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.paged_bench [--out results.json]
 Rows: decode (Sq 1, B8, S16384, Hq 32, Hkv 8, D 128, bf16, causal at the last position)
 and prefill (Sq 2048 new tokens after 6144 cached, B4, Hq 16, Hkv 16, causal) at page
-sizes 16, 64, 128. The overhead is paged ms / contiguous ms - 1.
+sizes 16, 64, 128. Timed in paired rounds: each round times every layout once (`--iters`
+calls), so the H100's clock drift over a run (several percent) cancels; `ms` is the median
+over rounds and `overhead` the median over rounds of paged ms / contiguous ms - 1.
 """
 import argparse
+import functools
 import itertools
 import json
+import statistics
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
-from benchmarks.jax_bench import write_rows
-from benchmarks.tune_forward import time_ms
+from benchmarks.jax_bench import time_calls, write_rows
 from pallas_flex import masks
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
@@ -40,12 +43,18 @@ def paged_copy(k, v, page_size, seed=0):
                         lengths=jnp.full((batch,), length, jnp.int32), page_owner=owner)
 
 
+def paged_call(q, cache, block_mask, *, options):
+    return paged_flex_attention(q, cache, block_mask=block_mask, kernel_options=options)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out")
     parser.add_argument("--kernel-options", default="{}", help="JSON dict for both layouts")
     parser.add_argument("--cases", default="decode,prefill")
     parser.add_argument("--page-sizes", default="16,64,128")
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--paged-options", default="",
                         help="';'-separated JSON dicts over --kernel-options for the paged "
                              "call only (the contiguous baseline keeps --kernel-options)")
@@ -66,24 +75,34 @@ def main():
         block_mask = pf.create_block_mask(mask_mod, None, None, q_len, length)
         contiguous = jax.jit(lambda q, k, v, bm: pf.flex_attention(q, k, v, block_mask=bm,
                                                                        kernel_options=options))
-        base_ms = time_ms(contiguous, q, k, v, block_mask)
-        rows.append(dict(case=name, layout="contiguous", ms=base_ms, kernel_options=options))
-        print(f"{name} contiguous {base_ms:.4f} ms", flush=True)
+        out_contiguous = contiguous(q, k, v, block_mask).astype(jnp.float32)
+        layouts = [("contiguous", options, contiguous, (q, k, v, block_mask), None)]
         for page_size, paged_options in itertools.product(
                 [int(p) for p in args.page_sizes.split(",")], paged_option_sets):
             cache = paged_copy(k, v, page_size)
-            paged = jax.jit(lambda q, cache, bm: paged_flex_attention(
-                q, cache, block_mask=bm, kernel_options=paged_options))
-            ms = time_ms(paged, q, cache, block_mask)
-            out_paged = paged(q, cache, block_mask)
-            out_contiguous = contiguous(q, k, v, block_mask)
-            max_diff = float(jnp.max(jnp.abs(out_paged.astype(jnp.float32)
-                                             - out_contiguous.astype(jnp.float32))))
-            rows.append(dict(case=name, layout=f"paged{page_size}", ms=ms,
-                             kernel_options=paged_options, overhead=ms / base_ms - 1,
-                             max_abs_diff=max_diff))
-            print(f"{name} page_size {page_size} {paged_options} {ms:.4f} ms "
-                  f"overhead {100 * (ms / base_ms - 1):+.1f}% max|diff| {max_diff:.2e}", flush=True)
+            paged = jax.jit(functools.partial(paged_call, options=paged_options))
+            max_diff = float(jnp.max(jnp.abs(
+                paged(q, cache, block_mask).astype(jnp.float32) - out_contiguous)))
+            layouts.append((f"paged{page_size}", paged_options, paged, (q, cache, block_mask),
+                            max_diff))
+        times = [[] for _ in layouts]
+        for _ in range(args.rounds):
+            for (_, _, fn, fn_args, _), layout_times in zip(layouts, times):
+                entry, _ = time_calls(fn, fn_args, iters=args.iters, repeats=1)
+                layout_times.append(entry["ms"])
+        for (layout, layout_options, _, _, max_diff), layout_times in zip(layouts, times):
+            row = dict(case=name, layout=layout, ms=statistics.median(layout_times),
+                       min_ms=min(layout_times), rounds_ms=layout_times,
+                       kernel_options=layout_options)
+            if max_diff is not None:
+                row.update(overhead=statistics.median(
+                    [t / base for t, base in zip(layout_times, times[0])]) - 1,
+                    max_abs_diff=max_diff)
+                print(f"{name} {layout} {layout_options} {row['ms']:.4f} ms overhead "
+                      f"{100 * row['overhead']:+.1f}% max|diff| {max_diff:.2e}", flush=True)
+            else:
+                print(f"{name} contiguous {row['ms']:.4f} ms", flush=True)
+            rows.append(row)
     if args.out:
         write_rows(args.out, rows)
 
