@@ -326,8 +326,7 @@ PAGED_CASES = {
 
 def _paged_case(case, backend):
     from pallas_flex.paged.cache import gather_contiguous
-    from pallas_flex.kernels import forward
-    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths, paged_flex_attention
+    from pallas_flex.paged.flex_attention import paged_flex_attention
     from tests.paged.test_flex_attention import _filled_cache
 
     lengths, page_size, q_len, q_heads, kv_heads, dim, dtype, mask_name, score_name = \
@@ -343,26 +342,12 @@ def _paged_case(case, backend):
     mask_mod = masks.offset(base_mask, positions) if base_mask is not None else None
     score_mod = {None: None, "alibi": masks.alibi(q_heads),
                  "softcap": masks.tanh_softcap(3.0)}[score_name]
-    if backend == "pallas":
-        out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
-                                        return_lse=True, kernel_options=MOSAIC)
-    else:
-        # The kernel through the forward's dispatch, on the BlockMask that
-        # paged_flex_attention builds, clipped outside the jitted call: Mosaic GPU's
-        # interpreter deadlocks (on the 2-core CI machine and here) when the clipping's
-        # XLA ops and the interpreted kernel share one jitted computation, whatever
-        # the kernel (the contiguous one too); the GPU runs the whole op above.
-        block_mask = clip_block_mask_to_lengths(
-            pf.create_block_mask(mask_mod or masks.noop_mask, len(lengths), None, q_len,
-                                 cache.max_seq_len), cache.lengths)
-        program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
-        out, lse = jax.jit(lambda q, k, v, page_table, lengths, block_mask, program:
-                           forward.flex_attention_forward(
-                               q, k, v, block_mask, program, scale=dim ** -0.5,
-                               options=resolve_options(MOSAIC, dim), interpret=True,
-                               page_table=page_table, lengths=lengths))(
-            q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths, block_mask,
-            program)
+    # The whole op, clipping included, on both backends (Mosaic GPU's interpreter used to
+    # deadlock on this 2-core machine when the clipping's argsorts shared the jit with
+    # the interpreted kernel; the clipping has no sorts since).
+    out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
+                                    return_lse=True, kernel_options=MOSAIC,
+                                    backend=backend)
     k, v = gather_contiguous(cache)
 
     def in_cache(b, h, q_idx, kv_idx):
