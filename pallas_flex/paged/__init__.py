@@ -8,11 +8,14 @@
   their paged history. `score_offsets` locates each sequence in its scores.
 * `paged_flex_attention` — any BlockMask and mods over a `PagedKVCache`, the pages read
   in place by the decode and forward kernels (mods see logical positions).
+* `traced_checks(False)` — leaves the metadata checks out of functions traced inside it
+  (they are `checkify.debug_check`s by default, which slow a jitted call's dispatch).
 """
 
+from pallas_flex.paged._validation import traced_checks
 from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
 from pallas_flex.paged.flex_attention import paged_flex_attention
 from pallas_flex.paged.ragged import paged_attention, score_offsets
 
 __all__ = ["PagedKVCache", "gather_contiguous", "paged_attention", "paged_flex_attention",
-           "score_offsets"]
+           "score_offsets", "traced_checks"]

@@ -333,3 +333,15 @@ def test_paged_attention_writes_where_assign_writes():
         block_indices_begins=jnp.array(np.cumsum([0] + [len(b) for b in blocks])))
     np.testing.assert_array_equal(k_pages, expected.k_pages)
     np.testing.assert_array_equal(v_pages, expected.v_pages)
+
+
+def test_traced_checks_off_for_the_cache_methods():
+    from pallas_flex.paged import traced_checks
+
+    k, v = tokens(np.random.default_rng(9), 3)
+    step = lambda c, b: c.reserve(b, 3).assign(b, 0, k, v).erase(b)
+    assert jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
+    with traced_checks(False):
+        assert not jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
+        error, _ = checkify.checkify(jax.jit(lambda c: c.reserve(2, 9)))(_filled())
+    assert error.get() is None  # out of pages, unreported: the checks were left out

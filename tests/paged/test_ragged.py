@@ -608,3 +608,22 @@ def test_bad_arguments(case, small_case):
     changes, message = BAD_ARGUMENTS[case]
     with pytest.raises(ValueError, match=message):
         paged.paged_attention(**_with(small_case, **changes(small_case)))
+
+
+def test_traced_checks_off_leaves_no_effects_and_no_report(small_case):
+    """Inside traced_checks(False) the traced op has no checkify effects (so jit keeps
+    its fast dispatch) and bad metadata goes unreported; the default keeps the checks,
+    and eager calls raise either way."""
+    bad = _metadata("block_index_too_large")
+    assert jax.make_jaxpr(lambda m: paged.paged_attention(**small_case, **m))(bad).effects
+    with paged.traced_checks(False):
+        jaxpr = jax.make_jaxpr(lambda m: paged.paged_attention(**small_case, **m))(bad)
+        error, (out, _, _) = checkify.checkify(jax.jit(
+            lambda m: paged.paged_attention(**small_case, **m)))(bad)
+        with pytest.raises(ValueError, match=BAD_METADATA["block_index_too_large"][1]):
+            paged.paged_attention(**small_case, **bad)
+    assert not jaxpr.effects
+    assert error.get() is None and out.shape == (4, 16)
+    with pytest.raises(ValueError, match="bool"):
+        with paged.traced_checks(1):
+            pass
