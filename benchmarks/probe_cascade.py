@@ -4,6 +4,10 @@ sharing a 4096-token prefix, 256-token suffixes, Hq 32 Hkv 8 D 128 bf16): the wh
 the prefix), its suffix part, and the concatenated baseline, per `--kernel-options` set.
 
 Usage: PYTHONPATH=$PWD python3 -m benchmarks.probe_cascade [--options '{};{"decode_num_splits": 8}']
+  [--steps 0]
+  --steps N: also time each call as N dependent steps inside one jitted `lax.scan` (each
+  step's query takes a zero multiple of the previous output), so that Python's dispatch
+  is paid once per N steps: the device's time per step.
 """
 import argparse
 import json
@@ -12,12 +16,27 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
+from jax import lax
+
 from benchmarks.tune_forward import time_ms
+
+
+def scanned(fn, steps):
+    """fn(q, *rest) -> out (or (out, lse)) run `steps` times in one jitted scan, each
+    step's q depending on the previous out, so that no step can be skipped or reordered."""
+    def run(q, *rest):
+        def step(q, _):
+            out = fn(q, *rest)
+            out = out[0] if isinstance(out, tuple) else out
+            return q + (out * 0).astype(q.dtype), None
+        return lax.scan(step, q, None, length=steps)[0]
+    return run
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--options", default="{}")
+    parser.add_argument("--steps", type=int, default=0)
     parser.add_argument("--out")
     args = parser.parse_args()
     batch, prefix_len, suffix_len, q_heads, kv_heads, dim = 16, 4096, 256, 32, 8, 128
@@ -50,6 +69,9 @@ def main():
         row = dict(options=options)
         for name, (fn, fn_args) in calls.items():
             row[f"{name}_ms"] = time_ms(jax.jit(fn), *fn_args)
+            if args.steps:
+                row[f"{name}_scanned_ms_per_step"] = time_ms(
+                    jax.jit(scanned(fn, args.steps)), *fn_args) / args.steps
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.out:
