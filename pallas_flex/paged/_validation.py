@@ -12,7 +12,8 @@ an effect, and a jitted function with effects leaves JAX's fast C++ dispatch pat
 this project's CPU machine one `debug_check` took a trivial jitted call from 4 to 42 us
 of dispatch, and the ragged op's jitted serving step from 25 to 275 us, per call. A
 server that does not checkify turns the traced checks off with `traced_checks(False)`
-around tracing.
+around its jitted calls (on the GPU machine: 0.61 -> 0.15 ms of host time per call of
+the ragged op).
 """
 
 from __future__ import annotations
