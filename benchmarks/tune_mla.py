@@ -14,13 +14,9 @@ from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 
 CONFIGS = [{}, dict(decode_max_rows=64, decode_num_warps=8),
-           dict(decode_value_splits=2, decode_max_rows=64, decode_num_warps=4),
-           dict(decode_value_splits=2, decode_max_rows=64, decode_num_warps=8),
-           dict(decode_value_splits=2, decode_max_rows=128, decode_num_warps=8),
-           dict(decode_value_splits=4, decode_max_rows=128, decode_num_warps=4),
-           dict(decode_value_splits=4, decode_max_rows=128, decode_num_warps=8),
-           dict(decode_value_splits=2, decode_max_rows=64, decode_num_warps=4,
-                decode_block_kv=64)]
+           dict(decode_max_rows=64, decode_num_warps=8, decode_block_kv=16),
+           dict(decode_max_rows=128, decode_num_warps=8, decode_block_kv=16),
+           dict(decode_max_rows=32, decode_num_warps=8), dict(decode_block_kv=64)]
 
 
 def main():

@@ -47,10 +47,6 @@ CASES = {
     "latent_576_512": (1, 1, 96, 8, 1, 576, 512, jnp.float32, "causal_offset", None, {}),
     "latent_heads_split_across_programs": (1, 2, 64, 48, 1, 576, 512, jnp.bfloat16,
                                            "causal_offset", None, {}),
-    "latent_value_columns_split": (2, 1, 96, 16, 1, 576, 512, jnp.bfloat16, "causal_offset",
-                                   "alibi", {"decode_value_splits": 2, "decode_num_splits": 2}),
-    "value_columns_split_in_four_gqa": (1, 2, 70, 8, 2, 64, 64, jnp.float32, "per_head", None,
-                                        {"decode_value_splits": 4}),
     "odd_head_dim_72": (1, 2, 70, 2, 1, 72, 40, jnp.float32, None, None, {}),
     "more_splits_than_tiles": (1, 1, 40, 2, 2, 32, 32, jnp.float32, None, None,
                                {"decode_num_splits": 9}),
@@ -89,14 +85,6 @@ def test_decode_matches_golden(case, backend):
                                atol=1e-4 if dtype == jnp.float32 else 2e-2)
     if mask_name == "nothing_for_batch_1":
         np.testing.assert_array_equal(np.asarray(out[1], np.float32), 0.0)
-
-
-def test_value_splits_that_do_not_divide_the_value_dim_are_refused():
-    q, k, v = random_qkv(3, 1, 1, 64, 2, 2, 32, 48, jnp.float32)
-    with pytest.raises(ValueError, match="decode_value_splits"):
-        pf.attention(q, k, v, backend="interpret", kernel_options={"decode_value_splits": 2})
-    with pytest.raises(ValueError, match="decode_value_splits"):
-        pf.attention(q, k, v, backend="interpret", kernel_options={"decode_value_splits": 0})
 
 
 def test_decode_gradients_match_the_forward_kernel_path():

@@ -30,10 +30,7 @@ class KernelOptions:
       (num_stages 0 = 3 on contiguous K/V when three tiles fit in shared memory, else 2:
       deeper pipelining stalls on the page-table reads of a paged cache).
     decode_max_rows: query rows (heads x positions) per decode program (0 = as many as
-      keep the [rows, Dv / decode_value_splits] float32 accumulator within 64 KiB).
-    decode_value_splits: programs that share one set of query rows, each accumulating
-      its own 1/decode_value_splits of the value columns (each computes all the scores):
-      for wide values (latent attention's Dv 512) more query rows fit in a program.
+      keep the [rows, Dv] float32 accumulator within 64 KiB).
     paged_num_stages: pipelining depth of the Triton forward kernel on a paged cache (0 = by
       page size, measured on the H100).
     backward_masked_first: the backward's programs walk a row's (or column's) masked
@@ -64,7 +61,6 @@ class KernelOptions:
     decode_num_warps: int = 4
     decode_num_stages: int = 0
     decode_max_rows: int = 0
-    decode_value_splits: int = 1
     paged_num_stages: int = 0
     backward_masked_first: bool = True
     forward_kernel: str = "auto"
@@ -146,7 +142,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
         raise ValueError(f"kernel_options['backward_masked_first'] must be a bool, got "
                          f"{kernel_options['backward_masked_first']!r}")
     for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
-                 "decode_num_warps", "decode_value_splits"):
+                 "decode_num_warps"):
         count = kernel_options.get(name, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")

@@ -46,9 +46,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                    full_kv_num_blocks_ref, full_kv_indices_ref, *refs, mask_program,
                    score_program, scale, q_len, kv_len, rows, heads_per_program, group,
                    block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
-                   dim_chunks, value_chunks, value_splits, page_size, mask_every_tile):
-    """value_splits: programs sharing a row's value columns (each accumulates its
-    `value_chunks`, relative to its own first column, and computes all the scores)."""
+                   dim_chunks, value_chunks, page_size, mask_every_tile):
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
@@ -56,11 +54,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                                                                     score_program)
 
     batch, program_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    value_base = 0
-    if value_splits > 1:
-        value_width = sum(width for _, width in value_chunks)
-        value_base = lax.rem(program_head, jnp.int32(value_splits)) * value_width
-        program_head = lax.div(program_head, jnp.int32(value_splits))
     first_head = program_head * heads_per_program
     kv_head = lax.div(first_head, jnp.int32(group))
     table_index = (0 if broadcast_batch else batch, 0 if broadcast_heads else program_head, 0)
@@ -96,7 +89,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         in_length = kv_position < kv_length if (paged or mask_every_tile or masked) else None
         keys = [load_tile(k_ref, tile_start, in_length, start, width)
                 for start, width in dim_chunks]
-        values = [load_tile(v_ref, tile_start, in_length, value_base + start, width)
+        values = [load_tile(v_ref, tile_start, in_length, start, width)
                   for start, width in value_chunks]
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
@@ -139,7 +132,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                  state=state)
     outs, lse = online_softmax.finalize_chunks(state)
     for (start, width), out in zip(value_chunks, outs):
-        out_ref[batch, program_head, split, :, pl.ds(value_base + start, width)] = out
+        out_ref[batch, program_head, split, :, pl.ds(start, width)] = out
     lse_ref[batch, program_head, split, :] = lse
 
 
@@ -174,14 +167,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     # The accumulator [rows, Dv] lives in registers: at most 64 KiB of it per program
     # (128 query heads of latent attention, Dv 512, become 4 programs of 32 rows).
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
-    value_splits = options.decode_value_splits
-    if padded_value_dim % (16 * value_splits):
-        raise ValueError(f"kernel_options['decode_value_splits'] must split the value dim "
-                         f"{padded_value_dim} into parts of a multiple of 16 columns, got "
-                         f"{value_splits}")
-    value_width = padded_value_dim // value_splits
     max_rows = (options.decode_max_rows
-                or max(16, min(128, 16384 // value_width)))
+                or max(16, min(128, 16384 // padded_value_dim)))
     heads_per_program = 1
     if broadcast_heads:
         heads_per_program = max([d for d in range(1, group + 1)
@@ -231,15 +218,13 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         group=group, block_kv=block_kv, mask_block_kv=mask_block_kv,
         broadcast_batch=mask_batch == 1, broadcast_heads=broadcast_heads,
         num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
-        value_chunks=column_chunks(value_width), value_splits=value_splits,
-        page_size=page_size,
+        value_chunks=column_chunks(padded_value_dim), page_size=page_size,
         mask_every_tile=kv_len % block_kv != 0)
     whole = pl.no_block_spec
     partial_out, partial_lse = pl.pallas_call(
         kernel,
-        grid=(batch, num_head_programs * value_splits, num_splits),
-        in_specs=[pl.BlockSpec((None, None) + q_rows.shape[2:],
-                               lambda b, p, s: (b, p // value_splits, 0, 0)),
+        grid=(batch, num_head_programs, num_splits),
+        in_specs=[pl.BlockSpec((None, None) + q_rows.shape[2:], lambda b, p, s: (b, p, 0, 0)),
                   whole, whole] + [whole] * (len(tables) + len(paging) + len(captured)),
         out_specs=[whole, whole],
         out_shape=[
