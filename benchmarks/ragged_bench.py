@@ -6,7 +6,9 @@ Usage: PYTHONPATH=$PWD python3 -m benchmarks.ragged_bench [--out results.json]
 bf16, Hq 32, Hkv 8, D 128, block (page) size 16, pages shuffled. Bandwidth counts the
 K/V bytes each sequence's tokens must read at least once (its whole history + new).
 The caches are donated and fed back call after call, as in serving (`--no-donate`: the
-call as a plain function, which copies both caches each time).
+call as a plain function, which copies both caches each time), and the calls run inside
+`pallas_flex.paged.traced_checks(False)` as a server that does not checkify would
+(`--traced-checks`: with the metadata checks traced in, which slows each call's dispatch).
 `--num-splits` lists the Pallas kernel's KV splits to time (0 = automatic); each row
 records the value asked for (`num_splits`) and the one the kernel used
 (`num_splits_used`), so one run can A/B them.
@@ -140,6 +142,9 @@ def main():
     parser.add_argument("--no-donate", dest="donate", action="store_false",
                         help="time the call without donating the caches: XLA then copies "
                              "both whole caches every call to write the new tokens")
+    parser.add_argument("--traced-checks", action="store_true",
+                        help="keep the metadata checks in the traced op (checkify "
+                             "debug_checks: slower dispatch)")
     parser.add_argument("--kernel-configs", default="",
                         help="time the kernel alone instead, for block_kv/num_stages/num_splits "
                              "triples, e.g. 64/2/1,32/3/2 (0 splits = automatic)")
@@ -162,7 +167,8 @@ def main():
                 # paged_attention reads NUM_SPLITS on each call; its compiled programs
                 # are cached per value.
                 ragged_kernel.NUM_SPLITS = requested or 0
-                ms, out = _time(name, inputs, backend, args.donate)
+                with paged.traced_checks(args.traced_checks):
+                    ms, out = _time(name, inputs, backend, args.donate)
                 used = (None if requested is None
                         else _splits_used(inputs, seqs, requested, backend))
                 label = (backend if requested is None
@@ -171,7 +177,8 @@ def main():
                     outputs[label] = out
                 rows.append(dict(mix=name, backend=backend, ms=ms,
                                  tb_per_s=kv_bytes / ms / 1e9, num_splits=requested,
-                                 num_splits_used=used, caches_donated=args.donate))
+                                 num_splits_used=used, caches_donated=args.donate,
+                                 traced_checks=args.traced_checks))
                 print(f"{name:34s} {label:14s} {ms:8.3f} ms {kv_bytes / ms / 1e9:5.2f} TB/s",
                       flush=True)
         if "xla" in outputs:
