@@ -55,7 +55,10 @@ PAGE_ROWS_MULTIPLE = 8
 # Issue the copies of pages smaller than a tile from the memory warpgroup's four warps
 # (each arriving on the tile's barrier from its own lanes) instead of from the whole
 # warpgroup one copy after another: Pallas arrives on a copy's barrier from every thread
-# that issues it, which made 16-row pages (8 copies per tile) cost +7 % over contiguous.
+# that issues it (after a warpgroup barrier), so 16-row pages (8 copies per tile) were
+# bound by the copies' issue rate. H100 prefill at 16-row pages, paired rounds: +7.2 %
+# over contiguous from the whole warpgroup, +3.2 % from four warps (D 64: +14 / +6.3 %);
+# benchmarks/results/2026-11-23-h100-paged-warp-copies.json.
 SPREAD_PAGE_COPIES_OVER_WARPS = True
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
