@@ -203,6 +203,23 @@ def time_calls(fn, args, *, iters: int, repeats: int, warmup: int = 2,
     return entry, out
 
 
+def time_paired(calls, *, rounds: int, iters: int) -> dict:
+    """{name: [ms per call, one entry per round]} for `calls` {name: (fn, args)}: every
+    round times each call once (`iters` calls, synced once), so that clock drift over a
+    run (several percent on the H100 under sustained load) hits all of them alike."""
+    times = {name: [] for name in calls}
+    for _ in range(rounds):
+        for name, (fn, args) in calls.items():
+            entry, _ = time_calls(fn, args, iters=iters, repeats=1)
+            times[name].append(entry["ms"])
+    return times
+
+
+def paired_overhead(times, base_times) -> float:
+    """Median over rounds of times / base_times, minus 1 (`time_paired`'s rounds)."""
+    return statistics.median(t / base for t, base in zip(times, base_times)) - 1
+
+
 def _as_tuple(result):
     return tuple(result) if isinstance(result, (tuple, list)) else (result,)
 

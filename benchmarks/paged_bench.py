@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
-from benchmarks.jax_bench import time_calls, write_rows
+from benchmarks.jax_bench import paired_overhead, time_paired, write_rows
 from pallas_flex import masks
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
@@ -85,19 +85,16 @@ def main():
                 paged(q, cache, block_mask).astype(jnp.float32) - out_contiguous)))
             layouts.append((f"paged{page_size}", paged_options, paged, (q, cache, block_mask),
                             max_diff))
-        times = [[] for _ in layouts]
-        for _ in range(args.rounds):
-            for (_, _, fn, fn_args, _), layout_times in zip(layouts, times):
-                entry, _ = time_calls(fn, fn_args, iters=args.iters, repeats=1)
-                layout_times.append(entry["ms"])
-        for (layout, layout_options, _, _, max_diff), layout_times in zip(layouts, times):
+        times = time_paired({layout[0]: layout[2:4] for layout in layouts},
+                            rounds=args.rounds, iters=args.iters)
+        for layout, layout_options, _, _, max_diff in layouts:
+            layout_times = times[layout]
             row = dict(case=name, layout=layout, ms=statistics.median(layout_times),
                        min_ms=min(layout_times), rounds_ms=layout_times,
                        kernel_options=layout_options)
             if max_diff is not None:
-                row.update(overhead=statistics.median(
-                    [t / base for t, base in zip(layout_times, times[0])]) - 1,
-                    max_abs_diff=max_diff)
+                row.update(overhead=paired_overhead(layout_times, times["contiguous"]),
+                           max_abs_diff=max_diff)
                 print(f"{name} {layout} {layout_options} {row['ms']:.4f} ms overhead "
                       f"{100 * row['overhead']:+.1f}% max|diff| {max_diff:.2e}", flush=True)
             else:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 import pallas_flex as pf
 from benchmarks.paged_bench import paged_copy
-from benchmarks.jax_bench import time_calls
+from benchmarks.jax_bench import paired_overhead, time_paired
 from pallas_flex import masks
 from pallas_flex.kernels import forward_mosaic
 from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask
@@ -111,16 +111,12 @@ def main():
         variants[f"page{size}"] = (paged, (q, cache, block_mask))
         max_diff[f"page{size}"] = float(jnp.max(jnp.abs(
             paged(q, cache, block_mask).astype(jnp.float32) - reference)))
-    times = {name: [] for name in variants}
-    for _ in range(args.rounds):
-        for name, (fn, fn_args) in variants.items():
-            entry, _ = time_calls(fn, fn_args, iters=args.iters, repeats=1)
-            times[name].append(entry["ms"])
+    times = time_paired(variants, rounds=args.rounds, iters=args.iters)
     summary = {}
     for name, values in times.items():
-        ratios = [value / base for value, base in zip(values, times["contiguous"])]
         summary[name] = dict(median_ms=statistics.median(values), min_ms=min(values),
-                             median_paired_overhead=statistics.median(ratios) - 1,
+                             median_paired_overhead=paired_overhead(values,
+                                                                    times["contiguous"]),
                              max_abs_diff=max_diff.get(name))
         print(f"{name:28s} median {summary[name]['median_ms']:.4f} ms  min "
               f"{summary[name]['min_ms']:.4f}  paired overhead "
@@ -129,7 +125,8 @@ def main():
         with open(args.out, "w") as handle:
             json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                            rounds=args.rounds, iters=args.iters, copy_rows=args.copy_rows,
-                           head_dim=dim, spread_over_warps=not args.one_warp, stages=args.stages or forward_mosaic._STAGES[dim],
+                           head_dim=dim, spread_over_warps=not args.one_warp,
+                           stages=args.stages or forward_mosaic._STAGES[dim],
                            summary=summary, times_ms=times), handle, indent=1)
 
 

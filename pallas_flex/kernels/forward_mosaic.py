@@ -512,7 +512,7 @@ def _tile_pages(page_table_ref, batch, block, page_size):
         start = block * BLOCK
         return [(page_at(lax.div(start, jnp.int32(page_size))),
                  lax.rem(start, jnp.int32(page_size)))]
-    pages_per_tile = BLOCK // page_size
+    pages_per_tile = copies_per_tile(page_size)
     return [(page_at(block * pages_per_tile + index), 0) for index in range(pages_per_tile)]
 
 

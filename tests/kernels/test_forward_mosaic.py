@@ -324,49 +324,16 @@ PAGED_CASES = {
 }
 
 
-def _paged_case(case, backend):
-    from pallas_flex.paged.cache import gather_contiguous
-    from pallas_flex.paged.flex_attention import paged_flex_attention
-    from tests.paged.test_flex_attention import _filled_cache
-
-    lengths, page_size, q_len, q_heads, kv_heads, dim, dtype, mask_name, score_name = \
-        PAGED_CASES[case]
-    max_pages = -(-max(lengths) // page_size) + 1
-    cache = _filled_cache(lengths, page_size=page_size, max_pages=max_pages,
-                          kv_heads=kv_heads, dim=dim, value_dim=dim, dtype=dtype)
-    q = jax.random.normal(jax.random.PRNGKey(1), (len(lengths), q_len, q_heads, dim)
-                          ).astype(dtype)
-    positions = jnp.maximum(cache.lengths - q_len, 0)  # the queries are the last tokens
-    base_mask = {"causal": masks.causal_mask, "sliding": masks.sliding_window(40),
-                 None: None}[mask_name]
-    mask_mod = masks.offset(base_mask, positions) if base_mask is not None else None
-    score_mod = {None: None, "alibi": masks.alibi(q_heads),
-                 "softcap": masks.tanh_softcap(3.0)}[score_name]
-    # The whole op, clipping included, on both backends (Mosaic GPU's interpreter used to
-    # deadlock on this 2-core machine when the clipping's argsorts shared the jit with
-    # the interpreted kernel; the clipping has no sorts since).
-    out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
-                                    return_lse=True, kernel_options=MOSAIC,
-                                    backend=backend)
-    k, v = gather_contiguous(cache)
-
-    def in_cache(b, h, q_idx, kv_idx):
-        keep = kv_idx < cache.lengths[b]
-        return keep if mask_mod is None else keep & mask_mod(b, h, q_idx, kv_idx)
-
-    expected_out, expected_lse = golden(q, k, v, in_cache, score_mod)
-    assert_close_to_golden(out, expected_out, q, k, v, in_cache, score_mod)
-    finite = np.isfinite(expected_lse)
-    np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), finite)
-    np.testing.assert_allclose(np.asarray(lse)[finite], expected_lse[finite], atol=3e-2)
-    if 0 in lengths:
-        np.testing.assert_array_equal(np.asarray(out[lengths.index(0)], np.float32), 0.0)
-
-
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("case", PAGED_CASES)
 def test_paged_prefill(case, backend):
-    _paged_case(case, backend)
+    """The whole paged_flex_attention, BlockMask clipping included, on the Mosaic kernel."""
+    from tests.paged.test_flex_attention import check_paged_against_golden
+
+    lengths, page_size, q_len, q_heads, kv_heads, dim, dtype, mask_name, score_name = \
+        PAGED_CASES[case]
+    check_paged_against_golden(lengths, page_size, q_len, q_heads, kv_heads, dim, dim, dtype,
+                               mask_name, score_name, MOSAIC, backend, window=40)
 
 
 def test_paged_page_sizes_it_does_not_take_are_refused():

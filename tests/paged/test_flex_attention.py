@@ -55,11 +55,13 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", PAGED_BACKENDS)
-@pytest.mark.parametrize("case", CASES)
-def test_paged_matches_contiguous_golden(case, backend):
-    lengths, page_size, q_len, q_heads, kv_heads, dim, value_dim, dtype, mask_name, \
-        score_name, options = CASES[case]
+def check_paged_against_golden(lengths, page_size, q_len, q_heads, kv_heads, dim, value_dim,
+                               dtype, mask_name, score_name, kernel_options, backend, *,
+                               window=12):
+    """paged_flex_attention over a cache holding `lengths` random tokens per row, the
+    queries being each row's last q_len tokens (mask "causal" or "sliding" (`window`),
+    offset to those positions; score "alibi" or "softcap"), against the golden attention
+    over the gathered contiguous K/V: outputs, lse, and zeros for an empty row."""
     max_pages = -(-max(lengths) // page_size) + 1
     cache = _filled_cache(lengths, page_size=page_size, max_pages=max_pages,
                           kv_heads=kv_heads, dim=dim, value_dim=value_dim, dtype=dtype)
@@ -67,13 +69,14 @@ def test_paged_matches_contiguous_golden(case, backend):
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, q_len, q_heads, dim)).astype(dtype)
     # The queries are the last q_len tokens of each row (absolute positions).
     positions = jnp.maximum(cache.lengths - q_len, 0)
-    base_mask = {"causal": masks.causal_mask, "sliding": masks.sliding_window(12),
+    base_mask = {"causal": masks.causal_mask, "sliding": masks.sliding_window(window),
                  None: None}[mask_name]
     mask_mod = masks.offset(base_mask, positions) if base_mask is not None else None
     score_mod = {None: None, "alibi": masks.alibi(q_heads),
                  "softcap": masks.tanh_softcap(3.0)}[score_name]
     out, lse = paged_flex_attention(q, cache, mask_mod=mask_mod, score_mod=score_mod,
-                                    backend=backend, return_lse=True, kernel_options=options)
+                                    backend=backend, return_lse=True,
+                                    kernel_options=kernel_options)
 
     k, v = gather_contiguous(cache)
     lengths_array = cache.lengths
@@ -90,6 +93,12 @@ def test_paged_matches_contiguous_golden(case, backend):
                                atol=1e-4 if dtype == jnp.float32 else 3e-2)
     if 0 in lengths:
         np.testing.assert_array_equal(np.asarray(out[lengths.index(0)], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("backend", PAGED_BACKENDS)
+@pytest.mark.parametrize("case", CASES)
+def test_paged_matches_contiguous_golden(case, backend):
+    check_paged_against_golden(*CASES[case], backend)
 
 
 def test_paged_jits_and_does_not_recompile_across_steps():
