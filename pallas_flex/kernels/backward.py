@@ -14,11 +14,19 @@ The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
   forward. It also accumulates the gradients of arrays the score_mod captured (learnable
   biases): each read `table[i, j]` inside the mod is a *site*, its cotangent comes from
   `jax.vjp` of the mod on the tile, summed over the tile dimensions its indices do not
-  vary along, and is scatter-added into a float32 buffer. On the GPU the scatter is a
-  Triton atomic add: a second pass would have to recompute the whole attention tile
-  again, while the atomics touch one address per distinct index (one per tile for
-  `slopes[h]`). The order of atomic adds is not fixed, so these gradients can differ
-  in the last bits from run to run; dQ, dK, dV are deterministic.
+  vary along. How a site's cotangents reach the gradient depends on its indices:
+  - indices of b and h only (`slopes[h]`): one scalar per tile, summed in registers over
+    the program's walk and written once, with its table index, to the program's own
+    slot of a partial-sum buffer; the slots are reduced afterwards by a fixed-order sum
+    (no atomics: bitwise reproducible);
+  - indices that vary over the tile (a T5 bucket, a relative position, a pair bias):
+    the cotangent tile is scatter-added into a float32 buffer with Triton atomics (a
+    second pass would recompute the whole attention tile, while the atomics touch one
+    address per element); the order of the adds is not fixed, so these differ in their
+    last bits from run to run. With `backward_deterministic`, a program instead sums its
+    tiles into a private row over the table entries its varying axes can reach (a
+    one-hot reduction, for at most DETERMINISTIC_MAX_ENTRIES entries), reduced
+    afterwards like the scalar sums.
 
 The score_mod's own derivative is `jax.vjp` of the mod traced on the tile: no
 hand-written rules.
@@ -31,17 +39,19 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import walk_listed_tiles
-from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels import device, shared_memory
+from pallas_flex.kernels.config import DETERMINISTIC_MAX_ENTRIES, KernelOptions
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, captured_read_positions, score_vjp_on_tile,
-    split_captured_refs)
+    apply_mask_on_tile, captured_inputs, captured_read_positions, captured_read_varying_axes,
+    score_vjp_on_tile, split_captured_refs)
 
 
 def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, mask_program,
@@ -130,6 +140,7 @@ class _Refs:
     dk: object
     dv: object
     grads: list        # per captured score array, its float32 gradient buffer or None
+    partials: list     # per summed site (_SitePlan mode "sum"/"one_hot"): (values, bases)
 
 
 def _walk_order(full_tables, masked_tables, masked_first: bool):
@@ -138,18 +149,77 @@ def _walk_order(full_tables, masked_tables, masked_first: bool):
     return walks[::-1] if masked_first else walks
 
 
+@dataclasses.dataclass(frozen=True)
+class _SitePlan:
+    """How one differentiated read of a captured array accumulates its cotangents.
+
+    mode: "sum" (indices of b and h only: a register sum per program), "one_hot"
+    (deterministic: a register row over the `entries` table entries the varying axes
+    reach) or "atomic" (scatter-added into the float32 gradient buffer). `offsets`:
+    the flat table offset of each of the `width` (a power of two >= entries) row
+    slots, relative to the flat index of the read's non-varying axes."""
+    site: int
+    position: int
+    mode: str
+    varying: tuple
+    table_shape: tuple
+    entries: int = 1
+    width: int = 1
+
+    @property
+    def offsets(self):
+        strides = np.cumprod((1,) + self.table_shape[::-1][:-1])[::-1]
+        varying_sizes = [size for size, varies in zip(self.table_shape, self.varying) if varies]
+        varying_strides = [stride for stride, varies in zip(strides, self.varying) if varies]
+        offsets = np.zeros(self.width, np.int64)
+        for entry in range(self.entries):
+            digits = np.unravel_index(entry, varying_sizes) if varying_sizes else ()
+            offsets[entry] = sum(int(d) * int(st) for d, st in zip(digits, varying_strides))
+        return offsets
+
+
+def _flat_index(indices, shape, axes):
+    """Row-major flat index over `axes` of an array of `shape` (scalar int32)."""
+    flat = jnp.int32(0)
+    if not indices:  # a 0-d array
+        return flat
+    for axis in axes:
+        index = indices[axis]
+        if jnp.ndim(index):  # the same value across the tile: any element
+            index = jnp.max(index)
+        flat = flat * jnp.int32(shape[axis]) + index.astype(jnp.int32)
+    return flat
+
+
+def _one_hot_row(plan: _SitePlan, cotangent, indices):
+    """[width]: the sum of `cotangent` (a tile) over the elements whose varying indices
+    reach each table entry."""
+    entry = jnp.zeros(jnp.shape(cotangent), jnp.int32)
+    for axis, varies in enumerate(plan.varying):
+        if varies:
+            entry = entry * jnp.int32(plan.table_shape[axis]) + indices[axis]
+    slots = lax.broadcasted_iota(jnp.int32, (plan.width,), 0)
+    row = jnp.zeros((plan.width,), jnp.float32)
+    for value in range(plan.entries):
+        total = jnp.sum(jnp.where(entry == value, cotangent, 0.0))
+        row = jnp.where(slots == value, total, row)
+    return row
+
+
 def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
-                differentiable_sites, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
+                site_plans, scale, q_len, kv_len, block_q, block_kv, mask_block_q,
                 mask_block_kv, broadcast_batch, broadcast_heads, group, masked_first,
-                interpret):
+                partial_slot, interpret):
     """dQ of one query tile of query head `member` of the KV head's group, walking the
-    KV tables like the forward; also scatter-adds the gradients of captured score
-    arrays."""
+    KV tables like the forward; also accumulates the gradients of captured score arrays
+    (see the module docstring), writing register sums to row `partial_slot` of the
+    partial-sum buffers."""
     head = kv_head * group + member
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
     mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
-    precision = online_softmax.dot_precision(refs.q.dtype)
+    precision = online_softmax.dot_precision(refs.q.dtype, interpret)
+    summed = [plan for plan in site_plans if plan.mode != "atomic"]
 
     rows = pl.ds(q_tile * block_q, block_q)
     q = refs.q[rows, member, :]
@@ -159,7 +229,8 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
     q_idx = jnp.minimum(q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0),
                         q_len - 1)
 
-    def visit_tile(kv_start, d_q, masked):
+    def visit_tile(kv_start, carry, masked):
+        d_q, sums, bases = carry
         k = refs.k[pl.ds(kv_start, block_kv), :]
         v = refs.v[pl.ds(kv_start, block_kv), :]
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
@@ -170,36 +241,54 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
             kv_len=kv_len, mask_block_kv=mask_block_kv, precision=precision)
         d_scores, site_cotangents = _tile_score_gradients(
             probabilities, v, d_out, delta, score_vjp, precision=precision)
-        for site in differentiable_sites:
-            position, indices = sites[site]
-            _scatter_add(refs.grads[position], indices,
-                         site_cotangents[site].astype(jnp.float32), interpret)
-        return d_q + lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=jnp.float32, precision=precision)
+        new_sums, new_bases = [], []
+        for plan in site_plans:
+            _, indices = sites[plan.site]
+            cotangent = site_cotangents[plan.site].astype(jnp.float32)
+            if plan.mode == "atomic":
+                _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
+                continue
+            fixed_axes = [axis for axis, varies in enumerate(plan.varying) if not varies]
+            new_bases.append(_flat_index(indices, plan.table_shape, fixed_axes))
+            if plan.mode == "sum":
+                new_sums.append(sums[len(new_sums)] + jnp.sum(cotangent))
+            else:
+                new_sums.append(sums[len(new_sums)] + _one_hot_row(plan, cotangent, indices))
+        d_q = d_q + lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                    preferred_element_type=jnp.float32, precision=precision)
+        return d_q, tuple(new_sums), tuple(new_bases)
 
-    def walk(num_blocks_ref, indices_ref, d_q, masked):
+    def walk(num_blocks_ref, indices_ref, carry, masked):
         return walk_listed_tiles(
             num_blocks_ref, indices_ref, (table_batch, table_head, mask_row),
             mask_block=mask_block_kv, tile=block_kv,
-            visit=lambda start, d_q: visit_tile(start, d_q, masked), state=d_q)
+            visit=lambda start, carry: visit_tile(start, carry, masked), state=carry)
 
     kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices = refs.kv_tables
-    d_q = jnp.zeros(q.shape, jnp.float32)
+    carry = (jnp.zeros(q.shape, jnp.float32),
+             tuple(jnp.float32(0) if plan.mode == "sum" else
+                   jnp.zeros((plan.width,), jnp.float32) for plan in summed),
+             tuple(jnp.int32(0) for _ in summed))
     for num_blocks_ref, indices_ref, masked in _walk_order(
             (full_kv_num_blocks, full_kv_indices), (kv_num_blocks, kv_indices), masked_first):
-        d_q = walk(num_blocks_ref, indices_ref, d_q, masked=masked)
+        carry = walk(num_blocks_ref, indices_ref, carry, masked=masked)
+    d_q, sums, bases = carry
     refs.dq[rows, member, :] = (d_q * scale).astype(refs.dq.dtype)
+    for slot, (total, base) in enumerate(zip(sums, bases)):
+        values_ref, bases_ref = refs.partials[slot]
+        values_ref[partial_slot, :] = jnp.reshape(total, (values_ref.shape[1],))
+        bases_ref[partial_slot, :] = jnp.full((1,), base, jnp.int32)
 
 
 def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_program, scale,
                   q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
-                  broadcast_batch, broadcast_heads, group, masked_first):
+                  broadcast_batch, broadcast_heads, group, masked_first, interpret):
     """dK and dV of one KV tile, summed over the query heads of its GQA group: for each
     of them, walks the transposed tables (the query blocks of its KV block). Summing
     here, in float32 registers, spares a [B, S, Hq, D] float32 output and its sum."""
     table_batch = 0 if broadcast_batch else batch
     mask_column = lax.div(kv_tile, jnp.int32(mask_block_kv // block_kv))
-    precision = online_softmax.dot_precision(refs.q.dtype)
+    precision = online_softmax.dot_precision(refs.q.dtype, interpret)
 
     rows = pl.ds(kv_tile * block_kv, block_kv)
     k = refs.k[rows, :]
@@ -275,21 +364,59 @@ def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unp
         dq_program = program - num_kv_tiles
         q_tile = num_q_tiles - 1 - lax.div(dq_program, jnp.int32(group))
         member = lax.rem(dq_program, jnp.int32(group))
+        # This dQ program's row of the partial-sum buffers.
+        partial_slot = dq_program + (num_q_tiles * group) * (kv_head
+                                                             + pl.num_programs(1) * batch)
         pl.when(program >= num_kv_tiles)(
-            lambda: _dq_program(q_tile, member, kv_head, batch, refs, **dq_settings))
+            lambda: _dq_program(q_tile, member, kv_head, batch, refs,
+                                partial_slot=partial_slot, **dq_settings))
 
 
-def _differentiable_sites(score_program, wanted=None):
-    """(indices of the score_mod's reads that need gradients, positions of the captured
-    arrays they read): reads of floating captured arrays that are differentiated."""
+def _site_plans(score_program, wanted=None, deterministic=False) -> tuple:
+    """A _SitePlan per read of a captured array that needs a gradient: reads of floating
+    captured arrays that are differentiated (`wanted`: one bool per captured array, None
+    = all)."""
     if score_program is None:
-        return (), ()
+        return ()
     positions = captured_read_positions(score_program)
+    varying_axes = captured_read_varying_axes(score_program)
     wanted = wanted if wanted is not None else [True] * len(score_program.consts)
-    floating = [jnp.issubdtype(c.dtype, jnp.floating) and want
-                for c, want in zip(score_program.consts, wanted)]
-    sites = tuple(i for i, position in enumerate(positions) if floating[position])
-    return sites, tuple(sorted({positions[i] for i in sites}))
+    plans = []
+    for site, (position, varying) in enumerate(zip(positions, varying_axes)):
+        array = score_program.consts[position]
+        if not (jnp.issubdtype(array.dtype, jnp.floating) and wanted[position]):
+            continue
+        shape = tuple(jnp.shape(array)) or (1,)
+        varying = tuple(varying) or (False,)
+        if not any(varying):
+            plans.append(_SitePlan(site, position, "sum", varying, shape))
+        elif not deterministic:
+            plans.append(_SitePlan(site, position, "atomic", varying, shape))
+        else:
+            entries = int(np.prod([size for size, v in zip(shape, varying) if v]))
+            if entries > DETERMINISTIC_MAX_ENTRIES:
+                raise ValueError(
+                    f"kernel_options['backward_deterministic'] is True, but score_mod "
+                    f"{score_program.name!r} reads its captured array #{position} (shape "
+                    f"{shape}) at a per-element index reaching {entries} entries, more than "
+                    f"the {DETERMINISTIC_MAX_ENTRIES} a deterministic gradient handles; "
+                    "leave backward_deterministic off for this array")
+            plans.append(_SitePlan(site, position, "one_hot", varying, shape, entries,
+                                   max(1, 1 << (entries - 1).bit_length())))
+    return tuple(plans)
+
+
+def _reduce_partials(plan: _SitePlan, values, bases, size: int):
+    """The flat [size] gradient from per-program partial rows: values [P, width] at flat
+    indices bases [P, 1] + plan.offsets. A fixed-order sum (a compare-and-select reduce,
+    no scatter: XLA's scatter-add on the GPU uses atomics)."""
+    flat = (bases + jnp.asarray(plan.offsets, jnp.int32)[None, :]).reshape(-1)
+    values = values.reshape(-1)
+    if plan.width != plan.entries:  # padded slots hold zeros
+        keep = np.tile(np.arange(plan.width) < plan.entries, values.shape[0] // plan.width)
+        values = jnp.where(jnp.asarray(keep), values, 0.0)
+    return jnp.sum(jnp.where(flat[:, None] == jnp.arange(size, dtype=jnp.int32)[None, :],
+                             values[:, None], 0.0), axis=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -360,15 +487,32 @@ def _launch_parameters(warps: int, stages: int, owned_rows: int):
     return warps, stages
 
 
+def _fit_to_shared_memory(options: KernelOptions, launch: _Launch, site_plans):
+    """options with the backward's tiles and stages fitted to the shared-memory budget,
+    counting the scratch of captured arrays read (and differentiated) per element."""
+    block_mask, score_program = launch.block_mask, launch.score_program
+    differentiated = {plan.position for plan in site_plans if plan.mode != "sum"}
+    reads = shared_memory.mod_reads(block_mask.mask_mod, score_program, differentiated)
+    estimate = functools.partial(
+        shared_memory.backward_options_bytes, dtype=launch.q.dtype,
+        head_dim=launch.q.shape[3], value_dim=launch.v.shape[3],
+        mask_block=block_mask.block_size, reads=reads)
+    return shared_memory.fit(options, estimate, device.shared_memory_budget(),
+                             kernel="backward")
+
+
 def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bool,
                        wanted_const_grads=None):
     """(dQ [B, Sq_padded, Hq, D_padded], {position among the score_mod's captured
-    arrays: float32 gradient}, dK [B, Skv_padded, Hkv, D_padded], dV [..., Dv_padded])."""
+    arrays: float32 flat gradient}, dK [B, Skv_padded, Hkv, D_padded], dV [..., Dv_padded])."""
     q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
     batch, padded_q_len, q_heads, padded_dim = q.shape
     padded_kv_len, kv_heads, padded_value_dim = k.shape[1], k.shape[2], v.shape[3]
     group = q_heads // kv_heads
     block_mask, score_program = launch.block_mask, launch.score_program
+    site_plans = _site_plans(score_program, wanted_const_grads,
+                             deterministic=options.backward_deterministic)
+    options = _fit_to_shared_memory(options, launch, site_plans)
     mask_block_q, mask_block_kv = block_mask.block_size
     dq_block_q = min(options.backward_block_q, mask_block_q)
     dq_block_kv = min(options.backward_block_kv, mask_block_kv)
@@ -378,11 +522,19 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
 
     mask_inputs = captured_inputs(block_mask.mask_mod)
     score_inputs = captured_inputs(score_program)
-    sites, grad_positions = _differentiable_sites(score_program, wanted_const_grads)
-    # Gradient buffers, one per captured array that gets one, zero-initialised through
+    atomic_positions = tuple(sorted({plan.position for plan in site_plans
+                                     if plan.mode == "atomic"}))
+    summed_plans = [plan for plan in site_plans if plan.mode != "atomic"]
+    # Gradient buffers of the atomically accumulated arrays, zero-initialised through
     # input/output aliasing (kernel outputs start uninitialised).
     grad_buffers = [jnp.zeros(score_inputs[position].shape, jnp.float32)
-                    for position in grad_positions]
+                    for position in atomic_positions]
+    # Partial sums: every dQ program writes its own row, so no initialisation.
+    num_dq_programs = num_q_tiles * group * kv_heads * batch
+    partial_shapes = []
+    for plan in summed_plans:
+        partial_shapes += [jax.ShapeDtypeStruct((num_dq_programs, plan.width), jnp.float32),
+                           jax.ShapeDtypeStruct((num_dq_programs, 1), jnp.int32)]
 
     # Grid (program, KV head, batch): a program sees its KV head's K/V and the query
     # rows of the heads of its group.
@@ -406,9 +558,9 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     # Which blocks of a row both program kinds walk first is a tuning choice
     # (KernelOptions.backward_masked_first, by head dim in kernels/config.py).
     settings = dict(launch.kernel_settings, group=group,
-                    masked_first=options.backward_masked_first)
+                    masked_first=options.backward_masked_first, interpret=interpret)
     dq_settings = dict(settings, block_q=dq_block_q, block_kv=dq_block_kv,
-                       differentiable_sites=sites, interpret=interpret)
+                       site_plans=site_plans)
     dkdv_settings = dict(settings, block_q=dkdv_block_q, block_kv=dkdv_block_kv)
 
     def run(first_program, num_programs, with_dq, with_dkdv, warps, stages, name):
@@ -422,9 +574,10 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             out_specs += [kv_head_spec(padded_kv_len, padded_dim),
                           kv_head_spec(padded_kv_len, padded_value_dim)]
         buffers = grad_buffers if with_dq else []
-        out_shape += [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers]
-        out_specs += [whole] * len(buffers)
-        num_outputs_before_buffers = len(out_shape) - len(buffers)
+        partials = partial_shapes if with_dq else []
+        num_outputs_before_buffers = len(out_shape)
+        out_shape += [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers] + partials
+        out_specs += [whole] * (len(buffers) + len(partials))
 
         def unpack(refs):
             (q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref), rest = refs[:6], refs[6:]
@@ -436,12 +589,14 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             dk_ref, dv_ref = outputs[int(with_dq):int(with_dq) + 2] if with_dkdv else (None,
                                                                                        None)
             grads = [None] * len(score_inputs)
-            for slot, position in enumerate(grad_positions if with_dq else ()):
+            for slot, position in enumerate(atomic_positions if with_dq else ()):
                 grads[position] = outputs[num_outputs_before_buffers + slot]
+            partial_refs = outputs[num_outputs_before_buffers + len(buffers):]
             return _Refs(q=q_ref, k=k_ref, v=v_ref, d_out=d_out_ref, lse_log2=lse_ref,
                          delta=delta_ref, kv_tables=kv_tables, q_tables=q_tables,
                          mask=mask_refs, score=score_refs, dq=dq_ref, dk=dk_ref, dv=dv_ref,
-                         grads=grads)
+                         grads=grads, partials=[partial_refs[i:i + 2] for i in
+                                                range(0, len(partial_refs), 2)])
 
         kernel = functools.partial(
             _backward_kernel, num_kv_tiles=num_kv_tiles, num_q_tiles=num_q_tiles,
@@ -462,24 +617,33 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             name=name,
         )(*inputs, *buffers)
 
-    def unpack_grads(buffers):
-        return {position: buffer for position, buffer in zip(grad_positions, buffers)}
+    def gradients(outputs):
+        """{position: flat float32 gradient} from the atomic buffers and partial sums."""
+        buffers, partials = outputs[:len(grad_buffers)], outputs[len(grad_buffers):]
+        grads = {position: buffer.reshape(-1)
+                 for position, buffer in zip(atomic_positions, buffers)}
+        for plan, values, bases in zip(summed_plans, partials[0::2], partials[1::2]):
+            size = int(np.prod(plan.table_shape))
+            total = _reduce_partials(plan, values, bases, size)
+            grads[plan.position] = grads[plan.position] + total if plan.position in grads \
+                else total
+        return grads
 
     if FUSED_LAUNCH and group == 1:
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))
-        d_q, d_k, d_v, *buffers = run(0, num_kv_tiles + num_q_tiles, True, True, warps,
+        d_q, d_k, d_v, *outputs = run(0, num_kv_tiles + num_q_tiles, True, True, warps,
                                       stages, "flex_attention_backward")
-        return d_q, unpack_grads(buffers), d_k, d_v
+        return d_q, gradients(outputs), d_k, d_v
     d_k, d_v = run(0, num_kv_tiles, False, True, *_launch_parameters(
         options.backward_dkdv_num_warps or options.backward_num_warps,
         options.backward_dkdv_num_stages or options.backward_num_stages, dkdv_block_kv),
         "flex_attention_backward_dkdv")
-    d_q, *buffers = run(num_kv_tiles, num_q_tiles * group, True, False, *_launch_parameters(
+    d_q, *outputs = run(num_kv_tiles, num_q_tiles * group, True, False, *_launch_parameters(
         options.backward_num_warps, options.backward_num_stages, dq_block_q),
         "flex_attention_backward_dq")
-    return d_q, unpack_grads(buffers), d_k, d_v
+    return d_q, gradients(outputs), d_k, d_v
 
 
 def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, *,
@@ -489,7 +653,11 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
 
     d_score_consts has one entry per captured array of `score_program`: None for arrays
     that are not floating point or not in `wanted_const_grads` (one bool per captured
-    array; None = all), which get no gradient.
+    array; None = all), which get no gradient. `out` is best given unrounded (float32)
+    when captured arrays are differentiated: their gradients sum dS over whole rows,
+    and delta = rowsum(dO * out) from a rounded `out` leaves each row's dS summing to
+    the rounding error instead of 0, which sums over positions in the thousands for an
+    ALiBi slope (see `pallas_flex.api`).
     """
     q_len, head_dim = q.shape[1], q.shape[3]
     kv_len, value_dim = k.shape[1], v.shape[3]

@@ -35,6 +35,13 @@ class KernelOptions:
       page size, measured on the H100).
     backward_masked_first: the backward's programs walk a row's (or column's) masked
       blocks before its full ones (PyTorch's order) instead of after them.
+    backward_deterministic: gradients of arrays a score_mod captured are bitwise equal
+      from run to run. Arrays read at indices that depend on b and h only (ALiBi
+      slopes) always are (each program writes its own partial sum); arrays read at a
+      per-element index (a T5 bucket) are scatter-added with atomics unless this is
+      True, in which case each program sums its tile into a private table row by a
+      one-hot reduction (tables of at most `DETERMINISTIC_MAX_ENTRIES` entries along
+      the axes that vary over a tile; larger ones are a ValueError).
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
       Mosaic GPU kernel (`kernels/forward_mosaic.py`) on Hopper for the calls it covers,
       else the Triton one; "mosaic": the Mosaic GPU kernel, a ValueError saying why if
@@ -64,6 +71,10 @@ class KernelOptions:
     paged_num_stages: int = 0
     backward_masked_first: bool = True
     forward_kernel: str = "auto"
+    backward_deterministic: bool = False
+    # The fields the user set: the kernels shrink the others to fit the GPU's shared
+    # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
+    given: frozenset = frozenset()
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -95,6 +106,9 @@ _HOPPER_FORWARD = {
 
 
 FORWARD_KERNELS = ("auto", "mosaic", "triton")
+# backward_deterministic: the most table entries along the axes a per-element read varies
+# over that a program's one-hot reduction handles (its cost grows with them).
+DETERMINISTIC_MAX_ENTRIES = 64
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages"})
 
@@ -116,7 +130,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if not isinstance(kernel_options, dict):
         raise ValueError(f"kernel_options must be a dict or KernelOptions, got "
                          f"{type(kernel_options).__name__}")
-    known = {field.name for field in dataclasses.fields(KernelOptions)}
+    known = {field.name for field in dataclasses.fields(KernelOptions)} - {"given"}
     unknown = set(kernel_options) - known
     if unknown:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "
@@ -138,15 +152,16 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if kernel_options.get("forward_kernel", "auto") not in FORWARD_KERNELS:
         raise ValueError(f"kernel_options['forward_kernel'] must be one of {FORWARD_KERNELS}, "
                          f"got {kernel_options['forward_kernel']!r}")
-    if not isinstance(kernel_options.get("backward_masked_first", True), bool):
-        raise ValueError(f"kernel_options['backward_masked_first'] must be a bool, got "
-                         f"{kernel_options['backward_masked_first']!r}")
+    for name in ("backward_masked_first", "backward_deterministic"):
+        if not isinstance(kernel_options.get(name, True), bool):
+            raise ValueError(f"kernel_options[{name!r}] must be a bool, got "
+                             f"{kernel_options[name]!r}")
     for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
                  "decode_num_warps"):
         count = kernel_options.get(name, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")
-    options = options.replace(**kernel_options)
+    options = options.replace(**kernel_options, given=frozenset(kernel_options))
     # Tile settings are the Triton kernel's: a user who tunes them wants that kernel.
     if "forward_kernel" not in kernel_options and TRITON_FORWARD_FIELDS & set(kernel_options):
         options = options.replace(forward_kernel="triton")

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
@@ -46,7 +46,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                    full_kv_num_blocks_ref, full_kv_indices_ref, *refs, mask_program,
                    score_program, scale, q_len, kv_len, rows, heads_per_program, group,
                    block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
-                   dim_chunks, value_chunks, page_size, mask_every_tile):
+                   dim_chunks, value_chunks, page_size, mask_every_tile, interpret):
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
@@ -57,7 +57,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     first_head = program_head * heads_per_program
     kv_head = lax.div(first_head, jnp.int32(group))
     table_index = (0 if broadcast_batch else batch, 0 if broadcast_heads else program_head, 0)
-    precision = online_softmax.dot_precision(q_ref.dtype)
+    precision = online_softmax.dot_precision(q_ref.dtype, interpret)
     padded_rows = q_ref.shape[0]
 
     # Row r holds query head first_head + r // Sq at position r % Sq; padded rows repeat
@@ -145,9 +145,25 @@ def _merge_splits(partial_out, partial_lse):
     return out, lse
 
 
+def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int, *, dtype,
+                          query_rows: int, head_dim: int, value_dim: int, reads):
+    """(block_kv, num_stages) fitted to the shared-memory budget, keeping the user's
+    decode_block_kv / decode_num_stages."""
+    def estimate(block_kv, num_stages):
+        return shared_memory.forward_bytes(
+            dtype=dtype, head_dim=head_dim, value_dim=value_dim, block_q=query_rows,
+            block_kv=block_kv, num_stages=num_stages, reads=reads)
+
+    return shared_memory.fit_streaming(
+        block_kv, num_stages, estimate, device.shared_memory_budget(), kernel="decode",
+        block_kv_given=options.decode_block_kv != 0,
+        stages_given=options.decode_num_stages != 0)
+
+
 def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: KernelOptions,
-                interpret: bool, page_table=None, lengths=None):
-    """(out [B, Sq, Hq, Dv] in q's dtype, lse [B, Hq, Sq] float32) for short Sq.
+                interpret: bool, page_table=None, lengths=None, out_dtype=None):
+    """(out [B, Sq, Hq, Dv] in out_dtype (default q's), lse [B, Hq, Sq] float32) for
+    short Sq.
 
     Contiguous: k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], Skv = the BlockMask's KV_LEN.
     Paged: k [num_pages, Hkv, page_size, D] (v likewise), page_table [B, max_pages] int32
@@ -189,6 +205,15 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     block_kv = options.decode_block_kv or default_tile
     block_kv = min(block_kv, mask_block_kv)
 
+    num_stages = options.decode_num_stages
+    if not num_stages:  # measured on the H100: see KernelOptions
+        tile_bytes = block_kv * (padded_dim + padded_value_dim) * k.dtype.itemsize
+        num_stages = 3 if not paged and 3 * tile_bytes <= 200 * 1024 else 2
+    block_kv, num_stages = _fit_to_shared_memory(
+        options, block_kv, num_stages, dtype=q.dtype, query_rows=padded_rows,
+        head_dim=tile_extent(padded_dim), value_dim=padded_value_dim,
+        reads=shared_memory.mod_reads(block_mask.mask_mod, score_program))
+
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
@@ -196,11 +221,6 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     if interpret and not options.decode_num_splits:
         num_splits = min(num_splits, 4)  # the interpreter runs programs one by one
     num_splits = max(1, min(num_splits, block_mask.num_blocks[1] * (mask_block_kv // block_kv)))
-
-    num_stages = options.decode_num_stages
-    if not num_stages:  # measured on the H100: see KernelOptions
-        tile_bytes = block_kv * (padded_dim + padded_value_dim) * k.dtype.itemsize
-        num_stages = 3 if not paged and 3 * tile_bytes <= 200 * 1024 else 2
 
     # [B, Sq, Hq, D] -> [B, programs, rows, D], rows ordered (head in group, position).
     q_rows = q.reshape(batch, q_len, num_head_programs, heads_per_program, head_dim)
@@ -219,7 +239,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         broadcast_batch=mask_batch == 1, broadcast_heads=broadcast_heads,
         num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), page_size=page_size,
-        mask_every_tile=kv_len % block_kv != 0)
+        mask_every_tile=kv_len % block_kv != 0, interpret=interpret)
     whole = pl.no_block_spec
     partial_out, partial_lse = pl.pallas_call(
         kernel,
@@ -243,4 +263,4 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     out = out.reshape(batch, num_head_programs, heads_per_program, q_len, value_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, value_dim)
     lse = lse.reshape(batch, q_heads, q_len)
-    return out.astype(q.dtype), lse
+    return out.astype(out_dtype or q.dtype), lse

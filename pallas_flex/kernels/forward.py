@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import forward_mosaic, online_softmax
+from pallas_flex.kernels import device, forward_mosaic, online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
@@ -32,7 +32,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
-                    group=1, paged=None):
+                    interpret, group=1, paged=None):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables."""
@@ -46,7 +46,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     table_batch = 0 if broadcast_batch else batch
     table_head = 0 if broadcast_heads else head
     mask_row = lax.div(q_tile, jnp.int32(mask_block_q // block_q))
-    precision = online_softmax.dot_precision(q_ref.dtype)
+    precision = online_softmax.dot_precision(q_ref.dtype, interpret)
 
     q = q_ref[...] if paged is None else None  # [block_q, D]
     q_idx = q_tile * block_q + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0)
@@ -142,14 +142,32 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
 SCALE_IN_EXPONENT = True
 
 
+def _fit_to_shared_memory(options: KernelOptions, q, v, block_mask, score_program, *,
+                          page_size):
+    """options with the Triton forward's tiles and stages fitted to the shared-memory
+    budget (on a paged cache, num_stages is the paged depth for its page size)."""
+    if page_size is not None:
+        given = options.given | ({"num_stages"} if "paged_num_stages" in options.given
+                                 else set())
+        options = options.replace(num_stages=paged_forward_stages(options, page_size),
+                                  given=frozenset(given))
+    reads = shared_memory.mod_reads(block_mask.mask_mod, score_program)
+    estimate = functools.partial(
+        shared_memory.forward_options_bytes, dtype=q.dtype,
+        head_dim=padded_head_dim(q.shape[3]), value_dim=padded_head_dim(v.shape[3]),
+        mask_block=block_mask.block_size, reads=reads)
+    return shared_memory.fit(options, estimate, device.shared_memory_budget(),
+                             kernel="forward")
+
+
 def _reverse(tile, num_tiles):
     return num_tiles - 1 - tile
 
 
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                            options: KernelOptions, interpret: bool, page_table=None,
-                           lengths=None):
-    """out [B, Sq, Hq, Dv] (q's dtype) and lse [B, Hq, Sq] (float32) of FlexAttention.
+                           lengths=None, out_dtype=None):
+    """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32).
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
@@ -157,14 +175,22 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     place through page_table [B, max_pages] (-1 = none), positions >= lengths[b] masked;
     Skv is the BlockMask's (logical) KV_LEN. Its *full* blocks must lie below lengths[b]
     (`paged_flex_attention` clips the BlockMask so): only partial tiles check lengths.
+    out_dtype: float32 keeps the output unrounded (the backward's residual when a
+    captured array is differentiated; only the Triton kernel writes it).
     """
     paged = page_table is not None
+    out_dtype = jnp.dtype(out_dtype or q.dtype)
     # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests); the
     # Mosaic kernel's interpret mode is asked for by name.
     named = options.forward_kernel == "mosaic"
     if named or (options.forward_kernel == "auto" and not interpret):
         reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
                                                    interpret=interpret, paged=paged)
+        if reason is None and out_dtype != q.dtype:
+            reason = f"a {out_dtype} output (it writes the inputs' dtype)"
+        if reason is None and not interpret and not device.mosaic_allowed():
+            reason = (f"a shared-memory budget of {device.shared_memory_budget() // 1024} KiB "
+                      f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
         if named and reason is not None:
             raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
                              f"GPU forward kernel does not take this call: {reason}")
@@ -172,6 +198,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
             return forward_mosaic.flex_attention_forward_mosaic(
                 q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
                 page_table=page_table, lengths=lengths)
+    options = _fit_to_shared_memory(options, q, v, block_mask, score_program,
+                                    page_size=k.shape[2] if paged else None)
     batch, q_len, q_heads, head_dim = q.shape
     kv_heads, value_dim = k.shape[1 if paged else 2], v.shape[3]
     kv_len = block_mask.shape[3]
@@ -213,7 +241,7 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
-        paged=paged_config)
+        paged=paged_config, interpret=interpret)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
@@ -225,7 +253,7 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, _reverse(i, num_q_tiles))),
     ]
     out_shape = [
-        jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, padded_value_dim), q.dtype),
+        jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, padded_value_dim), out_dtype),
         jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
     ]
     out, lse = pl.pallas_call(
@@ -236,8 +264,7 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(
             num_warps=options.num_warps,
-            num_stages=paged_forward_stages(options, paged_config[0]) if paged
-            else options.num_stages),
+            num_stages=options.num_stages),
         interpret=interpret,
         name="flex_attention_forward_paged" if paged else "flex_attention_forward",
     )(q, k, v, *tables, *paging, *captured)

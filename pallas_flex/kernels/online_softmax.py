@@ -47,9 +47,18 @@ def finalize(state):
     return out, lse
 
 
-def dot_precision(dtype):
-    """float32 inputs get full-precision dots (not TF32); 16-bit inputs need no hint."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+def dot_precision(dtype, interpret: bool = True):
+    """The dot precision of a kernel's tiles: 16-bit inputs need no hint; float32 inputs
+    get float32-accurate dots, not one TF32 pass. In a GPU kernel that is three TF32
+    tensor-core products (TF32_TF32_F32_X3, about 1e-6 relative error): Triton's
+    IEEE float32 dot runs on the CUDA cores, unrolled, which took 30-45 s to compile a
+    forward on the H100 at head dim 128 and spilled registers. Interpret mode and the
+    XLA path (interpret=True) run on XLA's CPU dots, which have no TF32 algorithms."""
+    if jnp.dtype(dtype) != jnp.float32:
+        return None
+    if interpret:
+        return jax.lax.Precision.HIGHEST
+    return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
 
 
 # The same recurrence with the value dimension cut into column chunks (the decode kernel

@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
@@ -81,7 +81,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
     num_listed = block_indices_ref.shape[0]
     past = past_lens_ref[seq]
     block_begin = block_begins_ref[seq]
-    precision = online_softmax.dot_precision(q_ref.dtype)
+    precision = online_softmax.dot_precision(q_ref.dtype, interpret)
 
     # Row r: token first + r // group, query head kv_head * group + r % group.
     row = lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
@@ -236,6 +236,15 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                 jnp.zeros((0, q_heads), jnp.float32))
     group, tokens_per_item, rows, num_items = _work_layout(num_tokens, q_heads, kv_heads,
                                                            past_lens.shape[0])
+
+    def shared_bytes(block_kv, num_stages):
+        return shared_memory.forward_bytes(
+            dtype=query.dtype, head_dim=tile_extent(round_up(head_dim, 16)),
+            value_dim=round_up(value_dim, 16), block_q=tile_extent(rows), block_kv=block_kv,
+            num_stages=num_stages)
+
+    block_kv, num_stages = shared_memory.fit_streaming(
+        block_kv, num_stages, shared_bytes, device.shared_memory_budget(), kernel="ragged")
     num_splits = planned_num_splits(query.shape, key_cache.shape, past_lens.shape[0],
                                     block_indices.shape[0], interpret=interpret,
                                     requested=num_splits, block_kv=block_kv)

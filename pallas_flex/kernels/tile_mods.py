@@ -39,9 +39,10 @@ class CaptureLog:
     def __init__(self, replay_values=None):
         self.replay_values = replay_values
         self.sites = []  # (captured position, index tuple)
+        self.varying = []  # per site, per index: whether it varies over the tile
         self.values = []
 
-    def read(self, captured, indices):
+    def read(self, captured, indices, varying=None):
         if self.replay_values is not None:
             value = self.replay_values[len(self.sites)]
         elif not indices:
@@ -49,6 +50,7 @@ class CaptureLog:
         else:
             value = captured.ref[indices]
         self.sites.append((captured.position, indices))
+        self.varying.append(varying if varying is not None else (False,) * len(indices))
         self.values.append(value)
         return value
 
@@ -76,10 +78,11 @@ class CapturedRef:
         instead of reading outside the buffer.
         """
         indices = [jnp.clip(i, 0, size - 1) for i, size in zip(indices, self.shape)]
+        varying = tuple(jnp.ndim(i) > 0 for i in indices)
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in indices))
         if shape:
             indices = [jnp.broadcast_to(i, shape) for i in indices]
-        return self.log.read(self, tuple(indices))
+        return self.log.read(self, tuple(indices), varying)
 
 
 def _as_array(value, aval):
@@ -354,9 +357,20 @@ def captured_read_sites(program, captured_reads=None):
     """The (captured position, indices) of each read of a captured array when `program`
     runs on a dummy tile ([4, 1] query and [1, 8] key indices) outside any kernel;
     `captured_reads` as for `evaluate_jaxpr_on_tiles` (those reads are not listed)."""
-    if program is None:
-        return []
+    return _dummy_tile_log(program, captured_reads).sites
+
+
+def captured_read_varying_axes(program) -> list[tuple[bool, ...]]:
+    """Per read of a captured array (in program order), per axis of the array: whether
+    its index varies over a tile (depends on q_idx or kv_idx) rather than on b, h and
+    constants only."""
+    return _dummy_tile_log(program, None).varying
+
+
+def _dummy_tile_log(program, captured_reads):
     log = CaptureLog()
+    if program is None:
+        return log
     consts = _captured(program, [_ShapeOnlyRef(jnp.shape(c), c.dtype) for c in program.consts],
                        log)
     args = [jnp.int32(0), jnp.int32(0), jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 8), jnp.int32)]
@@ -364,7 +378,7 @@ def captured_read_sites(program, captured_reads=None):
         args = [jnp.zeros((4, 8), jnp.float32)] + args
     jax.eval_shape(lambda: evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
                                                    captured_reads=captured_reads))
-    return log.sites
+    return log
 
 
 class _ShapeOnlyRef:
@@ -381,5 +395,6 @@ class _ShapeOnlyRef:
 
 
 __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "captured_read_positions", "captured_read_sites", "evaluate_jaxpr_on_tiles",
+           "captured_read_positions", "captured_read_sites", "captured_read_varying_axes",
+           "evaluate_jaxpr_on_tiles",
            "split_captured_refs", "CapturedRef"]

@@ -16,8 +16,9 @@ from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import vmap_mask, vmap_score
 
 
-def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float):
-    """out [B, Sq, Hq, Dv] (q's dtype) and lse [B, Hq, Sq] (float32)."""
+def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
+                        out_dtype=None):
+    """out [B, Sq, Hq, Dv] (out_dtype, default q's) and lse [B, Hq, Sq] (float32)."""
     batch, q_len, q_heads, _ = q.shape
     kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     block_q, block_kv = block_mask.block_size
@@ -72,5 +73,5 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float):
     batches = jnp.arange(batch, dtype=jnp.int32)
     out, lse = jax.vmap(jax.vmap(one_head, in_axes=(None, 0)), in_axes=(0, None))(batches, heads)
     # out [B, Hq, Sq_pad, Dv] -> [B, Sq, Hq, Dv]
-    out = jnp.swapaxes(out, 1, 2)[:, :q_len].astype(q.dtype)
+    out = jnp.swapaxes(out, 1, 2)[:, :q_len].astype(out_dtype or q.dtype)
     return out, lse[:, :, :q_len]

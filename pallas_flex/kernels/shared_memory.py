@@ -1,0 +1,212 @@
+"""How much shared memory a Triton kernel configuration needs, and shrinking one to fit.
+
+Triton keeps in shared memory (measured with `benchmarks/inspect_kernels.py` and against
+the sizes XLA reports when a launch does not fit; `tests/kernels/test_shared_memory.py`
+holds the measured points):
+
+* the operand tiles a program loads before its loop (its own query tile, or its K/V
+  tile in the dK/dV programs), once, and twice for float32: float32 dots run as three
+  TF32 products, and the low halves of wgmma operands are kept beside the high ones;
+* `num_stages` copies of every tile the loop streams (the software pipeline's buffers);
+* layout-conversion scratch for captured arrays read at a per-element index (a T5 bucket,
+  a relative-position table, a pair bias): a [rows, columns] float32 gather result
+  goes through shared memory, two tiles' worth, and three in the dQ programs when the
+  array gets a gradient (its scatter-add converts the cotangent tile too).
+
+Program kinds that share a launch (dQ and dK/dV) share one allocation: the launch needs
+the larger of the two. The estimate errs high (by at most a few KiB on the measured
+points), so a configuration it accepts compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels.tile_mods import captured_read_sites
+
+# Barriers, row statistics and other small buffers of one launch.
+_FIXED_BYTES = 1024
+# wgmma (Hopper tensor cores) needs 64-row operands per warpgroup: smaller tiles run on
+# mma.sync, whose float32 operands are split in registers instead of shared memory.
+_WGMMA_ROWS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ModReads:
+    """How the mods of a call read their captured arrays, as far as shared memory goes.
+
+    tile_reads: reads at a per-element index (an index that varies along both tile
+      axes) in the mask_mod and score_mod; tile_gradients: those of them whose array is
+      differentiated (the dQ programs scatter-add their cotangent tiles)."""
+    tile_reads: int = 0
+    tile_gradients: int = 0
+
+
+def _per_element(indices) -> bool:
+    shape = ()
+    for index in indices:
+        shape = jnp.broadcast_shapes(shape, jnp.shape(index))
+    return len(shape) == 2 and shape[0] > 1 and shape[1] > 1
+
+
+def mod_reads(mask_program, score_program, differentiated=()) -> ModReads:
+    """ModReads of a call; `differentiated`: positions of the score_mod's captured
+    arrays that get gradients."""
+    tile_reads = tile_gradients = 0
+    for program in (mask_program, score_program):
+        for position, indices in captured_read_sites(program):
+            if _per_element(indices):
+                tile_reads += 1
+                if program is score_program and position in differentiated:
+                    tile_gradients += 1
+    return ModReads(tile_reads, tile_gradients)
+
+
+def _operand_copies(dtype, rows: int) -> int:
+    return 2 if jnp.dtype(dtype) == jnp.float32 and rows >= _WGMMA_ROWS else 1
+
+
+def _scratch(rows: int, columns: int, tiles: int) -> int:
+    return tiles * rows * columns * 4
+
+
+def forward_bytes(*, dtype, head_dim: int, value_dim: int, block_q: int, block_kv: int,
+                  num_stages: int, reads: ModReads = ModReads(), query_rows=None) -> int:
+    """Shared memory of the forward (and decode, ragged) kernels: a [block_q, D] query
+    tile held, [block_kv, D + Dv] K/V tiles streamed. `query_rows` overrides block_q for
+    kernels whose query tile is not a square tile (decode: heads x positions)."""
+    size = jnp.dtype(dtype).itemsize
+    rows = block_q if query_rows is None else query_rows
+    held = _operand_copies(dtype, rows) * size * rows * head_dim
+    streamed = num_stages * size * block_kv * (head_dim + value_dim)
+    scratch = _scratch(rows, block_kv, 2 * reads.tile_reads)
+    return held + streamed + scratch + _FIXED_BYTES
+
+
+def backward_bytes(*, dtype, head_dim: int, value_dim: int, dq_tile: tuple[int, int],
+                   dkdv_tile: tuple[int, int], dq_stages: int, dkdv_stages: int,
+                   reads: ModReads = ModReads(), fused: bool = True) -> int:
+    """Shared memory of the backward launch(es): a dQ program holds q and dO tiles and
+    streams K/V; a dK/dV program holds K/V tiles and streams q and dO. fused: both
+    kinds in one launch (the larger of the two); else the larger of two launches,
+    which is the same number."""
+    del fused  # one allocation per launch either way: the larger kind decides
+    size = jnp.dtype(dtype).itemsize
+    width = head_dim + value_dim
+    dq_rows, dq_columns = dq_tile
+    dkdv_rows, dkdv_columns = dkdv_tile  # (query rows walked, KV rows owned)
+    dq = (_operand_copies(dtype, dq_rows) * size * dq_rows * width
+          + dq_stages * size * dq_columns * width
+          + _scratch(dq_rows, dq_columns, 2 * reads.tile_reads + reads.tile_gradients))
+    dkdv = (_operand_copies(dtype, dkdv_columns) * size * dkdv_columns * width
+            + dkdv_stages * size * dkdv_rows * width
+            + _scratch(dkdv_rows, dkdv_columns, 2 * reads.tile_reads))
+    return max(dq, dkdv) + _FIXED_BYTES
+
+
+def effective_backward_stages(stages: int, owned_rows: int) -> int:
+    """The pipelining depth a backward launch runs with (see backward._launch_parameters:
+    programs that own fewer than 128 rows take at most 2 stages)."""
+    return min(stages, 2) if owned_rows < 128 else stages
+
+
+def backward_options_bytes(options: KernelOptions, *, dtype, head_dim: int, value_dim: int,
+                           mask_block: tuple[int, int], reads: ModReads) -> int:
+    dq_tile = (min(options.backward_block_q, mask_block[0]),
+               min(options.backward_block_kv, mask_block[1]))
+    dkdv_tile = (min(options.backward_dkdv_block_q, mask_block[0]),
+                 min(options.backward_dkdv_block_kv, mask_block[1]))
+    stages = options.backward_num_stages
+    dkdv_stages = options.backward_dkdv_num_stages or stages
+    return backward_bytes(
+        dtype=dtype, head_dim=head_dim, value_dim=value_dim, dq_tile=dq_tile,
+        dkdv_tile=dkdv_tile,
+        dq_stages=effective_backward_stages(stages, min(dq_tile[0], dkdv_tile[1])),
+        dkdv_stages=effective_backward_stages(dkdv_stages, dkdv_tile[1]), reads=reads)
+
+
+def forward_options_bytes(options: KernelOptions, *, dtype, head_dim: int, value_dim: int,
+                          mask_block: tuple[int, int], reads: ModReads,
+                          num_stages=None) -> int:
+    return forward_bytes(dtype=dtype, head_dim=head_dim, value_dim=value_dim,
+                         block_q=min(options.block_q, mask_block[0]),
+                         block_kv=min(options.block_kv, mask_block[1]),
+                         num_stages=num_stages or options.num_stages, reads=reads)
+
+
+# The order in which a configuration gives up shared memory: pipelining depth first
+# (down to double buffering), then the streamed tiles, then the held ones, then
+# single buffering, then everything down to the 16-row tensor-core minimum.
+_FORWARD_STEPS = (("num_stages", 2), ("block_kv", 32), ("block_q", 64), ("num_stages", 1),
+                  ("block_kv", 16), ("block_q", 16))
+_BACKWARD_STEPS = (("backward_num_stages", 2), ("backward_dkdv_num_stages", 2),
+                   ("backward_block_kv", 64), ("backward_dkdv_block_q", 64),
+                   ("backward_block_kv", 32), ("backward_dkdv_block_q", 32),
+                   ("backward_block_q", 64), ("backward_dkdv_block_kv", 64),
+                   ("backward_block_q", 32), ("backward_dkdv_block_kv", 32),
+                   ("backward_num_stages", 1), ("backward_dkdv_num_stages", 1),
+                   ("backward_block_kv", 16), ("backward_dkdv_block_q", 16),
+                   ("backward_block_q", 16), ("backward_dkdv_block_kv", 16))
+# Options of each kernel whose values set its shared memory (named in errors).
+FORWARD_FIELDS = ("block_q", "block_kv", "num_stages")
+BACKWARD_FIELDS = ("backward_block_q", "backward_block_kv", "backward_dkdv_block_q",
+                   "backward_dkdv_block_kv", "backward_num_stages", "backward_dkdv_num_stages")
+
+
+def _shrink_step(options: KernelOptions, field: str, floor: int):
+    value = getattr(options, field)
+    if field in options.given or value == 0 or value <= floor:
+        return None
+    if field.endswith("stages"):
+        return options.replace(**{field: value - 1})
+    return options.replace(**{field: max(floor, value // 2)})
+
+
+def fit(options: KernelOptions, estimate, budget: int, *, kernel: str) -> KernelOptions:
+    """`options` with the fields the user did not set shrunk until `estimate(options)`
+    fits `budget` bytes; a ValueError naming the user's settings if it cannot."""
+    steps = _FORWARD_STEPS if kernel == "forward" else _BACKWARD_STEPS
+    fields = FORWARD_FIELDS if kernel == "forward" else BACKWARD_FIELDS
+    while estimate(options) > budget:
+        for field, floor in steps:
+            shrunk = _shrink_step(options, field, floor)
+            if shrunk is not None:
+                options = shrunk
+                break
+        else:
+            given = {field: getattr(options, field) for field in fields
+                     if field in options.given}
+            raise ValueError(
+                f"kernel_options {given} need about {estimate(options) // 1024} KiB of shared "
+                f"memory in the {kernel} kernel, more than the {budget // 1024} KiB this GPU "
+                "has (PALLAS_FLEX_SHARED_MEMORY_KIB sets the budget): give smaller tiles or "
+                "fewer stages, or leave them to the defaults" if given else
+                f"no {kernel} kernel configuration fits {budget // 1024} KiB of shared memory "
+                f"(the smallest needs {estimate(options) // 1024} KiB)")
+    return options
+
+
+def fit_streaming(block_kv: int, num_stages: int, estimate, budget: int, *, kernel: str,
+                  block_kv_given: bool = False, stages_given: bool = False):
+    """(block_kv, num_stages) of a kernel that holds a query tile and streams K/V tiles
+    (decode, ragged), fitted to `budget` bytes of `estimate(block_kv, num_stages)`:
+    stages first (down to 2), then the KV tile (down to 16 rows), then single
+    buffering; values the user gave are kept (a ValueError if they cannot fit)."""
+    while estimate(block_kv, num_stages) > budget:
+        if num_stages > 2 and not stages_given:
+            num_stages -= 1
+        elif block_kv > 16 and not block_kv_given:
+            block_kv //= 2
+        elif num_stages > 1 and not stages_given:
+            num_stages -= 1
+        else:
+            raise ValueError(
+                f"the {kernel} kernel with {block_kv}-row KV tiles and {num_stages} stages "
+                f"needs about {estimate(block_kv, num_stages) // 1024} KiB of shared memory, "
+                f"more than the {budget // 1024} KiB this GPU has "
+                "(PALLAS_FLEX_SHARED_MEMORY_KIB sets the budget): give smaller kernel_options "
+                "or leave them to the defaults")
+    return block_kv, num_stages
