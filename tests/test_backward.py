@@ -265,3 +265,16 @@ def test_launch_parameters_keep_eight_warps_for_128_row_tiles_only():
     assert _launch_parameters(8, 3, 64) == (4, 2)
     assert _launch_parameters(4, 2, 32) == (4, 2)
     assert _launch_parameters(2, 1, 16) == (2, 1)
+
+
+def test_deterministic_option_refuses_tables_scatter_added_with_atomics():
+    q, k, v = random_qkv(3, 1, 40, 40, 2, 2, 16, 16, jnp.float32)
+    table = jnp.zeros((2, 79))  # a relative table [H, 2S-1]: 79 entries per head
+
+    def loss(table):
+        score_mod = lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx - kv_idx + 39]  # noqa: E731
+        return jnp.sum(pf.attention(q, k, v, score_mod=score_mod, backend="interpret",
+                                    kernel_options={"backward_deterministic": True}))
+
+    with pytest.raises(ValueError, match="backward_deterministic"):
+        jax.grad(loss)(table)

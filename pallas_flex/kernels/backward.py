@@ -19,14 +19,18 @@ The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
     the program's walk and written once, with its table index, to the program's own
     slot of a partial-sum buffer; the slots are reduced afterwards by a fixed-order sum
     (no atomics: bitwise reproducible);
-  - indices that vary over the tile (a T5 bucket, a relative position, a pair bias):
-    the cotangent tile is scatter-added into a float32 buffer with Triton atomics (a
-    second pass would recompute the whole attention tile, while the atomics touch one
-    address per element); the order of the adds is not fixed, so these differ in their
-    last bits from run to run. With `backward_deterministic`, a program instead sums its
-    tiles into a private row over the table entries its varying axes can reach (a
-    one-hot reduction, for at most DETERMINISTIC_MAX_ENTRIES entries), reduced
-    afterwards like the scalar sums.
+  - indices that vary over the tile into a small table (a T5 bucket: at most
+    DETERMINISTIC_MAX_ENTRIES entries along the varying axes): a register row per
+    program over those entries, each tile adding its cotangent per entry for the
+    entries it reaches (a one-hot reduction), written and reduced like the scalar sums;
+  - larger tables (a relative table [H, 2S-1], a pair bias [H, S, S]): the cotangent
+    tile is scatter-added into a float32 buffer with Triton atomics (a second pass
+    would recompute the whole attention tile, while the atomics touch one address per
+    element); the order of the adds is not fixed, so these differ in their last bits
+    from run to run (`backward_deterministic` refuses them with a ValueError). On the
+    H100 atomics into a T5 table (32 addresses a head, hit by every element) took
+    fwd+bwd from 18 to 262 ms at B4 H16 S4096 D128; the one-hot rows are what it
+    takes instead.
 
 The score_mod's own derivative is `jax.vjp` of the mod traced on the tile: no
 hand-written rules.
@@ -179,31 +183,36 @@ class _SitePlan:
 
 
 def _flat_index(indices, shape, axes):
-    """Row-major flat index over `axes` of an array of `shape` (scalar int32)."""
+    """The flat (row-major) offset in an array of `shape` of the index on `axes`
+    (scalar int32; the other axes count as 0)."""
     flat = jnp.int32(0)
     if not indices:  # a 0-d array
         return flat
+    strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
     for axis in axes:
         index = indices[axis]
         if jnp.ndim(index):  # the same value across the tile: any element
             index = jnp.max(index)
-        flat = flat * jnp.int32(shape[axis]) + index.astype(jnp.int32)
+        flat = flat + index.astype(jnp.int32) * jnp.int32(strides[axis])
     return flat
 
 
-def _one_hot_row(plan: _SitePlan, cotangent, indices):
-    """[width]: the sum of `cotangent` (a tile) over the elements whose varying indices
-    reach each table entry."""
+def _one_hot_row(plan: _SitePlan, cotangent, indices, row):
+    """row [width] plus, per table entry, the sum of `cotangent` (a tile) over the
+    elements whose varying indices reach it. Only the entries between the tile's least
+    and greatest are visited: a T5 bucket or a clipped relative position takes one or
+    two values on most tiles, a few dozen on the diagonal's."""
     entry = jnp.zeros(jnp.shape(cotangent), jnp.int32)
     for axis, varies in enumerate(plan.varying):
         if varies:
             entry = entry * jnp.int32(plan.table_shape[axis]) + indices[axis]
     slots = lax.broadcasted_iota(jnp.int32, (plan.width,), 0)
-    row = jnp.zeros((plan.width,), jnp.float32)
-    for value in range(plan.entries):
+
+    def add_entry(value, row):
         total = jnp.sum(jnp.where(entry == value, cotangent, 0.0))
-        row = jnp.where(slots == value, total, row)
-    return row
+        return jnp.where(slots == value, row + total, row)
+
+    return lax.fori_loop(jnp.min(entry), jnp.max(entry) + 1, add_entry, row)
 
 
 def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, score_program,
@@ -253,7 +262,7 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
             if plan.mode == "sum":
                 new_sums.append(sums[len(new_sums)] + jnp.sum(cotangent))
             else:
-                new_sums.append(sums[len(new_sums)] + _one_hot_row(plan, cotangent, indices))
+                new_sums.append(_one_hot_row(plan, cotangent, indices, sums[len(new_sums)]))
         d_q = d_q + lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                     preferred_element_type=jnp.float32, precision=precision)
         return d_q, tuple(new_sums), tuple(new_bases)
@@ -390,19 +399,20 @@ def _site_plans(score_program, wanted=None, deterministic=False) -> tuple:
         varying = tuple(varying) or (False,)
         if not any(varying):
             plans.append(_SitePlan(site, position, "sum", varying, shape))
+            continue
+        entries = int(np.prod([size for size, v in zip(shape, varying) if v]))
+        if entries <= DETERMINISTIC_MAX_ENTRIES:
+            plans.append(_SitePlan(site, position, "one_hot", varying, shape, entries,
+                                   max(1, 1 << (entries - 1).bit_length())))
         elif not deterministic:
             plans.append(_SitePlan(site, position, "atomic", varying, shape))
         else:
-            entries = int(np.prod([size for size, v in zip(shape, varying) if v]))
-            if entries > DETERMINISTIC_MAX_ENTRIES:
-                raise ValueError(
-                    f"kernel_options['backward_deterministic'] is True, but score_mod "
-                    f"{score_program.name!r} reads its captured array #{position} (shape "
-                    f"{shape}) at a per-element index reaching {entries} entries, more than "
-                    f"the {DETERMINISTIC_MAX_ENTRIES} a deterministic gradient handles; "
-                    "leave backward_deterministic off for this array")
-            plans.append(_SitePlan(site, position, "one_hot", varying, shape, entries,
-                                   max(1, 1 << (entries - 1).bit_length())))
+            raise ValueError(
+                f"kernel_options['backward_deterministic'] is True, but score_mod "
+                f"{score_program.name!r} reads its captured array #{position} (shape "
+                f"{shape}) at a per-element index reaching {entries} entries, more than "
+                f"the {DETERMINISTIC_MAX_ENTRIES} a deterministic gradient handles (those "
+                "are scatter-added with atomics); leave backward_deterministic off")
     return tuple(plans)
 
 

@@ -35,13 +35,13 @@ class KernelOptions:
       page size, measured on the H100).
     backward_masked_first: the backward's programs walk a row's (or column's) masked
       blocks before its full ones (PyTorch's order) instead of after them.
-    backward_deterministic: gradients of arrays a score_mod captured are bitwise equal
-      from run to run. Arrays read at indices that depend on b and h only (ALiBi
-      slopes) always are (each program writes its own partial sum); arrays read at a
-      per-element index (a T5 bucket) are scatter-added with atomics unless this is
-      True, in which case each program sums its tile into a private table row by a
-      one-hot reduction (tables of at most `DETERMINISTIC_MAX_ENTRIES` entries along
-      the axes that vary over a tile; larger ones are a ValueError).
+    backward_deterministic: gradients of arrays a score_mod captured must be bitwise
+      equal from run to run. Arrays read at indices of b and h only (ALiBi slopes) and
+      small tables read per element (at most `DETERMINISTIC_MAX_ENTRIES` entries along
+      the axes that vary over a tile: a T5 table) always are (each program writes its
+      own partial sums, reduced in a fixed order); larger tables read per element (a
+      relative table [H, 2S-1], a pair bias) are scatter-added with atomics, which this
+      option refuses with a ValueError.
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
       Mosaic GPU kernel (`kernels/forward_mosaic.py`) on Hopper for the calls it covers,
       else the Triton one; "mosaic": the Mosaic GPU kernel, a ValueError saying why if
@@ -106,8 +106,9 @@ _HOPPER_FORWARD = {
 
 
 FORWARD_KERNELS = ("auto", "mosaic", "triton")
-# backward_deterministic: the most table entries along the axes a per-element read varies
-# over that a program's one-hot reduction handles (its cost grows with them).
+# The most table entries along the axes a per-element read varies over that the backward
+# sums in per-program register rows (a one-hot reduction, deterministic) rather than with
+# atomics (see kernels/backward.py).
 DETERMINISTIC_MAX_ENTRIES = 64
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages"})
