@@ -139,11 +139,13 @@ def compile_and_time(function, args, cell):
 
 # ----- plain JAX attention: the accuracy baseline of 16-bit results ----------------------
 
-def plain_attention(q, k, v, mask_mod=None, score_mod=None):
+def plain_attention(q, k, v, mask_mod=None, score_mod=None, bias=None):
     """What plain XLA attention does in q's dtype, as `tests.conftest.dense_low_precision`
     (scores, softmax and p.v rounded to the input dtype; mods see float32 scores), but
     with the mods vmapped over index vectors rather than fed [B, H, Sq, Skv] index
-    constants, so that it also serves S = 4096 (no O(S^2) constants in the program)."""
+    constants, so that it also serves S = 4096 (no O(S^2) constants in the program).
+    `bias` (float32, [H, Sq, Skv]): added to the float32 scores as an additive score_mod
+    `score + bias[h, q_idx, kv_idx]` would be."""
     dtype = q.dtype
     batch, q_len, q_heads, head_dim = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -160,6 +162,8 @@ def plain_attention(q, k, v, mask_mod=None, score_mod=None):
             axes[axis] = 0
             over_all = jax.vmap(over_all, in_axes=tuple(axes))
         scores = over_all(scores.astype(jnp.float32), *indices).astype(dtype)
+    if bias is not None:
+        scores = (scores.astype(jnp.float32) + bias).astype(dtype)
     if mask_mod is not None:
         over_all = mask_mod
         for axis in (3, 2, 1, 0):
@@ -338,7 +342,8 @@ def _group_and_cost(item):
         group = (module, dtype, params["head_dim"])
         cost = {"forward": 1.0, "decode": 1.0}.get(params["op"], 3.0) * scale
     elif "length" in params:  # test_captured_gradients cells
-        group = (module, params["kind"], params["length"], params["mask"])
+        group = (module, params["length"], params["mask"], params["head_dim"],
+                 params["layout"])
         cost = 3.0 * scale
     else:
         group = (item.nodeid,)

@@ -12,9 +12,10 @@ Hq = 8, Sq = Skv = S, where the captured array is
 Each cell checks out, dq, dk, dv and the captured array's gradient of sum(out * d_out):
 the captured gradient float32 within 1e-3 of max|ref|, 16-bit RMSE no worse than twice
 plain JAX's in the same dtype; the rest as tests/gpu/test_dtype_matrix.py. The float64
-values are computed on the device one head at a time (an [8, 4096, 4096] float64
-buffer would be 1 GiB), one jitted program per (array, S, mask, head dim, layout),
-shared by the three dtypes.
+values and the plain-JAX baselines take the mods' additive term as a dense [H, S, S]
+bias, so that one attention program per (S, mask, head dim, layout) serves every kind
+(and, in float64, every dtype); the float64 one runs one head at a time on the device
+(an [8, 4096, 4096] float64 buffer is 1 GiB).
 
 Also: `backward_deterministic` gives bitwise-equal gradients run to run, and a
 `FlexMultiHeadAttention` trains a T5 bias, learnable ALiBi and a pair bias by plain SGD in
@@ -95,14 +96,16 @@ def _score_mod(kind, mask, length, captured):
     raise AssertionError(kind)
 
 
-def _outputs(attention_fn, kind, mask, q, k, v, captured, d_out):
-    """(out, dq, dk, dv, d_captured) of sum(out * d_out): the one computation run by the
-    kernels, in float64 and by plain JAX."""
-    mask_mod = masks.causal_mask if mask == "causal" else None
+def _mask_mod(mask):
+    return masks.causal_mask if mask == "causal" else None
 
+
+def _outputs(attention_fn, kind, mask, q, k, v, captured, d_out):
+    """(out, dq, dk, dv, d_captured) of sum(out * d_out) through `attention_fn(q, k, v,
+    mask_mod, score_mod)`: what the kernels run."""
     def attend(q, k, v, captured):
-        score_mod = _score_mod(kind, mask, q.shape[1], captured)
-        return attention_fn(q, k, v, mask_mod, score_mod)
+        return attention_fn(q, k, v, _mask_mod(mask),
+                            _score_mod(kind, mask, q.shape[1], captured))
 
     out, vjp = jax.vjp(attend, q, k, v, captured)
     return (out, *vjp(d_out))
@@ -113,44 +116,81 @@ def _ours(q, k, v, mask_mod, score_mod, kernel_options=None):
                         kernel_options=kernel_options)
 
 
-def _float64_reference(q, k, v, mask_mod, score_mod):
-    return reference_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)[0]
+# ----- references ------------------------------------------------------------------------
+# The four mods are additive, `score + f(captured)[h, q_idx, kv_idx]`. The float64 value
+# and the plain-JAX baseline take f(captured) as a dense [H, S, S] bias: their attention
+# programs (the costly compiles) then serve every kind, and d_captured is the bias's
+# gradient pulled back through f. The arithmetic is the mods' own: a float32 (float64)
+# bias added to the float32 (float64) score.
+
+def _dense_bias(kind, mask, length, captured):
+    """f(captured) for every (h, q_idx, kv_idx): [H, S, S] in captured's dtype."""
+    score_mod = _score_mod(kind, mask, length, captured)
+    heads = jnp.arange(HEADS, dtype=jnp.int32)
+    positions = jnp.arange(length, dtype=jnp.int32)
+    over_kv = jax.vmap(score_mod, in_axes=(None, None, None, None, 0))
+    over_q = jax.vmap(over_kv, in_axes=(None, None, None, 0, None))
+    over_h = jax.vmap(over_q, in_axes=(None, None, 0, None, None))
+    return over_h(jnp.zeros((), captured.dtype), 0, heads, positions, positions)
 
 
-def _float64_reference_per_head(q, k, v, mask_mod, score_mod):
-    """The dense reference one query head at a time, rematerialized in the backward: a
-    [1, 1, S, S] float64 score matrix at a time (128 MiB at S = 4096) rather than all
-    heads' (1 GiB per buffer, several live in the backward)."""
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _pull_back_bias_gradient(kind, mask, captured, d_bias):
+    _, vjp = jax.vjp(lambda c: _dense_bias(kind, mask, d_bias.shape[-1], c), captured)
+    return vjp(d_bias)[0]
+
+
+_dense_bias_jit = jax.jit(_dense_bias, static_argnums=(0, 1, 2))
+
+
+def _float64_bias_attention(q, k, v, mask_mod, bias):
+    """The dense reference with `score + bias[h, q_idx, kv_idx]`, one query head at a
+    time and rematerialized in the backward: a [1, 1, S, S] float64 score matrix at a
+    time (128 MiB at S = 4096) rather than all heads' (1 GiB per buffer)."""
     group = q.shape[2] // k.shape[2]
 
-    def one_head(h):
+    def one_head(head_and_bias):
+        h, head_bias = head_and_bias
         q_h = jax.lax.dynamic_index_in_dim(q, h, axis=2)
         k_h = jax.lax.dynamic_index_in_dim(k, h // group, axis=2)
         v_h = jax.lax.dynamic_index_in_dim(v, h // group, axis=2)
 
-        def head_mask(b, _, q_idx, kv_idx):
-            return mask_mod(b, h, q_idx, kv_idx)
-
         def head_score(score, b, _, q_idx, kv_idx):
-            return score_mod(score, b, h, q_idx, kv_idx)
+            return score + head_bias[q_idx, kv_idx]
 
-        out, _ = reference_attention(q_h, k_h, v_h,
-                                     mask_mod=None if mask_mod is None else head_mask,
-                                     score_mod=None if score_mod is None else head_score)
+        out, _ = reference_attention(q_h, k_h, v_h, mask_mod=mask_mod, score_mod=head_score)
         return out[:, :, 0]
 
-    out = jax.lax.map(jax.checkpoint(one_head), jnp.arange(q.shape[2], dtype=jnp.int32))
+    heads = jnp.arange(q.shape[2], dtype=jnp.int32)
+    out = jax.lax.map(jax.checkpoint(one_head), (heads, bias))
     return jnp.moveaxis(out, 0, 2)  # [H, B, S, Dv] -> [B, S, H, Dv]
 
 
-def _plain(q, k, v, mask_mod, score_mod):
-    return plain_attention(q, k, v, mask_mod, score_mod)
+def _plain_bias_attention(q, k, v, mask_mod, bias):
+    return plain_attention(q, k, v, mask_mod, bias=bias)
 
 
-# Module-level jits: compiled once per shape, the float64 one shared by the three dtypes.
-_float64_outputs = jax.jit(functools.partial(_outputs, _float64_reference_per_head),
-                           static_argnums=(0, 1))
-_plain_outputs = jax.jit(functools.partial(_outputs, _plain), static_argnums=(0, 1))
+def _bias_outputs(attention_fn, mask, q, k, v, bias, d_out):
+    """(out, dq, dk, dv, d_bias) of sum(out * d_out), the bias dense."""
+    out, vjp = jax.vjp(lambda q, k, v, bias: attention_fn(q, k, v, _mask_mod(mask), bias),
+                       q, k, v, bias)
+    return (out, *vjp(d_out))
+
+
+# Module-level jits: compiled once per (S, mask, head dim, layout), the float64 one shared
+# by the three dtypes and every kind, the plain-JAX one by every kind.
+_float64_outputs = jax.jit(functools.partial(_bias_outputs, _float64_bias_attention),
+                           static_argnums=0)
+_plain_outputs = jax.jit(functools.partial(_bias_outputs, _plain_bias_attention),
+                         static_argnums=0)
+
+
+def _reference_values(attention_outputs, kind, mask, inputs):
+    """(out, dq, dk, dv, d_captured) through a dense-bias attention program."""
+    q, k, v, captured, d_out = inputs
+    bias = _dense_bias_jit(kind, mask, q.shape[1], captured)
+    *values, d_bias = attention_outputs(mask, q, k, v, bias, d_out)
+    return (*values, _pull_back_bias_gradient(kind, mask, captured, d_bias))
 
 
 def _cell_inputs(kind, dtype_name, head_dim, layout, length, mask):
@@ -169,14 +209,16 @@ def _cell_inputs(kind, dtype_name, head_dim, layout, length, mask):
 def _float64_values(kind, mask, inputs):
     """The float64 outputs and gradients, left on the device (the pair bias's is 1 GiB)."""
     with jax.enable_x64(True):
-        return _float64_outputs(kind, mask, *(jnp.asarray(x).astype(jnp.float64)
-                                              for x in inputs))
+        return _reference_values(_float64_outputs, kind, mask, [
+            jnp.asarray(x).astype(jnp.float64) for x in inputs])
 
 
+# Ordered so that the cells sharing reference programs (same S, mask, head dim, layout)
+# are neighbours: conftest's shards keep them together.
 CELLS = [pytest.param(kind, dtype_name, head_dim, layout, length, mask,
                       id=f"{kind}-S{length}-{mask}-d{head_dim}-{layout}-{dtype_name}")
-         for kind, length, mask, head_dim, layout, dtype_name in itertools.product(
-             KINDS, LENGTHS, MASKS, HEAD_DIMS, LAYOUTS, DTYPES)]
+         for length, mask, head_dim, layout, kind, dtype_name in itertools.product(
+             LENGTHS, MASKS, HEAD_DIMS, LAYOUTS, KINDS, DTYPES)]
 
 
 @pytest.mark.gpu
@@ -190,7 +232,7 @@ def test_captured_array_gradient_matches_float64_reference(kind, dtype_name, hea
     expected = _float64_values(kind, mask, inputs)
     baseline = None
     if DTYPES[dtype_name] != jnp.float32:
-        baseline = _plain_outputs(kind, mask, *inputs)
+        baseline = _reference_values(_plain_outputs, kind, mask, inputs)
 
     failures = []
     for index, (name, result) in enumerate(zip(NAMES, results)):
@@ -248,6 +290,14 @@ class PairBias(nnx.Module):
 
     def __call__(self):
         return _score_mod("pair_bias", "causal", None, self.bias[...])
+
+
+def _float64_reference(q, k, v, mask_mod, score_mod):
+    return reference_attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod)[0]
+
+
+def _plain(q, k, v, mask_mod, score_mod):
+    return plain_attention(q, k, v, mask_mod, score_mod)
 
 
 def _bias_module(kind):
