@@ -75,6 +75,9 @@ class KernelOptions:
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
     given: frozenset = frozenset()
+    # The shared-memory budget the call was planned for (kernels/device.py): part of the
+    # options, so a new PALLAS_FLEX_SHARED_MEMORY_KIB is a new jit cache key.
+    shared_memory_budget: int = 0
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -122,7 +125,14 @@ def default_forward_options(head_dim: int) -> KernelOptions:
 
 
 def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
-    """Merges user `kernel_options` (dict or KernelOptions) over the default."""
+    """Merges user `kernel_options` (dict or KernelOptions) over the default, recording
+    the shared-memory budget the call is planned for."""
+    from pallas_flex.kernels.device import shared_memory_budget
+    return _merge_options(kernel_options, head_dim).replace(
+        shared_memory_budget=shared_memory_budget())
+
+
+def _merge_options(kernel_options, head_dim: int) -> KernelOptions:
     options = default_forward_options(head_dim)
     if kernel_options is None:
         return options
@@ -131,7 +141,7 @@ def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     if not isinstance(kernel_options, dict):
         raise ValueError(f"kernel_options must be a dict or KernelOptions, got "
                          f"{type(kernel_options).__name__}")
-    known = {field.name for field in dataclasses.fields(KernelOptions)} - {"given"}
+    known = {field.name for field in dataclasses.fields(KernelOptions)} - {"given", "shared_memory_budget"}
     unknown = set(kernel_options) - known
     if unknown:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "

@@ -21,12 +21,15 @@ Also: `backward_deterministic` gives bitwise-equal gradients run to run, and a
 `FlexMultiHeadAttention` trains a T5 bias, learnable ALiBi and a pair bias by plain SGD in
 each dtype, its first step's bias gradients matching a float64 dense twin of the model.
 
-Runtime estimate (H100; from ~2 s per compiled 16-bit program and ~4 s per float32 one,
-not measured yet): 192 distinct programs, ~510 s; the references' programs compiled on
-the GPU (64 float64, 128 plain-JAX, ~0.5 s each) ~100 s; data and checks ~0.5 s a cell
-(S = 4096: 134M-entry pair-bias gradients) ~100 s; training 9 x ~6 s, determinism
-2 x ~4 s: ~13 min in one process. `make test-gpu` runs this file and
-test_dtype_matrix.py as 6 concurrent shards, ~6-7 min (see the Makefile).
+Runtime estimate (H100). First-call compile seconds measured there with an earlier
+version of this suite running as 6 concurrent shards (benchmarks/results/
+2026-11-24-h100-training-dtypes-and-captured-gradients.json): 8.2 per float32 cell,
+5.2 per 16-bit one: 192 distinct programs, ~1190 s. That version also compiled a
+float64 and a plain-JAX program per cell (~4-6 s a cell); the dense-bias references
+now compile 16 float64 and 32 plain-JAX programs (~130 s), plus small bias programs
+per kind; data and checks ~0.7 s a cell (more at S = 4096); training 9 tests ~75 s,
+determinism ~10 s: ~26 min in one process. `make test-gpu` runs this file and
+test_dtype_matrix.py (~26 min) as 8 concurrent shards, ~7-8 min (see the Makefile).
 
 Select a slice with -k, e.g. `-k "pair_bias-S1024"` ("float16" also matches "bfloat16":
 write `-k "float16 and not bfloat16"`).

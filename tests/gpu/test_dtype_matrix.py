@@ -22,15 +22,18 @@ Also: a budget set between two calls changes the second call's kernels without c
 JAX's caches (`test_budget_change_takes_effect_on_the_next_call`). The cells do not rely
 on it: the suite clears the caches when the budget changes (conftest).
 
-Runtime estimate (H100; from ~2 s per compiled 16-bit program and ~4 s per float32 one,
-not measured yet): tracing every cell on the CPU (kernels planned as for the H100) gives
-346 distinct programs of the 504 (146 float32, 200 16-bit), and ~28 more on the GPU,
-where the device budget's 16-bit forward runs the Mosaic kernel: ~374 compiles, ~1040
-s, plus ~0.3 s a cell of lowering, host-CPU references and checks: ~20 min in one
-process. The other ~130 cells resolve to a program byte for byte identical to an
-earlier budget's and run its executable (`compile_and_time`). `make test-gpu` runs
-this file and test_captured_gradients.py as 6 concurrent shards, ~6-7 min (see the
-Makefile). Measured figures: the records of a run (`PALLAS_FLEX_RESULTS`).
+Runtime estimate (H100). First-call compile seconds measured there with an earlier
+version of this suite running as 6 concurrent shards (benchmarks/results/
+2026-11-24-h100-training-dtypes-and-captured-gradients.json): forward 4.2 (float32) /
+2.7 (16-bit), forward_backward 7.3 / 4.5, decode 2.5 / 1.9. Tracing every cell on the
+CPU (kernels planned as for the H100) gives 346 distinct programs of the 504 (146
+float32, 200 16-bit), and ~28 more on the GPU, where the device budget's 16-bit forward
+runs the Mosaic kernel: ~374 compiles, ~1390 s, plus ~0.3 s a cell of lowering,
+host-CPU references and checks: ~26 min in one process. The other ~130 cells resolve
+to a program byte for byte identical to an earlier budget's and run its executable
+(`compile_and_time`). `make test-gpu` runs this file and test_captured_gradients.py
+(~27 min) as 8 concurrent shards, ~7-8 min (see the Makefile). Measured figures: the
+records of a run (`PALLAS_FLEX_RESULTS`).
 
 Select a slice with -k, e.g. `-k "float32-d128"` or `-k "smem64 and decode"` ("float16"
 also matches "bfloat16": write `-k "float16 and not bfloat16"`).
