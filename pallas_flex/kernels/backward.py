@@ -48,10 +48,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
-from pallas_flex.kernels import device, shared_memory
-from pallas_flex.kernels.config import DETERMINISTIC_MAX_ENTRIES, KernelOptions
+from pallas_flex.kernels.config import DETERMINISTIC_MAX_ENTRIES, KernelOptions, planned_shared_memory
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, captured_inputs, captured_read_positions, captured_read_varying_axes,
@@ -507,7 +506,7 @@ def _fit_to_shared_memory(options: KernelOptions, launch: _Launch, site_plans):
         shared_memory.backward_options_bytes, dtype=launch.q.dtype,
         head_dim=launch.q.shape[3], value_dim=launch.v.shape[3],
         mask_block=block_mask.block_size, reads=reads)
-    return shared_memory.fit(options, estimate, device.shared_memory_budget(),
+    return shared_memory.fit(options, estimate, planned_shared_memory(options),
                              kernel="backward")
 
 

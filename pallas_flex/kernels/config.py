@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pallas_flex.kernels.device import shared_memory_budget
+
 
 @dataclasses.dataclass(frozen=True)
 class KernelOptions:
@@ -127,7 +129,6 @@ def default_forward_options(head_dim: int) -> KernelOptions:
 def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
     """Merges user `kernel_options` (dict or KernelOptions) over the default, recording
     the shared-memory budget the call is planned for."""
-    from pallas_flex.kernels.device import shared_memory_budget
     return _merge_options(kernel_options, head_dim).replace(
         shared_memory_budget=shared_memory_budget())
 
@@ -198,3 +199,9 @@ def paged_forward_stages(options: KernelOptions, page_size: int) -> int:
     if options.paged_num_stages:
         return options.paged_num_stages
     return _HOPPER_PAGED_STAGES.get(page_size, options.num_stages)
+
+
+def planned_shared_memory(options: KernelOptions) -> int:
+    """The shared-memory budget `options` were resolved for (the current one for options
+    built directly, as benchmarks do)."""
+    return options.shared_memory_budget or shared_memory_budget()

@@ -29,9 +29,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import device, online_softmax, shared_memory
+from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
-from pallas_flex.kernels.config import KernelOptions
+from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 from pallas_flex.kernels.tile_mods import (
@@ -155,7 +155,7 @@ def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int
             block_kv=block_kv, num_stages=num_stages, reads=reads)
 
     return shared_memory.fit_streaming(
-        block_kv, num_stages, estimate, device.shared_memory_budget(), kernel="decode",
+        block_kv, num_stages, estimate, planned_shared_memory(options), kernel="decode",
         block_kv_given=options.decode_block_kv != 0,
         stages_given=options.decode_num_stages != 0)
 

@@ -70,10 +70,10 @@ def shared_memory_budget() -> int:
     return kib * 1024
 
 
-def mosaic_allowed() -> bool:
+def mosaic_allowed(budget: int) -> bool:
     """The Mosaic GPU kernels are written for Hopper's full shared memory: a smaller
     budget asks for what a smaller GPU would run (the Triton kernels)."""
-    return shared_memory_budget() >= device_shared_memory_bytes()
+    return budget >= device_shared_memory_bytes()
 
 
 def supports_bfloat16() -> bool:

@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import device, forward_mosaic, online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
-from pallas_flex.kernels.config import KernelOptions, paged_forward_stages
+from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
@@ -156,7 +156,7 @@ def _fit_to_shared_memory(options: KernelOptions, q, v, block_mask, score_progra
         shared_memory.forward_options_bytes, dtype=q.dtype,
         head_dim=padded_head_dim(q.shape[3]), value_dim=padded_head_dim(v.shape[3]),
         mask_block=block_mask.block_size, reads=reads)
-    return shared_memory.fit(options, estimate, device.shared_memory_budget(),
+    return shared_memory.fit(options, estimate, planned_shared_memory(options),
                              kernel="forward")
 
 
@@ -188,8 +188,9 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                                                    interpret=interpret, paged=paged)
         if reason is None and out_dtype != q.dtype:
             reason = f"a {out_dtype} output (it writes the inputs' dtype)"
-        if reason is None and not interpret and not device.mosaic_allowed():
-            reason = (f"a shared-memory budget of {device.shared_memory_budget() // 1024} KiB "
+        budget = planned_shared_memory(options)
+        if reason is None and not interpret and not device.mosaic_allowed(budget):
+            reason = (f"a shared-memory budget of {budget // 1024} KiB "
                       f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
         if named and reason is not None:
             raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "

@@ -88,12 +88,10 @@ def forward_bytes(*, dtype, head_dim: int, value_dim: int, block_q: int, block_k
 
 def backward_bytes(*, dtype, head_dim: int, value_dim: int, dq_tile: tuple[int, int],
                    dkdv_tile: tuple[int, int], dq_stages: int, dkdv_stages: int,
-                   reads: ModReads = ModReads(), fused: bool = True) -> int:
+                   reads: ModReads = ModReads()) -> int:
     """Shared memory of the backward launch(es): a dQ program holds q and dO tiles and
-    streams K/V; a dK/dV program holds K/V tiles and streams q and dO. fused: both
-    kinds in one launch (the larger of the two); else the larger of two launches,
-    which is the same number."""
-    del fused  # one allocation per launch either way: the larger kind decides
+    streams K/V; a dK/dV program holds K/V tiles and streams q and dO. One launch of
+    both kinds, or two launches: the larger kind decides either way."""
     size = jnp.dtype(dtype).itemsize
     width = head_dim + value_dim
     dq_rows, dq_columns = dq_tile

@@ -102,6 +102,15 @@ def numpy_normal(seed, shape, scale=1.0):
     return (scale * np.random.default_rng(seed).standard_normal(shape)).astype(np.float32)
 
 
+def attention_inputs(seed, q_len, kv_len, q_heads, kv_heads, head_dim, dtype):
+    """q, k, v and an output cotangent in `dtype`, drawn with `numpy_normal` from
+    consecutive seeds."""
+    shapes = [(1, q_len, q_heads, head_dim), (1, kv_len, kv_heads, head_dim),
+              (1, kv_len, kv_heads, head_dim), (1, q_len, q_heads, head_dim)]
+    return tuple(jnp.asarray(numpy_normal(seed + i, shape), dtype)
+                 for i, shape in enumerate(shapes))
+
+
 # Compiled programs by the hash of their lowered text: a cell whose budget resolves to
 # the same kernels as an earlier cell's (the same program, byte for byte) runs that
 # executable instead of compiling it again. Bounded: cells that share programs are

@@ -51,7 +51,7 @@ import pallas_flex as pf
 from pallas_flex import masks
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.nn import FlexMultiHeadAttention, LearnableAlibi, T5RelativeBias
-from tests.gpu.conftest import (BACKEND, SMALL, as_float64, check_captured_gradient,
+from tests.gpu.conftest import (BACKEND, attention_inputs, SMALL, as_float64, check_captured_gradient,
                                 check_gradient, check_output, numpy_normal, plain_attention,
                                 compile_and_time)
 
@@ -200,11 +200,8 @@ def _cell_inputs(kind, dtype_name, head_dim, layout, length, mask):
     dtype = DTYPES[dtype_name]
     q_heads, kv_heads = LAYOUTS[layout]
     seed = zlib.crc32(f"{kind}-{dtype_name}-{head_dim}-{layout}-{length}-{mask}".encode())
-    q = numpy_normal(seed, (1, length, q_heads, head_dim))
-    k = numpy_normal(seed + 1, (1, length, kv_heads, head_dim))
-    v = numpy_normal(seed + 2, (1, length, kv_heads, head_dim))
-    d_out = numpy_normal(seed + 3, (1, length, q_heads, head_dim))
-    q, k, v, d_out = (jnp.asarray(x, dtype) for x in (q, k, v, d_out))
+    q, k, v, d_out = attention_inputs(seed, length, length, q_heads, kv_heads, head_dim,
+                                      dtype)
     captured = jnp.asarray(_captured_array(kind, length, seed + 4))  # float32, learnable
     return q, k, v, captured, d_out
 

@@ -54,10 +54,10 @@ import pytest
 import pallas_flex as pf
 from pallas_flex import masks
 from pallas_flex.kernels.reference import reference_attention
-from tests.gpu.conftest import (BACKEND, BUDGET_ENV, BUDGETS_KIB, SMALL, as_float64,
+from tests.gpu.conftest import (BACKEND, attention_inputs, BUDGET_ENV, BUDGETS_KIB, SMALL, as_float64,
                                 budget_id, check_captured_gradient, check_gradient,
                                 check_output, compile_and_time, forget_traced_budget,
-                                numpy_normal, plain_attention, set_budget)
+                                plain_attention, set_budget)
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HEAD_DIMS = [32, 64, 80, 96, 128, 192, 256]
@@ -128,11 +128,7 @@ def _cell_data(dtype_name, head_dim, layout, op):
     q_heads, kv_heads = LAYOUTS[layout]
     q_len, kv_len = _lengths(op)
     seed = zlib.crc32(f"{dtype_name}-{head_dim}-{layout}-{op}".encode())
-    q = numpy_normal(seed, (1, q_len, q_heads, head_dim))
-    k = numpy_normal(seed + 1, (1, kv_len, kv_heads, head_dim))
-    v = numpy_normal(seed + 2, (1, kv_len, kv_heads, head_dim))
-    d_out = numpy_normal(seed + 3, (1, q_len, q_heads, head_dim))
-    q, k, v, d_out = (jnp.asarray(x, dtype) for x in (q, k, v, d_out))
+    q, k, v, d_out = attention_inputs(seed, q_len, kv_len, q_heads, kv_heads, head_dim, dtype)
     slopes = masks.alibi_slopes(q_heads)  # float32, learnable
     inputs = (q, k, v, slopes, d_out)
     with jax.default_device(jax.devices("cpu")[0]):

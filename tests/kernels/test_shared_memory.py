@@ -114,7 +114,7 @@ def test_budget_comes_from_the_environment(monkeypatch):
     assert device.shared_memory_budget() == device.device_shared_memory_bytes()
     monkeypatch.setenv(device.SHARED_MEMORY_ENVIRONMENT_VARIABLE, "100")
     assert device.shared_memory_budget() == 100 * KIB
-    assert not device.mosaic_allowed()
+    assert not device.mosaic_allowed(device.shared_memory_budget())
     monkeypatch.setenv(device.SHARED_MEMORY_ENVIRONMENT_VARIABLE, "lots")
     with pytest.raises(ValueError, match="PALLAS_FLEX_SHARED_MEMORY_KIB"):
         device.shared_memory_budget()
