@@ -29,6 +29,7 @@ sequence), the decode kernel with `--q-len 1`.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -46,14 +47,15 @@ def lower(args) -> None:
     from pallas_flex.kernels.config import resolve_options
     from pallas_flex.masks.mod_program import SCORE, make_mod_program
 
-    options = resolve_options(json.loads(args.options), args.head_dim)
+    options = resolve_options(json.loads(args.options), args.head_dim, args.dtype)
     if args.page_size:
         lower_paged(args, options)
         return
     batch, length, dim = 4, args.seq_len, args.head_dim
     kv_heads = args.kv_heads or args.q_heads
-    q_shape = jax.ShapeDtypeStruct((batch, length, args.q_heads, dim), jnp.bfloat16)
-    kv_shape = jax.ShapeDtypeStruct((batch, length, kv_heads, dim), jnp.bfloat16)
+    dtype = jnp.dtype(args.dtype)
+    q_shape = jax.ShapeDtypeStruct((batch, length, args.q_heads, dim), dtype)
+    kv_shape = jax.ShapeDtypeStruct((batch, length, kv_heads, dim), dtype)
     lse_shape = jax.ShapeDtypeStruct((batch, args.q_heads, length), jnp.float32)
     mask_mod = None if args.variant == "noop" else masks.causal_mask
     score_mod = {"alibi": masks.alibi(args.q_heads), "softcap": masks.tanh_softcap(30.0)
@@ -115,6 +117,17 @@ def lower_paged(args, options) -> None:
 def _write_ttir(args, functions, *, suffix: str) -> None:
     """Lowers each (function, argument shapes) for an H100 and writes the Triton module
     of every kernel it launches as <kernel>_<suffix>_w<warps>s<stages>.ttir."""
+    os.makedirs(args.out_dir, exist_ok=True)
+    for name, warps, stages, text in capture_triton(functions):
+        path = os.path.join(args.out_dir, f"{name}_{suffix}_w{warps}s{stages}.ttir")
+        with open(path, "w") as f:
+            f.write(text)
+        print(path)
+
+
+def capture_triton(functions) -> list[tuple[str, int, int, str]]:
+    """(kernel name, warps, stages, TTIR) of every Triton kernel that lowering each
+    (function, argument shapes) for an H100 launches (Mosaic GPU kernels are left out)."""
     import jax
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
@@ -143,14 +156,11 @@ def _write_ttir(args, functions, *, suffix: str) -> None:
         name: (int(warps), int(stages)) for name, stages, warps in re.findall(
             r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32',
             "".join(lowered))}
-    os.makedirs(args.out_dir, exist_ok=True)
+    captured = []
     for text in modules:
         name = re.search(r"tt.func public @(\w+)", text).group(1)
-        warps, stages = launch_parameters[name]
-        path = os.path.join(args.out_dir, f"{name}_{suffix}_w{warps}s{stages}.ttir")
-        with open(path, "w") as f:
-            f.write(text)
-        print(path)
+        captured.append((name, *launch_parameters[name], text))
+    return captured
 
 
 def loop_instruction_counts(ptx: str) -> list[tuple[str, int, int, int]]:
@@ -173,34 +183,54 @@ def loop_instruction_counts(ptx: str) -> list[tuple[str, int, int, int]]:
     return loops
 
 
-def compile_files(args) -> None:
+def compile_ttir(path: str, arch: int = 90) -> dict:
+    """Runs Triton's CUDA pipeline for sm_<arch> on a TTIR file, as XLA does, writing
+    <name>.ttgir and <name>.ptx beside it (<name>.sm<arch>.* for other archs); its
+    metadata (`shared`: bytes of shared memory). Warps and stages from the file name."""
     import triton
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.backends.nvidia.compiler import CUDABackend
 
-    backend = CUDABackend(GPUTarget("cuda", 90, 32))
+    backend = CUDABackend(GPUTarget("cuda", arch, 32))
+    match = re.search(r"_w(\d+)s(\d+)\.ttir$", path)
+    warps, stages = (int(match.group(1)), int(match.group(2))) if match else (4, 2)
+    options = backend.parse_options(dict(num_warps=warps, num_stages=stages))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = ir.parse_mlir_module(path, context)
+    module.context = context
+    stages_of = {}
+    language = getattr(triton.compiler.compiler, "Language", None)
+    backend.add_stages(stages_of, options, language.TRITON if language else None)
+    metadata, text = {"warps": warps, "stages": stages}, module
+    base = path[:-len(".ttir")] + ("" if arch == 90 else f".sm{arch}")
+    for stage in ("ttir", "ttgir", "llir", "ptx"):
+        text = stages_of[stage](text, metadata)
+        if stage in ("ttgir", "ptx"):
+            with open(f"{base}.{stage}", "w") as f:
+                f.write(str(text))
+    metadata["base"] = base
+    return metadata
+
+
+def compile_files(args) -> None:
+    if args.json:  # shared memory only, in 2 processes: {file: bytes}
+        import multiprocessing
+        with multiprocessing.Pool(2) as pool:
+            shared = pool.starmap(_shared_bytes, [(path, args.arch) for path in args.files])
+        with open(args.json, "w") as f:
+            json.dump(dict(zip(args.files, shared)), f)
+        return
+    import triton
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     for path in args.files:
-        match = re.search(r"_w(\d+)s(\d+)\.ttir$", path)
-        warps, stages = (int(match.group(1)), int(match.group(2))) if match else (4, 2)
-        options = backend.parse_options(dict(num_warps=warps, num_stages=stages))
-        context = ir.context()
-        ir.load_dialects(context)
-        backend.load_dialects(context)
-        module = ir.parse_mlir_module(path, context)
-        module.context = context
-        stages_of = {}
-        language = getattr(triton.compiler.compiler, "Language", None)
-        backend.add_stages(stages_of, options, language.TRITON if language else None)
-        metadata, text = {}, module
-        for stage in ("ttir", "ttgir", "llir", "ptx"):
-            text = stages_of[stage](text, metadata)
-            if stage in ("ttgir", "ptx"):
-                with open(path[:-len(".ttir")] + f".{stage}", "w") as f:
-                    f.write(str(text))
-        ttgir = open(path[:-len(".ttir")] + ".ttgir").read()
-        report = subprocess.run([ptxas, "-arch=sm_90a", "-v", path[:-len(".ttir")] + ".ptx",
+        metadata = compile_ttir(path, args.arch)
+        base, warps, stages = metadata["base"], metadata["warps"], metadata["stages"]
+        ttgir = open(base + ".ttgir").read()
+        arch = "sm_90a" if args.arch == 90 else f"sm_{args.arch}"
+        report = subprocess.run([ptxas, f"-arch={arch}", "-v", base + ".ptx",
                                  "-o", os.devnull], capture_output=True, text=True).stderr
         registers = " ".join(line.split(":", 1)[-1].strip() for line in report.splitlines()
                              if "registers" in line or "spill" in line)
@@ -208,9 +238,140 @@ def compile_files(args) -> None:
               f"{metadata.get('shared')} B, async copies "
               f"{ttgir.count('async_copy_global_to_local')}, wgmma "
               f"{ttgir.count('warp_group_dot ')}; ptxas: {registers}")
-        ptx = open(path[:-len(".ttir")] + ".ptx").read()
+        ptx = open(base + ".ptx").read()
         for label, loads, copies, wgmma in loop_instruction_counts(ptx):
             print(f"  loop {label}: ld.global {loads}, cp.async {copies}, wgmma {wgmma}")
+
+
+def _shared_bytes(path: str, arch: int):
+    try:
+        return compile_ttir(path, arch)["shared"]
+    except Exception as error:  # noqa: BLE001 (recorded in the audit)
+        return f"{type(error).__name__}: {str(error)[:300]}"
+
+
+# The shared-memory audit (`audit`): the GPU test matrix's cells (tests/gpu/
+# test_dtype_matrix.py), each budget compiled for the GPU it stands for.
+AUDIT_ARCHS = {227: 90, 164: 80, 100: 89, 64: 75}
+
+
+def _audit_cell(cell, out_dir: str) -> list[dict]:
+    """Lowers one cell as a user call would plan it under its budget: a record per
+    Triton kernel with the options and estimate `fit` / `fit_streaming` settled on."""
+    import jax
+
+    from pallas_flex.kernels import shared_memory
+    from tests.gpu.test_dtype_matrix import DTYPES, cell_program
+
+    dtype, head_dim, layout, op, budget = cell
+    os.environ["PALLAS_FLEX_SHARED_MEMORY_KIB"] = str(budget)
+    jax.clear_caches()
+    fits = {}  # "forward", "backward", "decode": (options, estimate)
+    real_fit, real_fit_streaming = shared_memory.fit, shared_memory.fit_streaming
+
+    def fit(options, estimate, budget, *, kernel):
+        fitted = real_fit(options, estimate, budget, kernel=kernel)
+        fields = (shared_memory.FORWARD_FIELDS if kernel == "forward"
+                  else shared_memory.BACKWARD_FIELDS)
+        fits[kernel] = ({field: getattr(fitted, field) for field in fields}, estimate(fitted))
+        return fitted
+
+    def fit_streaming(block_kv, num_stages, estimate, budget, *, kernel, **given):
+        fitted = real_fit_streaming(block_kv, num_stages, estimate, budget, kernel=kernel,
+                                    **given)
+        fits[kernel] = (dict(block_kv=fitted[0], num_stages=fitted[1]), estimate(*fitted))
+        return fitted
+
+    record = dict(dtype=dtype, head_dim=head_dim, layout=layout, op=op, budget_kib=budget)
+    shared_memory.fit, shared_memory.fit_streaming = fit, fit_streaming
+    try:
+        captured = capture_triton([cell_program(op, DTYPES[dtype], head_dim, layout)])
+    except ValueError as error:  # no configuration fits the budget
+        return [dict(record, refused=str(error))]
+    finally:
+        shared_memory.fit, shared_memory.fit_streaming = real_fit, real_fit_streaming
+    records = []
+    for name, warps, stages, text in captured:
+        kind = next(kind for kind in ("backward", "decode", "forward") if kind in name)
+        options, estimate = fits[kind]
+        path = os.path.join(out_dir, f"{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+                                     f"_w{warps}s{stages}.ttir")
+        with open(path, "w") as f:
+            f.write(text)
+        records.append(dict(record, kernel=name, warps=warps, stages=stages, options=options,
+                            estimate=estimate, ttir=os.path.basename(path)))
+    return records
+
+
+def audit(args) -> None:
+    """Every cell of the GPU test matrix at every budget: the options the library chose,
+    its estimate and what pip triton compiled for that budget's GPU (a JSON and a table)."""
+    import itertools
+    import multiprocessing
+
+    import jax
+
+    from tests.gpu.test_dtype_matrix import DTYPES, HEAD_DIMS, LAYOUTS, OPS
+
+    os.makedirs(args.out_dir, exist_ok=True)
+    cells = [cell for cell in itertools.product(DTYPES, HEAD_DIMS, LAYOUTS, OPS,
+                                                AUDIT_ARCHS)
+             if not (cell[0] == "bfloat16" and AUDIT_ARCHS[cell[4]] < 80)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        records = sum(pool.starmap(_audit_cell, [(cell, args.out_dir) for cell in cells]), [])
+    # Identical (TTIR, arch) pairs compile once, across runs too (compiled.json).
+    cache_path = os.path.join(args.out_dir, "compiled.json")
+    cache = json.load(open(cache_path)) if os.path.exists(cache_path) else {}
+    for arch in sorted(set(AUDIT_ARCHS.values())):
+        missing = sorted({r["ttir"] for r in records if "ttir" in r
+                          and AUDIT_ARCHS[r["budget_kib"]] == arch} - {
+            key.rsplit("@", 1)[0] for key in cache if key.endswith(f"@sm{arch}")})
+        if missing:
+            out = os.path.join(args.out_dir, f"shared_sm{arch}.json")
+            subprocess.run([args.triton_python, os.path.abspath(__file__), "compile", "--arch", str(arch),
+                            "--json", out, *missing], check=True, cwd=args.out_dir)
+            cache.update({f"{name}@sm{arch}": shared
+                          for name, shared in json.load(open(out)).items()})
+            json.dump(cache, open(cache_path, "w"), indent=0)
+    for r in records:
+        if "ttir" in r:
+            r["arch"] = f"sm_{AUDIT_ARCHS[r['budget_kib']]}"
+            r["compiled"] = cache[f"{r['ttir']}@sm{AUDIT_ARCHS[r['budget_kib']]}"]
+            r["passed"] = isinstance(r["compiled"], int) and r["compiled"] <= r["budget_kib"] * 1024
+            r["estimate_covers"] = isinstance(r["compiled"], int) and r["estimate"] >= r["compiled"]
+    skipped = [dict(dtype="bfloat16", head_dim=d, layout=l, op=o, budget_kib=b,
+                    skipped="sm_75 (T4) has no bfloat16: the library refuses the call")
+               for d, l, o, b in itertools.product(HEAD_DIMS, LAYOUTS, OPS, AUDIT_ARCHS)
+               if AUDIT_ARCHS[b] < 80]
+    result = dict(
+        description="Shared memory of every Triton kernel of the GPU test matrix "
+                    "(tests/gpu/test_dtype_matrix.py) as planned at each budget "
+                    "(PALLAS_FLEX_SHARED_MEMORY_KIB), against pip triton's compile for the "
+                    "budget's GPU: python -m benchmarks.inspect_kernels audit",
+        device="CPU, pip triton 3.6.0 compile for " + ", ".join(
+            f"sm_{arch} ({budget} KiB)" for budget, arch in AUDIT_ARCHS.items()),
+        date=args.date, jax_version=jax.__version__, records=records + skipped)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    print_audit(records + skipped)
+
+
+def print_audit(records) -> None:
+    print(f"{'cell':42} {'kernel':30} {'estimate':>8} {'compiled':>8} {'budget':>7}  result")
+    for r in records:
+        cell = f"{r['dtype']}-d{r['head_dim']}-{r['layout']}-{r['op']}-{r['budget_kib']}"
+        if "ttir" not in r:
+            print(f"{cell:42} {r.get('refused') or r['skipped']}"[:160])
+            continue
+        result = ("pass" if r["passed"] else "FAIL") + (
+            "" if r["estimate_covers"] else " (estimate low)")
+        print(f"{cell:42} {r['kernel']:30} {r['estimate']:8} {str(r['compiled'])[:8]:>8} "
+              f"{r['budget_kib'] * 1024:7}  {result}  {r['options']}")
+    kernels = [r for r in records if "ttir" in r]
+    print(f"{len(kernels)} kernels: {sum(not r['passed'] for r in kernels)} over budget, "
+          f"{sum(not r['estimate_covers'] for r in kernels)} estimates low, "
+          f"{sum('refused' in r for r in records)} cells refused, "
+          f"{sum('skipped' in r for r in records)} skipped")
 
 
 def main(argv=None) -> None:
@@ -225,6 +386,7 @@ def main(argv=None) -> None:
     lower_parser.add_argument("--kv-heads", type=int, default=0, help="0: as many as q")
     lower_parser.add_argument("--seq-len", type=int, default=4096)
     lower_parser.add_argument("--head-dim", type=int, default=128)
+    lower_parser.add_argument("--dtype", default="bfloat16")
     lower_parser.add_argument("--out-dir", default="/tmp/ttir")
     lower_parser.add_argument("--page-size", type=int, default=0,
                               help="lower paged_flex_attention on pages of this many rows")
@@ -233,8 +395,16 @@ def main(argv=None) -> None:
                                    "0 = min(2048, seq-len))")
     compile_parser = commands.add_parser("compile", help="compile TTIR files (pip triton)")
     compile_parser.add_argument("files", nargs="+")
+    compile_parser.add_argument("--arch", type=int, default=90, help="compute capability")
+    compile_parser.add_argument("--json", help="write {file: shared memory bytes} here")
+    audit_parser = commands.add_parser("audit", help="estimates against compiled shared "
+                                       "memory over the GPU test matrix (project env)")
+    audit_parser.add_argument("--out-dir", default="/tmp/smem_audit")
+    audit_parser.add_argument("--json", default="/tmp/smem_audit/audit.json")
+    audit_parser.add_argument("--triton-python", default="/tmp/tvenv/bin/python")
+    audit_parser.add_argument("--date", default="")
     args = parser.parse_args(argv)
-    (lower if args.command == "lower" else compile_files)(args)
+    {"lower": lower, "compile": compile_files, "audit": audit}[args.command](args)
 
 
 if __name__ == "__main__":

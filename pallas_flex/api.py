@@ -255,7 +255,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         raise ValueError(f"q, k, v are bfloat16, which this GPU (compute capability "
                          f"{device.compute_capability()}) has no tensor-core support for: "
                          "pass float16 or float32")
-    options = resolve_options(kernel_options, max(head_dim, v.shape[3]))
+    options = resolve_options(kernel_options, max(head_dim, v.shape[3]), q.dtype)
     if backend in ("pallas", "interpret"):
         # Mods the tile interpreter cannot run fail here, with a message, not in a kernel.
         captured_read_positions(block_mask.mask_mod)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
+
 from pallas_flex.kernels.device import shared_memory_budget
 
 
@@ -119,22 +121,40 @@ TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stag
                                    "paged_num_stages"})
 
 
-def default_forward_options(head_dim: int) -> KernelOptions:
-    for limit in sorted(_HOPPER_FORWARD):
-        if head_dim <= limit:
-            return _HOPPER_FORWARD[limit]
-    return _HOPPER_FORWARD[max(_HOPPER_FORWARD)]
+# Float32 changes to the Hopper table, by padded head dim (H100, B2 H16 S4096 causal
+# forward; decode B8 Hq32 Hkv8 Skv 8192; first-call compile seconds / ms per call).
+# Forward at D 128: 8 warps compile in 1.7 s and run in 4.1 ms, against 4.2 s / 6.8 ms
+# with 4 (two warpgroups share the 128 query rows, and the three-TF32-pass dots of
+# `online_softmax.dot_precision` stop spilling). Decode: 32-row KV tiles compile in
+# 1.1 / 1.5 s (D 64 / 128) and run in 0.216 / 0.414 ms, against 2.4 / 2.1 s and
+# 0.237 / 0.477 ms with 128 rows. Head dims above 128 keep the 16-bit table (not
+# measured). Shared-memory fitting (kernels/shared_memory.py) still applies on top.
+_HOPPER_FLOAT32_CHANGES = {
+    64: dict(decode_block_kv=32),
+    128: dict(num_warps=8, decode_block_kv=32),
+}
 
 
-def resolve_options(kernel_options, head_dim: int) -> KernelOptions:
-    """Merges user `kernel_options` (dict or KernelOptions) over the default, recording
-    the shared-memory budget the call is planned for."""
-    return _merge_options(kernel_options, head_dim).replace(
+def default_forward_options(head_dim: int, dtype=None) -> KernelOptions:
+    """The tuning table's options for inputs of `dtype` (None: 16-bit) and `head_dim`."""
+    limit = next((limit for limit in sorted(_HOPPER_FORWARD) if head_dim <= limit),
+                 max(_HOPPER_FORWARD))
+    options = _HOPPER_FORWARD[limit]
+    if dtype is not None and jnp.dtype(dtype) == jnp.float32:
+        options = options.replace(**_HOPPER_FLOAT32_CHANGES.get(limit, {}))
+    return options
+
+
+def resolve_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
+    """Merges user `kernel_options` (dict or KernelOptions) over the defaults for `dtype`
+    (None: 16-bit) and `head_dim`, recording the shared-memory budget the call is
+    planned for."""
+    return _merge_options(kernel_options, head_dim, dtype).replace(
         shared_memory_budget=shared_memory_budget())
 
 
-def _merge_options(kernel_options, head_dim: int) -> KernelOptions:
-    options = default_forward_options(head_dim)
+def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
+    options = default_forward_options(head_dim, dtype)
     if kernel_options is None:
         return options
     if isinstance(kernel_options, KernelOptions):

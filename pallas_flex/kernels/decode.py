@@ -156,8 +156,8 @@ def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int
 
     return shared_memory.fit_streaming(
         block_kv, num_stages, estimate, planned_shared_memory(options), kernel="decode",
-        block_kv_given=options.decode_block_kv != 0,
-        stages_given=options.decode_num_stages != 0)
+        block_kv_given="decode_block_kv" in options.given,
+        stages_given="decode_num_stages" in options.given)
 
 
 def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: KernelOptions,

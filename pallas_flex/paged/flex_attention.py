@@ -170,7 +170,7 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     kv_len = cache.max_seq_len
     if mask_mod is not None and block_mask is not None:
         raise ValueError("pass either mask_mod or block_mask, not both")
-    options = resolve_options(kernel_options, max(head_dim, cache.value_dim))
+    options = resolve_options(kernel_options, max(head_dim, cache.value_dim), q.dtype)
     if block_mask is None:
         block_mask = build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options)
     reference_k = jax.ShapeDtypeStruct((batch, kv_len, cache.kv_heads, head_dim), q.dtype)

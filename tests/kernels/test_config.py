@@ -1,0 +1,32 @@
+"""The tuning table: defaults chosen by dtype and head dim, and what a user sets wins."""
+
+import jax.numpy as jnp
+import pytest
+
+from pallas_flex.kernels.config import default_forward_options, resolve_options
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128])
+def test_float32_forward_at_head_dims_up_to_128_takes_eight_warps(head_dim):
+    assert resolve_options(None, head_dim, jnp.float32).num_warps == 8
+    for dtype in (jnp.bfloat16, jnp.float16, None):
+        assert resolve_options(None, head_dim, dtype).num_warps == 4
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_float32_decode_takes_32_row_tiles_as_a_default_not_a_setting(head_dim):
+    options = resolve_options(None, head_dim, jnp.float32)
+    assert options.decode_block_kv == 32
+    # A default, which shared-memory fitting may still shrink; not something the user set.
+    assert "decode_block_kv" not in options.given
+    assert resolve_options(None, head_dim, jnp.bfloat16).decode_block_kv == 0
+
+
+def test_head_dims_above_128_keep_the_16_bit_table_in_float32():
+    assert default_forward_options(256, jnp.float32) == default_forward_options(256)
+
+
+def test_user_settings_override_the_float32_defaults():
+    options = resolve_options({"num_warps": 4, "decode_block_kv": 64}, 128, jnp.float32)
+    assert options.num_warps == 4 and options.decode_block_kv == 64
+    assert {"num_warps", "decode_block_kv"} <= options.given
