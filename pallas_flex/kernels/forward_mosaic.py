@@ -350,6 +350,25 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         pl.when(warpgroup == 1)(schedule_turn)
 
+        def zero_values_past_length(v_tile, kv_start):
+            """Zeroes the rows of a V tile at or past the row's length. Their weights are
+            0, but a page reused from an earlier request holds whatever it held, and
+            0 * NaN is NaN in p·v. Both compute warpgroups write the same zeros (the tile
+            is theirs until both release it), so neither waits for the other; a row's
+            one tile that crosses its length pays for it, 64 rows at a time."""
+            for half in range(BLOCK // ROWS_PER_WARPGROUP):
+                first_row = half * ROWS_PER_WARPGROUP
+                rows = v_tile.at[pl.ds(first_row, ROWS_PER_WARPGROUP)]
+
+                @pl.when(kv_start + first_row + ROWS_PER_WARPGROUP > key_limit)
+                def _():
+                    values = plgpu.load(rows, layout=plgpu.Layout.WGMMA)
+                    position = kv_start + first_row + plgpu.broadcasted_iota(
+                        jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
+                    rows[...] = jnp.where(position < key_limit, values,
+                                          jnp.zeros_like(values))
+                    plgpu.commit_smem()  # before the wgmma reads the tile
+
         def visit(step, carry, masked):
             accumulator, running_max, running_sum = carry
             slot = lax.rem(step, jnp.int32(num_stages))
@@ -411,6 +430,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 (accumulator, running_sum, new_max, p))
             plgpu.barrier_arrive(schedule_barrier)  # softmax done
             plgpu.barrier_wait(v_barriers.at[slot])
+            if masked and paged:
+                zero_values_past_length(v_smem.at[slot], kv_start)
             plgpu.barrier_wait(schedule_barrier)  # the tensor cores are ours again
 
             def wait_for_next_keys():
@@ -455,7 +476,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         def locate(block):
             """Where block `block`'s rows lie: page-table entries, read once for K and V."""
             if paged:
-                return _tile_pages(page_table_ref, batch, block, k_ref.shape[2])
+                return _tile_pages(page_table_ref, batch, block, k_ref.shape[2], k_ref.shape[0])
             return block
 
         def copy_tile(source_ref, location, destination, barrier):
@@ -499,14 +520,16 @@ def copies_per_tile(page_size: int) -> int:
     return max(BLOCK // page_size, 1)
 
 
-def _tile_pages(page_table_ref, batch, block, page_size):
+def _tile_pages(page_table_ref, batch, block, page_size, num_pages):
     """[(page, first row)] of logical KV rows block*128.. of row `batch`: one entry when a
     page holds whole tiles, else one per page. Entries of -1 (no page), and pages past
-    the table's end, read page 0: those rows lie past the row's length and are masked."""
+    the table's end, read page 0: those rows lie past the row's length and are masked.
+    Entries past the pool of `num_pages` (a corrupt table) read its last page: no copy
+    leaves the pool."""
     page_of = page_table_row(page_table_ref, batch)
 
     def page_at(logical_page):
-        return jnp.maximum(page_of(logical_page), 0)
+        return jnp.clip(page_of(logical_page), 0, num_pages - 1)
 
     if page_size >= BLOCK:
         start = block * BLOCK
