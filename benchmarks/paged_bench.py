@@ -9,6 +9,7 @@ calls), so the H100's clock drift over a run (several percent) cancels; `ms` is 
 over rounds and `overhead` the median over rounds of paged ms / contiguous ms - 1.
 """
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -58,6 +59,10 @@ def main():
     parser.add_argument("--paged-options", default="",
                         help="';'-separated JSON dicts over --kernel-options for the paged "
                              "call only (the contiguous baseline keeps --kernel-options)")
+    parser.add_argument("--short-by", type=int, default=0,
+                        help="rows of the paged cache hold this many fewer tokens than the "
+                             "contiguous K/V (a length inside a tile, as in serving; the "
+                             "max|diff| column then compares different calls)")
     args = parser.parse_args()
     options = json.loads(args.kernel_options)
     paged_option_sets = [dict(options, **json.loads(text))
@@ -80,6 +85,7 @@ def main():
         for page_size, paged_options in itertools.product(
                 [int(p) for p in args.page_sizes.split(",")], paged_option_sets):
             cache = paged_copy(k, v, page_size)
+            cache = dataclasses.replace(cache, lengths=cache.lengths - args.short_by)
             paged = jax.jit(functools.partial(paged_call, options=paged_options))
             max_diff = float(jnp.max(jnp.abs(
                 paged(q, cache, block_mask).astype(jnp.float32) - out_contiguous)))

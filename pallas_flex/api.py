@@ -103,6 +103,8 @@ def resolve_scale(scale, head_dim):
     if isinstance(scale, jax.core.Tracer) or not isinstance(scale, (int, float)):
         raise ValueError(f"scale must be a Python float (a compile-time constant), got "
                          f"{type(scale).__name__}; fold a traced scale into a score_mod")
+    if not math.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
     return float(scale)
 
 
@@ -299,7 +301,17 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
       lse_a, lse_b: [B, H, S] their log-sum-exps (natural log; -inf = no keys).
     Returns:
       (out [B, S, H, Dv] in out_a's dtype, lse [B, H, S] float32) of attention over A ∪ B.
+
+    All four must be arrays (JAX or NumPy: anything with `.shape` and `.dtype`); Python
+    lists and other values raise a ValueError naming the argument (they are not
+    converted, as a nested list is almost always a mistake in the caller).
     """
+    for name, x in (("out_a", out_a), ("lse_a", lse_a), ("out_b", out_b), ("lse_b", lse_b)):
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise ValueError(f"{name} must be an array (jax.Array or numpy.ndarray), got "
+                             f"{type(x).__name__}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be a float array, got dtype {x.dtype}")
     for name, out in (("out_a", out_a), ("out_b", out_b)):
         if len(out.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [B, S, H, Dv], got shape {out.shape}")

@@ -263,6 +263,14 @@ def test_bad_scale(scale, qkv):
         pf.attention(q, k, v, scale=scale, backend="xla")
 
 
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")], ids=str)
+def test_non_finite_scale(entry, scale, qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=rf"scale must be finite, got {scale}"):
+        ENTRY_POINTS[entry](q, k, v, scale=scale, backend="xla")
+
+
 def test_traced_scale_is_rejected_under_jit(qkv):
     q, k, v = qkv
     with pytest.raises(ValueError, match=r"scale must be a Python float .* fold a traced scale "
@@ -323,6 +331,76 @@ def test_merge_attention_states_mismatched_shapes():
                                   _zeros((8, 3)))
     with pytest.raises(ValueError, match=r"out_b must be a 4-D array"):
         pf.merge_attention_states(out, lse, _zeros((2, 8, 3)), lse)
+
+
+@pytest.mark.parametrize("position", range(4))
+def test_merge_attention_states_refuses_lists(position):
+    """Non-arrays (nested Python lists) are refused naming the argument, not converted."""
+    args = [_zeros((1, 2, 1, 3)), _zeros((1, 1, 2)), _zeros((1, 2, 1, 3)), _zeros((1, 1, 2))]
+    name = ("out_a", "lse_a", "out_b", "lse_b")[position]
+    args[position] = np.asarray(args[position]).tolist()
+    with pytest.raises(ValueError, match=rf"{name} must be an array \(jax.Array or "
+                                         r"numpy.ndarray\), got list"):
+        pf.merge_attention_states(*args)
+    args[position] = np.zeros(np.shape(args[position]), np.int32)
+    with pytest.raises(ValueError, match=rf"{name} must be a float array, got dtype int32"):
+        pf.merge_attention_states(*args)
+
+
+# ---------------------------------------------------------------------------------------
+# Mods indexing captured Python containers with traced indices
+
+_TABLE_LIST = list(range(S))
+_TABLE_TUPLE = tuple(range(S))
+_TABLE_NUMPY = np.arange(S)
+
+CONTAINER_MASK_MODS = {
+    "list": lambda b, h, q_idx, kv_idx: _TABLE_LIST[q_idx] >= kv_idx,
+    "tuple": lambda b, h, q_idx, kv_idx: _TABLE_TUPLE[kv_idx] <= q_idx,
+    "numpy": lambda b, h, q_idx, kv_idx: _TABLE_NUMPY[q_idx] >= kv_idx,
+}
+CONTAINER_SCORE_MODS = {
+    "list": lambda score, b, h, q_idx, kv_idx: score + _TABLE_LIST[kv_idx],
+    "numpy": lambda score, b, h, q_idx, kv_idx: score + _TABLE_NUMPY[q_idx],
+}
+_CONTAINER_MESSAGE = (r"{kind}_mod '<lambda>' indexes a Python list/tuple or NumPy array it "
+                      r"captured with a traced index .* wrap it with jnp.asarray\(\.\.\.\) "
+                      r"so it is captured as an array")
+
+
+@pytest.mark.parametrize("case", CONTAINER_MASK_MODS)
+def test_mask_mod_indexing_a_python_container(case, qkv):
+    q, k, v = qkv
+    message = _CONTAINER_MESSAGE.format(kind="mask")
+    with pytest.raises(ValueError, match=message):
+        pf.attention(q, k, v, mask_mod=CONTAINER_MASK_MODS[case], backend="xla")
+    with pytest.raises(ValueError, match=message):
+        pf.create_block_mask(CONTAINER_MASK_MODS[case], None, None, S, S, block_size=16)
+
+
+@pytest.mark.parametrize("case", CONTAINER_SCORE_MODS)
+def test_score_mod_indexing_a_python_container(case, qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=_CONTAINER_MESSAGE.format(kind="score")):
+        pf.attention(q, k, v, score_mod=CONTAINER_SCORE_MODS[case], backend="xla")
+
+
+def test_the_advice_works(qkv):
+    """The same mods with the table wrapped in jnp.asarray run and match the reference."""
+    q, k, v = qkv
+    table = jnp.asarray(_TABLE_NUMPY)
+    mask_mod = lambda b, h, q_idx, kv_idx: table[q_idx] >= kv_idx  # noqa: E731
+    out = pf.attention(q, k, v, mask_mod=mask_mod, backend="xla")
+    expected, _ = golden(q, k, v, mask_mod=masks.causal_mask)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_mod_concretizing_an_index(qkv):
+    q, k, v = qkv
+    with pytest.raises(ValueError, match=r"mask_mod '<lambda>' needs a concrete Python value "
+                                         r"of a traced argument"):
+        pf.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: int(q_idx) >= kv_idx,
+                     backend="xla")
 
 
 # ---------------------------------------------------------------------------------------

@@ -68,6 +68,35 @@ def _state_from_tables(num_blocks, indices, num_cols, value) -> jax.Array:
     return padded[..., :num_cols]
 
 
+def _check_kv_table(num_blocks, indices, num_name, indices_name, num_kv_blocks, kv_len,
+                    block_kv):
+    """Counts in [0, nKV] and listed indices in [0, nKV): ValueError when concrete, a
+    checkify.debug_check when traced (`pallas_flex.paged._validation.require`)."""
+    # Imported here: pallas_flex.paged imports the API, which imports this module.
+    from pallas_flex.paged._validation import checking_arrays, first_true, require
+
+    xp, (num_blocks, indices) = checking_arrays(num_blocks, indices)
+    if indices.size == 0:
+        return
+    bad = (num_blocks < 0) | (num_blocks > num_kv_blocks)
+    flat = first_true(bad.reshape(-1))
+    where = xp.unravel_index(flat, num_blocks.shape)
+    require(~xp.any(bad),
+            f"{num_name}[{{b}}, {{h}}, {{q}}] = {{value}} is out of range: a query block "
+            f"lists at most nKV = {num_kv_blocks} KV blocks (KV_LEN {kv_len} / block_kv "
+            f"{block_kv}), so counts must be in [0, {num_kv_blocks}]",
+            b=where[0], h=where[1], q=where[2], value=num_blocks[where])
+    listed = xp.arange(num_kv_blocks) < num_blocks[..., None]
+    bad = listed & ((indices < 0) | (indices >= num_kv_blocks))
+    flat = first_true(bad.reshape(-1))
+    where = xp.unravel_index(flat, indices.shape)
+    require(~xp.any(bad),
+            f"{indices_name}[{{b}}, {{h}}, {{q}}, {{slot}}] = {{value}} is out of range: KV "
+            f"block indices must be in [0, {num_kv_blocks}) (KV_LEN {kv_len} / block_kv "
+            f"{block_kv})",
+            b=where[0], h=where[1], q=where[2], slot=where[3], value=indices[where])
+
+
 @jax.tree_util.register_pytree_node_class
 class BlockMask:
     """Block-sparse description of a mask, in the layout the kernels read.
@@ -143,6 +172,12 @@ class BlockMask:
         `kv_num_blocks [B', H', nQ]`, `kv_indices [B', H', nQ, nKV]` list the partial
         blocks, the optional full tables the full ones. `mask_mod` defaults to no mask;
         `seq_lengths` defaults to `(nQ * block_q, nKV * block_kv)`.
+
+        Each count must be in `[0, nKV]` and each listed index (the first `count` of a
+        row; the rest is padding, ignored) in `[0, nKV)`, the KV blocks of `KV_LEN`: a
+        ValueError naming the entry when the tables are concrete, a
+        `checkify.debug_check` with the same message when traced (as the paged
+        metadata checks; `pallas_flex.paged.traced_checks(False)` leaves them out).
         """
         block_q, block_kv = _normalize_block_size(block_size)
         kv_num_blocks = jnp.asarray(kv_num_blocks, jnp.int32)
@@ -164,11 +199,22 @@ class BlockMask:
                 f"{-(-kv_len // block_kv)} blocks of {(block_q, block_kv)}, but kv_indices "
                 f"has {num_q_blocks} x {num_kv_blocks}"
             )
+        _check_kv_table(kv_num_blocks, kv_indices, "kv_num_blocks", "kv_indices",
+                        num_kv_blocks, kv_len, block_kv)
         state = _state_from_tables(kv_num_blocks, kv_indices, num_kv_blocks, PARTIAL)
         if full_kv_num_blocks is not None:
-            full_state = _state_from_tables(
-                jnp.asarray(full_kv_num_blocks, jnp.int32),
-                jnp.asarray(full_kv_indices, jnp.int32), num_kv_blocks, FULL)
+            full_kv_num_blocks = jnp.asarray(full_kv_num_blocks, jnp.int32)
+            full_kv_indices = jnp.asarray(full_kv_indices, jnp.int32)
+            if (full_kv_indices.ndim != 4 or full_kv_num_blocks.shape != full_kv_indices.shape[:3]
+                    or full_kv_indices.shape[2:] != kv_indices.shape[2:]):
+                raise ValueError(
+                    f"full_kv_indices must be [B, H, nQ, nKV] = [B, H, {num_q_blocks}, "
+                    f"{num_kv_blocks}] (kv_indices') and full_kv_num_blocks [B, H, nQ], got "
+                    f"{full_kv_indices.shape} and {full_kv_num_blocks.shape}")
+            _check_kv_table(full_kv_num_blocks, full_kv_indices, "full_kv_num_blocks",
+                            "full_kv_indices", num_kv_blocks, kv_len, block_kv)
+            full_state = _state_from_tables(full_kv_num_blocks, full_kv_indices,
+                                            num_kv_blocks, FULL)
             state = jnp.maximum(state, full_state)
         mask_program = make_mod_program(mask_mod if mask_mod is not None else _all_true, MASK)
         return cls.from_block_state(state, block_size=(block_q, block_kv),

@@ -141,6 +141,23 @@ def make_mod_program(function, kind: str, argument_name: str | None = None) -> M
             f"{argument_name} {name!r} uses Python control flow on its arguments; "
             "use jnp.where / & / | instead of if/and/or"
         ) from error
+    except (jax.errors.TracerIntegerConversionError,
+            jax.errors.TracerArrayConversionError) as error:
+        # `table[q_idx]` on a captured Python list/tuple or NumPy array asks the traced
+        # index for a concrete Python int (list, tuple) or a NumPy array (NumPy).
+        raise ValueError(
+            f"{argument_name} {name!r} indexes a Python list/tuple or NumPy array it "
+            "captured with a traced index (b, h, q_idx and kv_idx are traced int32 "
+            "scalars), or passes one to a NumPy function: wrap it with "
+            "jnp.asarray(...) so it is captured as an array (outside the mod, once), and "
+            "use jnp functions inside the mod"
+        ) from error
+    except jax.errors.ConcretizationTypeError as error:
+        raise ValueError(
+            f"{argument_name} {name!r} needs a concrete Python value of a traced argument "
+            f"(int(), float(), range() or similar on b, h, q_idx, kv_idx or the score); "
+            f"mods run on traced int32 scalars: use jnp operations instead"
+        ) from error
     if not isinstance(out_shape, jax.ShapeDtypeStruct) or out_shape.shape != ():
         raise ValueError(
             f"{argument_name} {name!r} must return one scalar for scalar indices, got {out_shape}"

@@ -20,6 +20,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from pallas_flex.api import attention, flex_attention
 from pallas_flex.masks.combinators import and_masks
 from pallas_flex.masks.offset import offset, offset_score
+from pallas_flex.paged._validation import checking_arrays, first_true, require
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
 
@@ -197,7 +198,9 @@ class FlexMultiHeadAttention(nnx.Module):
 
         Args:
           batch_size: rows B of the decode calls.
-          max_length: positions per row; tokens written past it are dropped.
+          max_length: positions per row. A decode call that would fill a row past it
+            raises a ValueError (under `jit`: a `checkify.debug_check`; unchecked, the
+            tokens past it are dropped).
           dtype: cache dtype (default: the layer's dtype, else param_dtype). Decode calls
             cast queries, keys and values to it.
         """
@@ -294,6 +297,7 @@ class FlexMultiHeadAttention(nnx.Module):
             return self._paged_decode_attention(query, key, value, mask_mod, score_mod,
                                                 input_lengths)
         positions = self.cache_index[...]
+        self._check_cache_room(positions, input_lengths, new_len)
         keys, values, filled = self._append_to_cache(key, value, positions, input_lengths)
         masks = [_filled_mask(filled)]
         if mask_mod is not None:
@@ -303,9 +307,36 @@ class FlexMultiHeadAttention(nnx.Module):
         return self._attention(query.astype(keys.dtype), keys, values, and_masks(*masks),
                                score_mod, None)
 
+    def _check_cache_room(self, positions, input_lengths, new_len):
+        """Each row's real new tokens must fit in the contiguous cache: a ValueError when
+        the values are concrete, a `checkify.debug_check` under `jit` (as the paged
+        cache's checks; `pallas_flex.paged.traced_checks(False)` leaves it out)."""
+        max_length = self.cached_key.shape[1]
+        xp, (start, count) = checking_arrays(positions, input_lengths)
+        bad = (count < 0) | (count > new_len)
+        row = first_true(bad)
+        require(~xp.any(bad), f"input_lengths must be in [0, {new_len}] (the call's Sq); "
+                "input_lengths[{row}] = {value}", row=row, value=count[row])
+        end = start + count
+        bad = end > max_length
+        row = first_true(bad)
+        require(~xp.any(bad),
+                f"decoding past the cache's max_length: row {{row}} is at position "
+                f"{{position}} and {{new}} new tokens would make {{end}}, but "
+                f"init_cache(max_length={max_length}) holds {max_length} per row; call "
+                f"init_cache with a larger max_length",
+                row=row, position=start[row], new=count[row], end=end[row])
+
     def _append_to_cache(self, key, value, positions, input_lengths):
         """Writes the new keys/values at each row's position; returns the whole cache
-        (keys, values [B, max_length, Hkv, D]) and the rows' new filled lengths [B]."""
+        (keys, values [B, max_length, Hkv, D]) and the rows' new filled lengths [B].
+
+        Padding tokens (past `input_lengths[b]`) are written as zeros: they sit past the
+        row's filled length, masked, but a NaN there (from padding inputs) would still
+        reach the rows of every tile that reads it (0 * NaN = NaN)."""
+        real = (jnp.arange(key.shape[1])[None, :] < input_lengths[:, None])[..., None, None]
+        key = jnp.where(real, key, jnp.zeros((), key.dtype))
+        value = jnp.where(real, value, jnp.zeros((), value.dtype))
         keys = _write_rows(self.cached_key[...], key, positions)
         values = _write_rows(self.cached_value[...], value, positions)
         filled = positions + input_lengths.astype(positions.dtype)

@@ -6,7 +6,8 @@ like any other pytree. The free-page bookkeeping is an array too (`page_owner`),
 `reserve` and `erase` run inside `jit` with traced row indices and lengths.
 
 Checks on values (out of pages, an empty slot, writing past a reservation, a row out of
-range) raise `ValueError` when the values are concrete (eager calls). Inside `jit` they
+range, and `validate`'s: page-table entries in the pool, lengths within the reserved
+pages) raise `ValueError` when the values are concrete (eager calls). Inside `jit` they
 are `checkify.debug_check`s: free under a plain `jit`, reported by
 `jax.experimental.checkify.checkify(fn)`. An unchecked bad call under `jit` changes
 nothing (for `assign_batch`: nothing in the offending rows).
@@ -136,6 +137,29 @@ class PagedKVCache:
         """int32 scalar: pages no row holds."""
         return jnp.sum(self.page_owner < 0, dtype=jnp.int32)
 
+    def replace(self, **fields) -> "PagedKVCache":
+        """The cache with the given fields replaced (`dataclasses.replace`)."""
+        return dataclasses.replace(self, **fields)
+
+    # -- validation -------------------------------------------------------------------
+
+    def validate(self) -> "PagedKVCache":
+        """Checks the page table and the lengths; returns the cache.
+
+        Rules (what `reserve`/`erase`/`assign` maintain, and what a hand-built cache must
+        obey): every `page_table` entry is -1 or a page of the pool, `[0, num_pages)`;
+        each row's pages fill a prefix of its table row (no page after a -1); and
+        `lengths[b]` is in `[0, pages reserved by row b * page_size]`. Concrete values:
+        a `ValueError` naming the row, the entry and the pool size. Traced (under
+        `jit`): `checkify.debug_check`s with the same messages (see
+        `pallas_flex.paged.traced_checks`). `paged_flex_attention` and the methods that
+        read the page table (`reserve`, `assign`, `assign_batch`) call it.
+        """
+        xp, (table, lengths) = checking_arrays(self.page_table, self.lengths)
+        check_page_table(xp, table, lengths, num_pages=self.num_pages,
+                         page_size=self.page_size)
+        return self
+
     # -- page bookkeeping -------------------------------------------------------------
 
     def _check_batch_index(self, xp, batch_idx):
@@ -154,6 +178,7 @@ class PagedKVCache:
         """
         batch_idx = as_index_scalar(batch_idx, "batch_idx")
         seq_len = as_index_scalar(seq_len, "seq_len")
+        self.validate()
         xp, (b, n, table, owner) = checking_arrays(batch_idx, seq_len, self.page_table,
                                                    self.page_owner)
         row = self._check_batch_index(xp, b)
@@ -222,6 +247,7 @@ class PagedKVCache:
         num_tokens = self._check_tokens(k, v, ())
         batch_idx = as_index_scalar(batch_idx, "batch_idx")
         input_pos = as_index_scalar(input_pos, "input_pos")
+        self.validate()
         xp, (b, start, table, lengths) = checking_arrays(batch_idx, input_pos,
                                                          self.page_table, self.lengths)
         row = self._check_batch_index(xp, b)
@@ -249,6 +275,7 @@ class PagedKVCache:
         if num_tokens is None:
             num_tokens = np.full((self.max_batch,), seq, np.int32)
         num_tokens = as_index_vector(num_tokens, "num_tokens", self.max_batch)
+        self.validate()
         xp, (start, count, table, lengths) = checking_arrays(input_pos, num_tokens,
                                                              self.page_table, self.lengths)
         bad = (count < 0) | (count > seq)
@@ -280,6 +307,41 @@ class PagedKVCache:
 
             require(~xp.any(failing), message, row=pick(batch_idx), start=pick(start),
                     end=pick(end), length=pick(length), capacity=pick(capacity))
+
+
+def check_page_table(xp, page_table, lengths, *, num_pages: int, page_size: int) -> None:
+    """`PagedKVCache.validate`'s checks on `page_table [B, P]` and `lengths [B]` (NumPy
+    arrays, or jnp arrays when traced: `require`s either way)."""
+    max_pages = page_table.shape[1]
+    if page_table.size == 0:
+        return
+    bad = (page_table < -1) | (page_table >= num_pages)
+    flat = first_true(bad.reshape(-1))
+    row, entry = flat // max_pages, flat % max_pages
+    require(~xp.any(bad),
+            "page_table[{row}, {entry}] = {value} is out of range: page table entries must "
+            f"be -1 (no page) or a page of the pool, in [0, {num_pages}) (num_pages)",
+            row=row, entry=entry, value=page_table.reshape(-1)[flat])
+    present = page_table >= 0
+    # A row's pages fill a prefix of its table row: no page after an empty (-1) entry.
+    hole = present[:, 1:] & ~present[:, :-1]
+    flat = first_true(hole.reshape(-1))
+    row, entry = flat // max(max_pages - 1, 1), flat % max(max_pages - 1, 1) + 1
+    require(~xp.any(hole),
+            "page_table[{row}, {entry}] = {value} follows an empty entry (-1) in row {row}: "
+            "a row's pages must fill a prefix of its table row",
+            row=row, entry=entry, value=page_table[row, xp.minimum(entry, max_pages - 1)])
+    # Pages reserved: the prefix of non-negative entries (all of them once the check
+    # above passes).
+    reserved = xp.sum(xp.cumprod(present.astype(np.int32), axis=1), axis=1)
+    capacity = reserved * page_size
+    bad = (lengths < 0) | (lengths > capacity)
+    row = first_true(bad)
+    require(~xp.any(bad),
+            "lengths[{row}] = {length} is out of range: row {row} has {pages} pages "
+            f"reserved, so its length must be in [0, {{capacity}}] (pages * page_size "
+            f"{page_size})",
+            row=row, length=lengths[row], pages=reserved[row], capacity=capacity[row])
 
 
 # The updates, one compiled program each (eager calls dispatch once; under an outer
@@ -380,7 +442,7 @@ def gather_contiguous(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
     """
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")
-    return _gather_contiguous(cache)
+    return _gather_contiguous(cache.validate())
 
 
 @jax.jit

@@ -161,11 +161,20 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
       out [B, Sq, Hq, Dv], or (out, lse [B, Hq, Sq]) with return_lse=True. Inference
       only: differentiating raises a ValueError.
 
+    Errors: besides shapes and arguments, the cache's page table and lengths are checked
+    (`PagedKVCache.validate`: entries -1 or in `[0, num_pages)`, each row's pages a
+    prefix of its table row, `lengths[b]` within row b's reserved pages): a ValueError
+    naming the row, the entry and the pool size when they are concrete, a
+    `checkify.debug_check` under `jit` (`pallas_flex.paged.traced_checks(False)` leaves
+    it out). Whatever the pages hold past `lengths[b]` (a reused page's old contents)
+    never reaches the output.
+
     Example:
       >>> step_mask = pf.masks.offset(pf.masks.causal_mask, cache.lengths - 1)
       >>> out = pf.paged.paged_flex_attention(q, cache, mask_mod=step_mask)
     """
     _validate(q, cache)
+    cache.validate()
     batch, q_len, q_heads, head_dim = q.shape
     kv_len = cache.max_seq_len
     if mask_mod is not None and block_mask is not None:

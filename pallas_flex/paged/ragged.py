@@ -28,7 +28,7 @@ from pallas_flex.api import default_backend
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels import ragged as ragged_kernel
 from pallas_flex.paged._validation import (
-    as_index_scalar, as_index_vector, checking_arrays, first_true, require)
+    as_index_scalar, as_index_vector, checking_arrays, first_true, is_traced, require)
 
 _DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _BACKENDS = (None, "pallas", "interpret", "xla")
@@ -89,13 +89,16 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         float32 rather than the spec's T: the entries are sums of many weights, kept in
         float32 like this package's lse.
 
-    Errors: wrong shapes, dtypes, head counts or options raise `ValueError`. Bad metadata
-    (begins not monotone or not spanning the T tokens, negative past_lens, a sequence
-    longer than its blocks, a block index out of range, two new tokens written to one
-    cache slot, a negative sliding window) raises `ValueError` when the metadata is
-    concrete; under `jit` the same checks are `checkify.debug_check`s, reported by
+    Errors: wrong shapes, dtypes, head counts or options, and zero sequences (past_lens
+    of length 0), raise `ValueError`. Bad metadata (begins not monotone or not spanning
+    the T tokens, negative past_lens, a sequence longer than its blocks, a block index
+    out of range, two new tokens written to one cache slot, a negative sliding window, a
+    non-finite scale) raises `ValueError` when the metadata is concrete; under `jit` the same checks are `checkify.debug_check`s, reported by
     `jax.experimental.checkify.checkify(fn)` and free otherwise. Unchecked bad metadata
     under `jit` never reads or writes out of bounds, but its results are unspecified.
+    Whatever a listed block holds past its sequence's context (`past_lens[s] +
+    new_len[s]`; a reused block's stale contents, NaN included) never reaches the output
+    or the scores, on every backend.
 
     Example (two sequences: an 8-token prompt, and one decode step after 13 tokens):
       >>> out, k_cache, v_cache = paged_attention(
@@ -196,6 +199,10 @@ def _num_seqs(past_lens):
     if len(shape) != 1:
         raise ValueError(f"past_lens must be a 1-D integer array [num_seqs], got shape "
                          f"{tuple(shape)}")
+    if shape[0] == 0:
+        raise ValueError("past_lens must list at least one sequence, got 0 sequences "
+                         "(past_lens of length 0); a step with nothing to attend needs no "
+                         "call")
     return shape[0]
 
 
@@ -203,8 +210,13 @@ def _resolve_scale(scale, head_dim):
     if scale is None:
         return jnp.float32(1.0 / math.sqrt(head_dim))
     if isinstance(scale, (int, float, np.integer, np.floating)) and not isinstance(scale, bool):
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite, got {scale}")
         return jnp.float32(scale)
     if hasattr(scale, "shape") and scale.shape == () and jnp.issubdtype(scale.dtype, jnp.floating):
+        # A concrete array is checked at once; a traced one by a checkify.debug_check.
+        require(jnp.isfinite(scale) if is_traced(scale) else np.isfinite(np.asarray(scale)),
+                "scale must be finite, got {value}", value=scale)
         return jnp.asarray(scale, jnp.float32)
     raise ValueError(f"scale must be None, a Python number or a float scalar array, got "
                      f"{getattr(scale, 'shape', type(scale).__name__)}")
@@ -377,8 +389,9 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
         value.reshape(num_tokens, kv_heads, value_dim), mode="drop")
 
     # (c)
+    context = (past_lens + jnp.diff(subsequence_begins))[layout.seq]  # [T]
     pages = _PageWalk(query.reshape(num_tokens, kv_heads, group, head_dim), key_cache, layout,
-                      block_indices, block_indices_begins, scale, alibi_slopes)
+                      context, block_indices, block_indices_begins, scale, alibi_slopes)
     if backend == "xla":
         out, lse = pages.attend(value_cache)
     else:  # the Pallas kernel reads the updated caches in place
@@ -408,11 +421,12 @@ class _PageWalk:
     number of steps is the most blocks any token sees (a dynamic trip count).
     """
 
-    def __init__(self, query, key_cache, layout, block_indices, block_indices_begins, scale,
-                 alibi_slopes):
+    def __init__(self, query, key_cache, layout, context, block_indices, block_indices_begins,
+                 scale, alibi_slopes):
         self.query = query  # [T, Hkv, G, D]
         self.key_cache = key_cache
         self.layout = layout
+        self.context = context  # [T]: positions its sequence holds (past + new tokens)
         self.block_indices = block_indices
         self.block_indices_begins = block_indices_begins
         self.scale = scale
@@ -457,8 +471,14 @@ class _PageWalk:
                                                      precision=self.precision)))
 
         def step(j, state):
-            logits, _, _, block = self._tile(j)
-            return update(state, logits, value_cache[block])  # values [T, Hkv, bs, Dv]
+            logits, _, key_pos, block = self._tile(j)
+            # Slots past the sequence's context (a reused block's stale contents, never
+            # written by this sequence) are zeroed: their weight is 0, but 0 * NaN = NaN
+            # in the product. The Pallas kernel zeroes the same rows on load.
+            written = key_pos < self.context[:, None]  # [T, block_size]
+            values = jnp.where(written[:, None, :, None], value_cache[block],
+                               jnp.zeros((), value_cache.dtype))  # [T, Hkv, bs, Dv]
+            return update(state, logits, values)
 
         state = (jnp.full((num_tokens, kv_heads, group), -jnp.inf, jnp.float32),
                  jnp.zeros((num_tokens, kv_heads, group), jnp.float32),

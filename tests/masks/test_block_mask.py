@@ -5,6 +5,7 @@ states and tables derived from it in NumPy, never by calling BlockMask code.
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +242,54 @@ def test_from_kv_blocks_rejects_inconsistent_tables():
     with pytest.raises(ValueError, match="full_kv_num_blocks"):
         BlockMask.from_kv_blocks(np.zeros((1, 1, 3), np.int32), np.zeros((1, 1, 3, 3), np.int32),
                                  np.zeros((1, 1, 3), np.int32))
+
+
+_GOOD_NUM = np.array([[[1, 1, 0]]], np.int32)
+_GOOD_INDICES = np.array([[[[2, 2, 2], [0, 0, 1], [1, 1, 1]]]], np.int32)
+BAD_KV_TABLES = {
+    # name: (kv_num_blocks, kv_indices, full tables or None, message); KV_LEN 48, block 16.
+    "index_past_kv_len": (_GOOD_NUM, np.where(np.arange(3) == 0, 3, _GOOD_INDICES), None,
+                          r"kv_indices\[0, 0, 0, 0\] = 3 is out of range: KV block indices "
+                          r"must be in \[0, 3\) \(KV_LEN 48 / block_kv 16\)"),
+    "negative_index": (_GOOD_NUM, np.where(np.arange(3) == 0, -1, _GOOD_INDICES), None,
+                       r"kv_indices\[0, 0, 0, 0\] = -1 is out of range"),
+    "count_past_width": (np.array([[[1, 4, 0]]], np.int32), _GOOD_INDICES, None,
+                         r"kv_num_blocks\[0, 0, 1\] = 4 is out of range: a query block lists "
+                         r"at most nKV = 3 KV blocks \(KV_LEN 48 / block_kv 16\), so counts "
+                         r"must be in \[0, 3\]"),
+    "negative_count": (np.array([[[1, -1, 0]]], np.int32), _GOOD_INDICES, None,
+                       r"kv_num_blocks\[0, 0, 1\] = -1 is out of range"),
+    "full_index_past_kv_len": (_GOOD_NUM, _GOOD_INDICES,
+                               (np.array([[[0, 1, 0]]], np.int32),
+                                np.array([[[[0, 0, 0], [9, 0, 0], [0, 0, 0]]]], np.int32)),
+                               r"full_kv_indices\[0, 0, 1, 0\] = 9 is out of range"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_KV_TABLES)
+def test_from_kv_blocks_rejects_out_of_range_entries(case):
+    """An index past KV_LEN's blocks (or negative), or a count past the width, is a
+    ValueError eagerly (it used to be dropped silently) and a checkify error under jit."""
+    from jax.experimental import checkify
+
+    num, indices, full, message = BAD_KV_TABLES[case]
+    full = full or (None, None)
+    with pytest.raises(ValueError, match=message):
+        BlockMask.from_kv_blocks(num, indices, *full, block_size=16)
+    build = jax.jit(lambda *tables: BlockMask.from_kv_blocks(*tables, block_size=16))
+    error, _ = checkify.checkify(build)(num, indices, *full)
+    assert error.get() is not None and re.search(message, error.get()), error.get()
+    # Padding past a row's count is ignored whatever it holds.
+    error, _ = checkify.checkify(build)(_GOOD_NUM, np.where(_GOOD_NUM[..., None] <= np.arange(3),
+                                                            99, _GOOD_INDICES))
+    assert error.get() is None
+
+
+def test_from_kv_blocks_rejects_full_tables_of_another_shape():
+    with pytest.raises(ValueError, match=r"full_kv_indices must be \[B, H, nQ, nKV\] = "
+                                         r"\[B, H, 3, 3\]"):
+        BlockMask.from_kv_blocks(_GOOD_NUM, _GOOD_INDICES, np.zeros((1, 1, 2), np.int32),
+                                 np.zeros((1, 1, 2, 3), np.int32), block_size=16)
 
 
 # ---------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@ decoding through its cache."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -230,6 +232,64 @@ def test_call_errors():
         layer(x, decode=True, input_lengths=jnp.array([1.0]))
     with pytest.raises(ValueError, match="input_lengths"):
         layer(x, input_lengths=jnp.array([1]))
+
+
+def test_decoding_past_max_length_is_a_clear_error():
+    """The contiguous cache used to drop the tokens past max_length silently (and the
+    outputs diverged); now it refuses, naming max_length and the position, eagerly and
+    as a checkify check under jit. A call that fits (padding past the end included) is
+    fine."""
+    from jax.experimental import checkify
+
+    layer = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="interpret",
+                                                  rngs=nnx.Rngs(0)))
+    layer.init_cache(batch_size=2, max_length=6)
+    x = _inputs(3, length=4)
+    layer(x, mask_mod=pf.masks.causal_mask, decode=True)
+    message = (r"decoding past the cache's max_length: row 0 is at position 4 and 3 new "
+               r"tokens would make 7, but init_cache\(max_length=6\) holds 6 per row")
+    with pytest.raises(ValueError, match=message):
+        layer(x[:, :3], mask_mod=pf.masks.causal_mask, decode=True)
+    np.testing.assert_array_equal(layer.cache_index[...], [4, 4])  # nothing written
+    with pytest.raises(ValueError, match=r"input_lengths must be in \[0, 3\] \(the call's "
+                                         r"Sq\); input_lengths\[1\] = 4"):
+        layer(x[:, :3], decode=True, input_lengths=jnp.array([1, 4]))
+    # Row 0 writes 2 real tokens, row 1 one (its padding falls past max_length): fits.
+    layer(x[:, :3], mask_mod=pf.masks.causal_mask, decode=True,
+          input_lengths=jnp.array([2, 1]))
+    np.testing.assert_array_equal(layer.cache_index[...], [6, 5])
+
+    graphdef, state = nnx.split(layer)
+
+    def step(state, inputs):
+        module = nnx.merge(graphdef, state)
+        return module(inputs, mask_mod=pf.masks.causal_mask, decode=True)
+
+    error, _ = checkify.checkify(jax.jit(step))(state, x[:, :1])
+    assert error.get() is not None and re.search(
+        r"row 0 is at position 6 and 1 new tokens would make 7, but "
+        r"init_cache\(max_length=6\)", error.get()), error.get()
+
+
+def test_nan_padding_never_reaches_real_rows():
+    """Right-padded prompts whose padding holds NaN: the padding is written as zeros, so
+    the real tokens' outputs equal those of finite padding."""
+    layer = _build(lambda: FlexMultiHeadAttention(HEADS, FEATURES, backend="xla",
+                                                  kernel_options=SMALL_TILES,
+                                                  rngs=nnx.Rngs(4)))
+    x = _inputs(5, length=9)
+    lengths = jnp.array([5, 9])
+    real = jnp.arange(9)[None, :, None] < lengths[:, None, None]
+    outputs = []
+    for pad in (0.0, jnp.nan):
+        layer.init_cache(batch_size=2, max_length=12)
+        out = layer(jnp.where(real, x, pad), mask_mod=pf.masks.causal_mask, decode=True,
+                    input_lengths=lengths)
+        step = layer(x[:, :1], mask_mod=pf.masks.causal_mask, decode=True)
+        outputs.append((np.asarray(out[0, :5]), np.asarray(out[1]), np.asarray(step)))
+    for clean, poisoned in zip(*outputs):
+        assert np.isfinite(poisoned).all()
+        np.testing.assert_array_equal(poisoned, clean)
 
 
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
