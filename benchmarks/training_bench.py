@@ -80,7 +80,11 @@ def _first_call_seconds(fn, *args) -> float:
     return time.perf_counter() - start
 
 
-def compile_rows(head_dims=(64, 128)) -> list[dict]:
+def compile_rows(head_dims=(64, 128, 256)) -> list[dict]:
+    """First-call seconds per dtype and head dim, and each dtype's ratio to bfloat16's
+    (issue 15 asks for every ratio within 2). A warm-up call first, so that the first row
+    does not pay for the process's first jit."""
+    _first_call_seconds(jax.jit(lambda x: x + 1), jnp.zeros((8,)))
     rows = []
     for head_dim in head_dims:
         for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
@@ -100,6 +104,10 @@ def compile_rows(head_dims=(64, 128)) -> list[dict]:
                        jax.jit(jax.grad(loss, argnums=(0, 1, 2))), q, k, v),
                    "decode_s": _first_call_seconds(
                        jax.jit(lambda q, k, v: pf.attention(q, k, v)), q[:, :1], k, v)}
+            bfloat16_row = next((earlier for earlier in rows if earlier["head_dim"] == head_dim
+                                 and earlier["dtype"] == "bfloat16"), row)
+            for name in ("forward_s", "forward_backward_s", "decode_s"):
+                row[name.replace("_s", "_vs_bfloat16")] = row[name] / bfloat16_row[name]
             print(row, flush=True)
             rows.append(row)
     return rows

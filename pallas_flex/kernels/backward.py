@@ -507,7 +507,8 @@ def _fit_to_shared_memory(options: KernelOptions, launch: _Launch, site_plans):
         head_dim=launch.q.shape[3], value_dim=launch.v.shape[3],
         mask_block=block_mask.block_size, reads=reads)
     return shared_memory.fit(options, estimate, planned_shared_memory(options),
-                             kernel="backward")
+                             kernel="backward", inputs=f"{launch.q.dtype} inputs at a head "
+                             f"dim padded to {launch.q.shape[3]}")
 
 
 def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bool,

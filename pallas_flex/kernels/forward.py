@@ -157,7 +157,8 @@ def _fit_to_shared_memory(options: KernelOptions, q, v, block_mask, score_progra
         head_dim=padded_head_dim(q.shape[3]), value_dim=padded_head_dim(v.shape[3]),
         mask_block=block_mask.block_size, reads=reads)
     return shared_memory.fit(options, estimate, planned_shared_memory(options),
-                             kernel="forward")
+                             kernel="forward",
+                             inputs=f"{q.dtype} inputs at head dim {q.shape[3]}")
 
 
 def _reverse(tile, num_tiles):

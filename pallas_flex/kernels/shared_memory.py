@@ -13,6 +13,22 @@ holds the measured points):
   goes through shared memory, two tiles' worth, and three in the dQ programs when the
   array gets a gradient (its scatter-add converts the cotangent tile too).
 
+Two cases keep more (pip triton 3.6.0 compiles of the GPU test matrix, `python -m
+benchmarks.inspect_kernels audit`, benchmarks/results/2026-11-24-shared-memory-audit.json):
+
+* float32 with one stage (no software pipeline): a tile is loaded into registers and
+  copied into shared memory for each dot that reads it, one at a time, so the loop needs
+  one streamed tile, not all of them (on Hopper with 64-row tiles and up, both: wgmma
+  reads its shared-memory operands asynchronously); but the held tiles are split into
+  TF32 high and low halves in shared memory whatever the rows (mma.sync too): twice the
+  held bytes.
+* GPUs before Ampere (compute capability < 8.0: T4, V100): Triton 3.6 runs their dots on
+  FMA units, not tensor cores, with every operand converted to float32 in shared memory
+  (16-bit tiles take twice their bytes) and no async copies (no pipeline): the held
+  tiles, and up to two streamed tiles and two [rows, columns] score tiles at a time
+  (float32 D128, 32 KV rows owned, 16 walked: 52 KiB, exactly that). It errs high at
+  large tiles of small head dims (float16 D32, 128x128: 96 KiB, estimated 193).
+
 Program kinds that share a launch (dQ and dK/dV) share one allocation: the launch needs
 the larger of the two. The estimate errs high (by at most a few KiB on the measured
 points), so a configuration it accepts compiles.
@@ -24,6 +40,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_flex.kernels import device
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.kernels.tile_mods import captured_read_sites
 
@@ -65,42 +82,72 @@ def mod_reads(mask_program, score_program, differentiated=()) -> ModReads:
     return ModReads(tile_reads, tile_gradients)
 
 
-def _operand_copies(dtype, rows: int) -> int:
-    return 2 if jnp.dtype(dtype) == jnp.float32 and rows >= _WGMMA_ROWS else 1
+def planned_capability(capability=None) -> tuple[int, int]:
+    """The compute capability the estimate plans for: `capability`, else the device's
+    (without a GPU, an H100's)."""
+    if capability is not None:
+        return tuple(capability)
+    return device.compute_capability() or device.HOPPER
 
 
 def _scratch(rows: int, columns: int, tiles: int) -> int:
     return tiles * rows * columns * 4
 
 
+def _program_bytes(dtype, *, held_rows: int, held_width: int, streamed_rows: int,
+                   head_dim: int, value_dim: int, num_stages: int,
+                   capability: tuple[int, int]) -> int:
+    """A program that holds [held_rows, held_width] operand tiles and streams
+    [streamed_rows, D] and [streamed_rows, Dv] ones on a GPU of compute capability
+    `capability` (see the module docstring)."""
+    size = jnp.dtype(dtype).itemsize
+    float32 = jnp.dtype(dtype) == jnp.float32
+    if capability < (8, 0):  # FMA dots: float32 operands; two streamed, two score tiles
+        return 4 * (held_rows * held_width + 2 * streamed_rows * max(head_dim, value_dim)
+                    + 2 * held_rows * streamed_rows)
+    if float32 and num_stages == 1:  # TF32 halves of held tiles, streamed tiles one by one
+        # ... except that wgmma (Hopper, 64-row tiles and up) reads its B operand from
+        # shared memory asynchronously: the K and V tiles are both there.
+        wgmma = capability >= device.HOPPER and held_rows >= _WGMMA_ROWS
+        streamed_width = head_dim + value_dim if wgmma else max(head_dim, value_dim)
+        return 2 * size * held_rows * held_width + size * streamed_rows * streamed_width
+    # float32 dots run as three TF32 products: wgmma keeps the low halves of its held
+    # operands beside the high ones (64-row tiles and up); mma.sync splits in registers.
+    copies = 2 if float32 and held_rows >= _WGMMA_ROWS else 1
+    return (copies * size * held_rows * held_width
+            + num_stages * size * streamed_rows * (head_dim + value_dim))
+
+
 def forward_bytes(*, dtype, head_dim: int, value_dim: int, block_q: int, block_kv: int,
-                  num_stages: int, reads: ModReads = ModReads(), query_rows=None) -> int:
+                  num_stages: int, reads: ModReads = ModReads(), query_rows=None,
+                  capability=None) -> int:
     """Shared memory of the forward (and decode, ragged) kernels: a [block_q, D] query
     tile held, [block_kv, D + Dv] K/V tiles streamed. `query_rows` overrides block_q for
-    kernels whose query tile is not a square tile (decode: heads x positions)."""
-    size = jnp.dtype(dtype).itemsize
+    kernels whose query tile is not a square tile (decode: heads x positions);
+    `capability`: the GPU's compute capability (default: `planned_capability()`)."""
     rows = block_q if query_rows is None else query_rows
-    held = _operand_copies(dtype, rows) * size * rows * head_dim
-    streamed = num_stages * size * block_kv * (head_dim + value_dim)
-    scratch = _scratch(rows, block_kv, 2 * reads.tile_reads)
-    return held + streamed + scratch + _FIXED_BYTES
+    program = _program_bytes(
+        dtype, held_rows=rows, held_width=head_dim, streamed_rows=block_kv,
+        head_dim=head_dim, value_dim=value_dim, num_stages=num_stages,
+        capability=planned_capability(capability))
+    return program + _scratch(rows, block_kv, 2 * reads.tile_reads) + _FIXED_BYTES
 
 
 def backward_bytes(*, dtype, head_dim: int, value_dim: int, dq_tile: tuple[int, int],
                    dkdv_tile: tuple[int, int], dq_stages: int, dkdv_stages: int,
-                   reads: ModReads = ModReads()) -> int:
+                   reads: ModReads = ModReads(), capability=None) -> int:
     """Shared memory of the backward launch(es): a dQ program holds q and dO tiles and
     streams K/V; a dK/dV program holds K/V tiles and streams q and dO. One launch of
     both kinds, or two launches: the larger kind decides either way."""
-    size = jnp.dtype(dtype).itemsize
-    width = head_dim + value_dim
     dq_rows, dq_columns = dq_tile
     dkdv_rows, dkdv_columns = dkdv_tile  # (query rows walked, KV rows owned)
-    dq = (_operand_copies(dtype, dq_rows) * size * dq_rows * width
-          + dq_stages * size * dq_columns * width
+    dims = dict(head_dim=head_dim, value_dim=value_dim,
+                capability=planned_capability(capability))
+    dq = (_program_bytes(dtype, held_rows=dq_rows, held_width=head_dim + value_dim,
+                         streamed_rows=dq_columns, num_stages=dq_stages, **dims)
           + _scratch(dq_rows, dq_columns, 2 * reads.tile_reads + reads.tile_gradients))
-    dkdv = (_operand_copies(dtype, dkdv_columns) * size * dkdv_columns * width
-            + dkdv_stages * size * dkdv_rows * width
+    dkdv = (_program_bytes(dtype, held_rows=dkdv_columns, held_width=head_dim + value_dim,
+                           streamed_rows=dkdv_rows, num_stages=dkdv_stages, **dims)
             + _scratch(dkdv_rows, dkdv_columns, 2 * reads.tile_reads))
     return max(dq, dkdv) + _FIXED_BYTES
 
@@ -163,9 +210,12 @@ def _shrink_step(options: KernelOptions, field: str, floor: int):
     return options.replace(**{field: max(floor, value // 2)})
 
 
-def fit(options: KernelOptions, estimate, budget: int, *, kernel: str) -> KernelOptions:
+def fit(options: KernelOptions, estimate, budget: int, *, kernel: str,
+        inputs: str = "these inputs") -> KernelOptions:
     """`options` with the fields the user did not set shrunk until `estimate(options)`
-    fits `budget` bytes; a ValueError naming the user's settings if it cannot."""
+    fits `budget` bytes; a ValueError naming the user's settings if it cannot, or, when
+    even the smallest tiles do not fit, what cannot run (`inputs`: their dtype and head
+    dim, e.g. "float32 inputs at head dim 256") and what can."""
     steps = _FORWARD_STEPS if kernel == "forward" else _BACKWARD_STEPS
     fields = FORWARD_FIELDS if kernel == "forward" else BACKWARD_FIELDS
     while estimate(options) > budget:
@@ -183,7 +233,9 @@ def fit(options: KernelOptions, estimate, budget: int, *, kernel: str) -> Kernel
                 "has (PALLAS_FLEX_SHARED_MEMORY_KIB sets the budget): give smaller tiles or "
                 "fewer stages, or leave them to the defaults" if given else
                 f"no {kernel} kernel configuration fits {budget // 1024} KiB of shared memory "
-                f"(the smallest needs {estimate(options) // 1024} KiB)")
+                f"(the smallest needs {estimate(options) // 1024} KiB): {inputs} cannot run "
+                "on a GPU with this budget; use bfloat16 or float16 inputs, or a smaller "
+                "head dim")
     return options
 
 

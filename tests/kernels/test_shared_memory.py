@@ -46,21 +46,54 @@ MEASURED = [
           stages=3, reads=ModReads(1, 0)), 90112),
     (dict(kind="forward", dtype=jnp.bfloat16, head_dim=128, block_q=128, block_kv=64,
           stages=2, reads=ModReads(1, 0), slack=33 * KIB), 131072),
+    # float32 with one stage, pip triton for the budget's GPU (benchmarks/results/
+    # 2026-11-24-shared-memory-audit.json): held tiles in TF32 halves, one streamed tile.
+    # D256 backward, 16-row tiles, sm_90 (the K tile once per dot layout)
+    (dict(kind="backward", dtype=jnp.float32, head_dim=256, dq_tile=(16, 16),
+          dkdv_tile=(16, 16), stages=1), 81920),
+    # D256 backward, 32-row tiles, sm_80; dQ 32x16, dK/dV 16x32, sm_89
+    (dict(kind="backward", dtype=jnp.float32, head_dim=256, dq_tile=(32, 32),
+          dkdv_tile=(32, 32), stages=1, capability=(8, 0)), 163840),
+    (dict(kind="backward", dtype=jnp.float32, head_dim=256, dq_tile=(32, 16),
+          dkdv_tile=(16, 32), stages=1, capability=(8, 9)), 147456),
+    # D256 forward 32x16, sm_89
+    (dict(kind="forward", dtype=jnp.float32, head_dim=256, block_q=32, block_kv=16,
+          stages=1, capability=(8, 9)), 81920),
+    # D256 forward 64x32: sm_80 streams one tile at a time; sm_90's wgmma reads K and V
+    # from shared memory, both there
+    (dict(kind="forward", dtype=jnp.float32, head_dim=256, block_q=64, block_kv=32,
+          stages=1, capability=(8, 0)), 163840),
+    (dict(kind="forward", dtype=jnp.float32, head_dim=256, block_q=64, block_kv=32,
+          stages=1), 196608),
+    # sm_75 (T4): FMA dots on float32 copies of the operands, no pipeline
+    (dict(kind="backward", dtype=jnp.float32, head_dim=128, dq_tile=(32, 16),
+          dkdv_tile=(16, 32), stages=1, capability=(7, 5)), 53248),
+    (dict(kind="backward", dtype=jnp.float16, head_dim=256, dq_tile=(32, 16),
+          dkdv_tile=(16, 32), stages=1, capability=(7, 5), slack=25 * KIB), 81920),
+    (dict(kind="forward", dtype=jnp.float16, head_dim=256, block_q=64, block_kv=16,
+          stages=1, capability=(7, 5), slack=25 * KIB), 81920),
+    (dict(kind="forward", dtype=jnp.float32, head_dim=128, block_q=32, block_kv=16,
+          stages=1, capability=(7, 5)), 32768),
+    # large tiles of a small head dim: the two score tiles the estimate counts are not
+    # both live there (float16 D32, dQ 128x128, dK/dV 64x128)
+    (dict(kind="backward", dtype=jnp.float16, head_dim=32, dq_tile=(128, 128),
+          dkdv_tile=(64, 128), stages=2, capability=(7, 5), slack=100 * KIB), 98304),
 ]
 
 
 def _estimate(case):
-    reads = case.get("reads", ModReads())
+    reads, capability = case.get("reads", ModReads()), case.get("capability", (9, 0))
     if case["kind"] == "forward":
         return forward_bytes(dtype=case["dtype"], head_dim=case["head_dim"],
                              value_dim=case["head_dim"], block_q=case["block_q"],
-                             block_kv=case["block_kv"], num_stages=case["stages"], reads=reads)
+                             block_kv=case["block_kv"], num_stages=case["stages"], reads=reads,
+                             capability=capability)
     stages = shared_memory.effective_backward_stages
     return backward_bytes(
         dtype=case["dtype"], head_dim=case["head_dim"], value_dim=case["head_dim"],
         dq_tile=case["dq_tile"], dkdv_tile=case["dkdv_tile"],
         dq_stages=stages(case["stages"], min(case["dq_tile"][0], case["dkdv_tile"][1])),
-        dkdv_stages=stages(case["stages"], case["dkdv_tile"][1]), reads=reads)
+        dkdv_stages=stages(case["stages"], case["dkdv_tile"][1]), reads=reads, capability=capability)
 
 
 @pytest.mark.parametrize("case,reported", MEASURED)
