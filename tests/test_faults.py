@@ -256,7 +256,9 @@ def test_ragged_stale_slots_never_reach_output_or_scores(value, backend):
     _assert_unchanged(before, poisoned)
     assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(scores)).all()
     np.testing.assert_array_equal(out, clean_out)
-    np.testing.assert_array_equal(scores, clean_scores)
+    # The scores are sums over tokens whose order on the GPU is not fixed run to run
+    # (1-ulp differences seen on the H100): equal to float32 rounding, not bitwise.
+    np.testing.assert_allclose(scores, clean_scores, rtol=1e-6, atol=0)
     expected = reference_paged_attention(**case)
     np.testing.assert_allclose(out, expected[0], atol=_tolerance(backend),
                                rtol=_tolerance(backend))

@@ -341,13 +341,20 @@ def pytest_runtest_makereport(item, call):
 
 # ----- shards ------------------------------------------------------------------------------
 
-# First-call compile seconds on the H100 with 6 shards running at once (an earlier
-# version of this suite, benchmarks/results/
-# 2026-11-24-h100-training-dtypes-and-captured-gradients.json), by (op, float32?), plus
-# each test's lowering, references and checks.
-_COMPILE_S = {("forward", True): 4.2, ("forward", False): 2.7,
-              ("forward_backward", True): 7.3, ("forward_backward", False): 4.5,
-              ("decode", True): 2.5, ("decode", False): 1.9}
+# Seconds a test took on the H100 in `make test-gpu` (14 shards at once, 2026-11-24),
+# compiling, references and checks included. Matrix cells by (op, float32?, at the
+# device's own budget?): a smaller budget's cell often reuses the program of a larger one.
+_MATRIX_S = {("forward", True, True): 5.4, ("forward", False, True): 3.7,
+             ("forward_backward", True, True): 12.7, ("forward_backward", False, True): 6.5,
+             ("decode", True, True): 3.9, ("decode", False, True): 3.5,
+             ("forward", True, False): 2.8, ("forward", False, False): 1.1,
+             ("forward_backward", True, False): 6.0, ("forward_backward", False, False): 3.6,
+             ("decode", True, False): 2.2, ("decode", False, False): 1.8}
+# Captured-gradient cells by (S > 2048, float32?); the training tests by float32?; any
+# other test (the pallas parameters of the shared suites: ~11 s on average).
+_CAPTURED_S = {(True, False): 25.4, (False, True): 22.6, (False, False): 13.5}
+_TRAIN_S = {True: 48.0, False: 21.0}
+_OTHER_S = 11.0
 
 
 def _group_and_cost(item):
@@ -358,18 +365,15 @@ def _group_and_cost(item):
     is_float32 = params.get("dtype_name") == "float32"
     if "budget" in params:  # test_dtype_matrix cells
         group = (module, params["dtype_name"], params["head_dim"], params["layout"])
-        cost = _COMPILE_S[params["op"], is_float32] + 0.3
-        if params["budget"] is not None:  # often the same program as another budget's
-            cost *= 0.75
+        cost = _MATRIX_S[params["op"], is_float32, params["budget"] is None]
     elif "length" in params:  # test_captured_gradients cells
         group = (module, params["length"], params["mask"], params["head_dim"],
                  params["layout"])
-        # Seconds a cell took under 14 concurrent shards (2026-11-24), its share of the
-        # group's reference programs included.
-        cost = 15.0 if params["length"] > 2048 else (16.0 if is_float32 else 11.0)
+        cost = _CAPTURED_S.get((params["length"] > 2048, is_float32), 25.4)
     else:
         group = (item.nodeid,)
-        cost = 13.5 if is_float32 else 5.5
+        cost = (_TRAIN_S[is_float32] if "train" in item.nodeid and "dtype_name" in params
+                else _OTHER_S)
     return group, cost
 
 
