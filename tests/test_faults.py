@@ -195,15 +195,29 @@ def test_corrupt_page_tables_and_lengths(case, backend):
         with pytest.raises(ValueError, match=message):
             method(cache)
     _assert_unchanged(before, q, cache)
-    attend = jax.jit(lambda q, cache: pf.paged.paged_flex_attention(q, cache, backend=backend))
+    # Under jit the read path leaves the checks to cache.validate() (a debug check's
+    # effect would tax every call's dispatch): checkify reports them from there.
+    attend = jax.jit(lambda q, cache: pf.paged.paged_flex_attention(
+        q, cache.validate(), backend=backend))
     error, _ = checkify.checkify(attend)(q, cache)
     assert error.get() is not None and re.search(message, error.get()), error.get()
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_traced_paged_attention_has_no_effects(backend):
+    """paged_flex_attention under jit emits no checks: an effect-free program keeps
+    JAX's fast dispatch (the kernels clamp page-table entries into the pool instead)."""
+    cache = _cache([21, 5])
+    jaxpr = jax.make_jaxpr(lambda q, cache: pf.paged.paged_flex_attention(
+        q, cache, backend=backend))(_queries(2, 1), cache)
+    assert not jaxpr.effects
 
 
 def test_valid_caches_pass_the_checks_under_checkify():
     cache = _cache([21, 0])  # an empty row: no pages, length 0
     q = _queries(2, 1)
-    attend = jax.jit(lambda q, cache: pf.paged.paged_flex_attention(q, cache, backend="xla"))
+    attend = jax.jit(lambda q, cache: pf.paged.paged_flex_attention(q, cache.validate(),
+                                                                    backend="xla"))
     error, _ = checkify.checkify(attend)(q, cache)
     assert error.get() is None
 
