@@ -127,17 +127,18 @@ TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stag
 # with 4 (two warpgroups share the 128 query rows, and the three-TF32-pass dots of
 # `online_softmax.dot_precision` stop spilling). Decode: 32-row KV tiles compile in
 # 1.1 / 1.5 s (D 64 / 128) and run in 0.216 / 0.414 ms, against 2.4 / 2.1 s and
-# 0.237 / 0.477 ms with 128 rows. Head dims 129-256: the 16-bit table's tiles spill
-# in float32 (pip triton 3.6 for sm_90: the 32x32 backward kept 32 registers and a 14 KB
-# stack frame, 75 KB of spill stores, 8.1 s to compile; 16x16 tiles 255 registers, 2.4
-# KB of spills, 2.3 s; the 64x32 forward with 4 warps 2.8 s, with 8 warps and 16-row KV
-# tiles 1.4 s, two stages instead of one). Shared-memory fitting
-# (kernels/shared_memory.py) still applies on top.
+# 0.237 / 0.477 ms with 128 rows. Head dims 129-256 (D256, B2 H16 S4096 causal): the
+# 16-bit table's 32x32 backward tiles spill in float32 (pip triton 3.6 for sm_90: 32
+# registers and 75 KB of spill stores): 962 ms forward+backward; 16x16 tiles with one
+# stage: 74.8 ms. The forward keeps the 16-bit table: 14.8 ms and 5.3 s to compile,
+# against 22.4 ms / 4.2 s with 8 warps and 25.3 ms / 3.7 s with 8 warps on 16-row KV
+# tiles (benchmarks/results/2026-11-24-h100-compile-times.json). Shared-memory
+# fitting (kernels/shared_memory.py) still applies on top.
 _HOPPER_FLOAT32_CHANGES = {
     64: dict(decode_block_kv=32),
     128: dict(num_warps=8, decode_block_kv=32),
-    256: dict(num_warps=8, block_kv=16, backward_block_q=16, backward_block_kv=16,
-              backward_dkdv_block_q=16, backward_dkdv_block_kv=16),
+    256: dict(backward_block_q=16, backward_block_kv=16, backward_dkdv_block_q=16,
+              backward_dkdv_block_kv=16, backward_num_stages=1),
 }
 
 

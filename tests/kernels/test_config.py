@@ -22,13 +22,12 @@ def test_float32_decode_takes_32_row_tiles_as_a_default_not_a_setting(head_dim):
     assert resolve_options(None, head_dim, jnp.bfloat16).decode_block_kv == 0
 
 
-def test_head_dims_above_128_take_smaller_float32_tiles():
+def test_head_dims_above_128_take_smaller_float32_backward_tiles():
     sixteen_bit, float32 = default_forward_options(256), default_forward_options(256, jnp.float32)
-    assert (float32.num_warps, float32.block_kv) == (8, 16)
-    assert (float32.backward_block_q, float32.backward_block_kv,
-            float32.backward_dkdv_block_q, float32.backward_dkdv_block_kv) == (16, 16, 16, 16)
-    assert float32.replace(num_warps=4, block_kv=32, backward_block_q=32, backward_block_kv=32,
-                           backward_dkdv_block_q=32, backward_dkdv_block_kv=32) == sixteen_bit
+    assert (float32.backward_block_q, float32.backward_block_kv, float32.backward_dkdv_block_q,
+            float32.backward_dkdv_block_kv, float32.backward_num_stages) == (16, 16, 16, 16, 1)
+    assert float32.replace(backward_block_q=32, backward_block_kv=32, backward_dkdv_block_q=32,
+                           backward_dkdv_block_kv=32, backward_num_stages=2) == sixteen_bit
 
 
 def test_user_settings_override_the_float32_defaults():
