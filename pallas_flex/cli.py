@@ -1,4 +1,5 @@
-"""The `pallas-flex` command: `pallas-flex demo`, `pallas-flex bench [options]`.
+"""The `pallas-flex` command: `pallas-flex demo`, `pallas-flex bench [options]`,
+`pallas-flex --version`.
 
 `pallas-flex bench --help` lists the benchmark options (see benchmarks/README.md).
 """
@@ -12,6 +13,19 @@ from pathlib import Path
 # benchmarks/ is not part of the installed package: it lives beside it in a checkout.
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
+
+
+def package_version() -> str:
+    """The installed distribution's version; in a checkout that is not installed (only on
+    PYTHONPATH), the package's own `__version__`."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("pallas-flex")
+    except metadata.PackageNotFoundError:
+        import pallas_flex
+
+        return getattr(pallas_flex, "__version__", "unknown")
 
 
 def _bench(argv: list[str]) -> int:
@@ -38,6 +52,8 @@ def _demo(argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="pallas-flex", description="FlexAttention for JAX: demo and benchmarks.")
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s {package_version()}")
     commands = parser.add_subparsers(dest="command", metavar="{demo,bench}")
     commands.required = True
     # Each subcommand parses its own options (add_help=False lets `--help` through).
