@@ -54,14 +54,15 @@ def make_inputs(seqs, *, q_heads=32, kv_heads=8, dim=128, block_size=16, seed=0)
         block_indices_begins=jnp.asarray(block_begins))
 
 
-def _donating_step(inputs, backend):
+def _donating_step(inputs, backend, num_splits):
     """One call as a server makes it: the caches donated, updated in place and fed back
     into the next call (without donation every call copies both whole caches, which at
     64 x 4096 tokens costs more than the attention itself)."""
     caches = {"key_cache": inputs["key_cache"], "value_cache": inputs["value_cache"]}
     others = {name: value for name, value in inputs.items() if name not in caches}
     step = jax.jit(lambda others, key_cache, value_cache: paged.paged_attention(
-        **others, key_cache=key_cache, value_cache=value_cache, backend=backend),
+        **others, key_cache=key_cache, value_cache=value_cache, backend=backend,
+        num_splits=num_splits),
         donate_argnums=(1, 2))
     caches = {name: jnp.copy(value) for name, value in caches.items()}  # inputs stay valid
 
@@ -83,10 +84,11 @@ def _splits_used(inputs, seqs, requested, backend):
                                             interpret=backend == "interpret")
 
 
-def _time(name, inputs, backend, donate):
-    fn = jax.jit(lambda inputs: paged.paged_attention(**inputs, backend=backend)[0])
+def _time(name, inputs, backend, donate, num_splits=None):
+    fn = jax.jit(lambda inputs: paged.paged_attention(**inputs, backend=backend,
+                                                      num_splits=num_splits)[0])
     if donate:
-        fn = _donating_step(inputs, backend)
+        fn = _donating_step(inputs, backend, num_splits)
     try:
         return time_ms(fn, inputs, iters=10, repeats=3), fn(inputs)
     except Exception as error:
@@ -164,11 +166,9 @@ def main():
         for backend in args.backends.split(","):
             # The XLA loop has no splits: time it once.
             for requested in split_counts if backend != "xla" else [None]:
-                # paged_attention reads NUM_SPLITS on each call; its compiled programs
-                # are cached per value.
-                ragged_kernel.NUM_SPLITS = requested or 0
                 with paged.traced_checks(args.traced_checks):
-                    ms, out = _time(name, inputs, backend, args.donate)
+                    ms, out = _time(name, inputs, backend, args.donate,
+                                    num_splits=requested or None)
                 used = (None if requested is None
                         else _splits_used(inputs, seqs, requested, backend))
                 label = (backend if requested is None

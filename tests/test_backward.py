@@ -146,20 +146,11 @@ def test_gradients_of_captured_arrays(backend, kind):
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("switch", ["two_launches", "no_index_prefetch", "full_blocks_first",
-                                    "masked_blocks_first"])
-def test_layout_switches_give_the_same_gradients(backend, switch, monkeypatch):
-    """The benchmark-only switches (two backward launches without GQA; tile indices read
-    in the iteration that uses them; either walk order of full and masked blocks) compute
-    the same gradients as the float64 reference."""
-    from pallas_flex.kernels import backward, block_walk
-    options = SMALL_TILES
-    if switch == "two_launches":
-        monkeypatch.setattr(backward, "FUSED_LAUNCH", False)
-    elif switch == "no_index_prefetch":
-        monkeypatch.setattr(block_walk, "PREFETCH_INDICES", False)
-    else:
-        options = dict(SMALL_TILES, backward_masked_first=switch == "masked_blocks_first")
+@pytest.mark.parametrize("order", ["full_blocks_first", "masked_blocks_first"])
+def test_walk_orders_give_the_same_gradients(backend, order):
+    """Either walk order of full and masked blocks computes the float64 reference's
+    gradients (one launch without GQA here; GQA's two launches: the tests above)."""
+    options = dict(SMALL_TILES, backward_masked_first=order == "masked_blocks_first")
     _check_learnable_gradients(backend, "alibi_slopes", q_heads=2, kv_heads=2, seed=21,
                                kernel_options=options)
 

@@ -482,8 +482,7 @@ def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
 # (H100, B4 H16 S4096 D128 noop: 3.60 ms, two launches 3.65). With GQA, two: a dK/dV
 # program sums `group` heads and runs that many times longer than a dQ program, and in
 # one launch those started last leave SMs idle at the end (32:8 heads: 8.08 ms in one
-# launch, 7.13 in two). False forces two launches everywhere (for benchmarks).
-FUSED_LAUNCH = True
+# launch, 7.13 in two).
 
 
 def _launch_parameters(warps: int, stages: int, owned_rows: int):
@@ -639,7 +638,7 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
                 else total
         return grads
 
-    if FUSED_LAUNCH and group == 1:
+    if group == 1:
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))

@@ -5,11 +5,6 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
-# Read each tile's index one iteration ahead (see walk_listed_tile_range). A switch only
-# so that benchmarks can time the plain loop against it.
-PREFETCH_INDICES = True
-
-
 def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: int,
                       tile: int, visit, state):
     """Folds `visit(tile_start, state)` over the tiles of the blocks one table row lists.
@@ -49,11 +44,6 @@ def walk_listed_tile_range(indices_ref, table_index, start, stop, *, mask_block:
         if tiles_per_block == 1:
             return block * mask_block
         return block * mask_block + lax.rem(step, jnp.int32(tiles_per_block)) * tile
-
-    if not PREFETCH_INDICES:
-        return lax.fori_loop(
-            start, stop, lambda step, state: visit(tile_start(block_of(step), step), state),
-            state)
 
     def visit_tile(step, carry):
         current_start, state = carry

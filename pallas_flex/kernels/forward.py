@@ -86,10 +86,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                                          precision=precision)
                          for q_chunk, key in zip(q_chunks, keys))
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
-        # The factor that turns scores into base-2 logits is applied inside the softmax's
-        # exponent (one FMA per score) rather than by a multiply of its own.
+        # The factor that turns scores into base-2 logits (the scale without a score_mod,
+        # log2(e) after one) is applied inside the softmax's exponent, one FMA per score,
+        # rather than by a multiply of its own.
         logit_scale = None
-        if score_program is None and scale > 0 and SCALE_IN_EXPONENT:
+        if score_program is None and scale > 0:
             logit_scale = scale * online_softmax.LOG2_E
         elif score_program is None:
             scores = scores * (scale * online_softmax.LOG2_E)
@@ -97,10 +98,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
                                          head, q_idx, kv_idx_in_range,
                                          indices_below=max(q_len, kv_len))
-            if SCALE_IN_EXPONENT:
-                logit_scale = online_softmax.LOG2_E
-            else:
-                scores = scores * online_softmax.LOG2_E
+            logit_scale = online_softmax.LOG2_E
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
                                       kv_idx_in_range, indices_below=max(q_len, kv_len))
@@ -134,12 +132,6 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         for (start, width), out in zip(value_chunks, outs):
             out_ref[:, pl.ds(start, width)] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
-
-
-# Apply the scale (without a score_mod) or log2(e) (after one) inside the softmax's
-# exponent, one FMA per score, instead of multiplying the scores first; False restores
-# the multiply (benchmarks).
-SCALE_IN_EXPONENT = True
 
 
 def _fit_to_shared_memory(options: KernelOptions, q, v, block_mask, score_program, *,

@@ -17,7 +17,7 @@ kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths 
 zero-padded to whole blocks, as for the Triton kernel), contiguous K/V or a paged cache
 (`_tile_pages`), and mods built from elementwise operations whose captured arrays are
 read at indices that depend on b and h only (a per-head ALiBi slope, a soft-cap value)
-or at exactly q_idx or kv_idx (document ids: `SLICE_READS` loads those as one vector per
+or at exactly q_idx or kv_idx (document ids: `contiguous_reads` loads those as one vector per
 tile). Reads at other indices (T5 buckets) are per-element gathers, which the Triton
 kernel does and this one does not.
 
@@ -59,7 +59,6 @@ PAGE_ROWS_MULTIPLE = 8
 # bound by the copies' issue rate. H100 prefill at 16-row pages, paired rounds: +7.2 %
 # over contiguous from the whole warpgroup, +3.2 % from four warps (D 64: +14 / +6.3 %);
 # benchmarks/results/2026-11-23-h100-paged-warp-copies.json.
-SPREAD_PAGE_COPIES_OVER_WARPS = True
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
@@ -69,19 +68,14 @@ _MAX_GRID_AXIS = 65535
 # (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
-GRID_ORDER = "heads,q_seq,batch"
-# Hand the tensor cores to the other compute warpgroup right after issuing q·kᵀ, before
-# its result lands (as JAX's Mosaic GPU attention does), or only once it has landed.
-# None picks per call (`hand_over_early`); True / False force one form (A/B probes).
-HAND_OVER_BEFORE_SCORES_LAND = None
+_GRID_AXES = ("heads", "q_seq", "batch")
 # Score mods with these primitives keep the late hand-over at D 128 (see hand_over_early).
 _TRANSCENDENTAL = {"tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "pow",
                    "sqrt", "rsqrt", "cbrt", "erf", "erfc", "sin", "cos", "tan", "atan2"}
 # Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
 # slices (`contiguous_reads`), so that document masks run on this kernel. On the H100
 # (B4 H16 S4096 D128, 12 causal documents) 0.176 ms against 0.220 for the Triton
-# kernel. False sends such mods to the Triton kernel.
-SLICE_READS = True
+# kernel.
 
 # Primitives with a Mosaic GPU lowering rule on register arrays (jax 0.11), plus the
 # structural ones the tile interpreter handles itself (captured-array reads, size-1
@@ -115,16 +109,16 @@ def _primitives(jaxpr):
 
 
 def hand_over_early(head_dim, score_program):
-    """Whether the compute warpgroups hand the tensor cores over before q·kᵀ lands.
+    """Whether the compute warpgroups hand the tensor cores to each other right after
+    issuing q·kᵀ, before its result lands (as JAX's Mosaic GPU attention does), or only
+    once it has landed.
 
-    Measured on the H100 (`probe_mosaic_forward --hand-over early|late`, ms, bf16): at
+    Measured on the H100 (an A/B probe of both forms, in git history; ms, bf16): at
     B4 H16 S4096 D128 early takes noop from 0.959 to 0.893 (cuDNN 0.90), prefix-LM 0.539
     to 0.517, ALiBi 0.576 to 0.562, causal 0.492 to 0.486, but soft-cap (a tanh per
     score) from 0.878 to 0.923. At B8 S2048 D64 the two forms are within noise of each
     other (noop 0.349 / 0.356, prefix-LM 0.242 / 0.257, ALiBi 0.260 / 0.256): late there.
     """
-    if HAND_OVER_BEFORE_SCORES_LAND is not None:
-        return HAND_OVER_BEFORE_SCORES_LAND
     if head_dim != 128:
         return False
     return score_program is None or not (set(_primitives(score_program.jaxpr))
@@ -141,7 +135,7 @@ def contiguous_reads(program):
     gathering. jnp indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the
     kernel's indices are never negative, so that select is the index itself.
     """
-    if program is None or not SLICE_READS:
+    if program is None:
         return {}
     jaxpr = program.jaxpr
     first_index = 2 if program.kind == "mask" else 3
@@ -550,7 +544,7 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
         plgpu.copy_gmem_to_smem(pages_ref.at[page, kv_head, pl.ds(first_row, rows)],
                                 destination.at[pl.ds(index * rows, rows)], barrier)
 
-    if len(tile_pages) == 1 or not SPREAD_PAGE_COPIES_OVER_WARPS:
+    if len(tile_pages) == 1:
         for index in range(len(tile_pages)):
             copy(index)
         return
@@ -764,7 +758,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
     out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
                 jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32))
     grid = {"q_seq": num_q_blocks, "heads": q_heads, "batch": batch}
-    names = GRID_ORDER.split(",")
+    names = _GRID_AXES
     out, lse = plgpu.kernel(
         entry,
         out_type=out_type,

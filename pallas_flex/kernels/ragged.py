@@ -45,10 +45,6 @@ _ROWS = 64  # rows (token x head-of-group pairs) per program
 # 0.462 in 2 splits; 16 sequences (128 programs) 0.187 / 0.176 / 0.207 ms in 1 / 2 / 4
 # splits (benchmarks/results/2026-11-23-h100-ragged-kernel.json).
 _TARGET_PROGRAMS = 256
-# num_splits the op (`pf.paged.paged_attention`) asks for: 0 = automatic. Tests and the
-# benchmark set it; the op reads it on each call, outside its jit, and passes it as a
-# static argument, so compiled programs are cached per value.
-NUM_SPLITS = 0
 
 
 def work_items(subsequence_begins, tokens_per_item: int, num_items: int):

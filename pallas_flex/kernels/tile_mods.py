@@ -116,8 +116,6 @@ def _read_captured(value, name: str, primitive: str):
 
 # Int32 values below this convert to float32 exactly, and so does the difference of two.
 EXACT_FLOAT32_INTEGERS = 2 ** 24
-# False turns the index-difference rewrite of `evaluate_jaxpr_on_tiles` off (benchmarks).
-CONVERT_INDEX_VECTORS = True
 
 
 def _is_float32_conversion(equation) -> bool:
@@ -275,8 +273,7 @@ def _captured(program, refs, log):
 def _small_index_args(first_index_arg, indices_below):
     """Positions of q_idx and kv_idx among a program's args when every index passed is
     known to lie in [0, indices_below) with indices_below <= 2**24; else none."""
-    if (not CONVERT_INDEX_VECTORS or indices_below is None
-            or indices_below > EXACT_FLOAT32_INTEGERS):
+    if indices_below is None or indices_below > EXACT_FLOAT32_INTEGERS:
         return ()
     return (first_index_arg, first_index_arg + 1)
 

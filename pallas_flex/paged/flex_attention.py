@@ -63,8 +63,8 @@ def clip_block_mask_to_lengths(block_mask, lengths):
     block that can cross the length moves to the end of the partial list (after every
     partial block below it, so that list stays ascending). The result is forward-only:
     its transposed (backward) tables are None. On the H100 (prefill of 2048 new tokens on
-    8192, B4 H16 D128, paired rounds in benchmarks/probe_paged_mosaic.py) this costs
-    1.1-1.6 % of the 0.8 ms call; the earlier form, rebuilding all tables from the block
+    8192, B4 H16 D128, paired rounds, benchmarks/results/2026-11-23-h100-paged-mosaic.json)
+    this costs 1.1-1.6 % of the 0.8 ms call; the earlier form, rebuilding all tables from the block
     state with sorts and scatters, 1.9-3.7 %.
     """
     block_kv = block_mask.block_size[1]

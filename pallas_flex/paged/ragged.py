@@ -37,7 +37,7 @@ _BACKENDS = (None, "pallas", "interpret", "xla")
 def paged_attention(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                     block_indices, block_indices_begins, *, scale=None, sliding_window=0,
                     alibi_slopes=None, score_aggregation_window=None, return_scores=False,
-                    backend=None):
+                    backend=None, num_splits=None):
     """Attention for a packed batch of new tokens over their sequences' paged history.
 
     Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
@@ -73,6 +73,9 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         Pallas interpret mode), "xla" (a blockwise jnp loop, any device), or None:
         "pallas" on a GPU, else "xla". Scores (when asked for) are a second blockwise
         pass in jnp from the attention's lse, on every backend.
+      num_splits: programs that share one work item's KV blocks in the Pallas kernel
+        (split-KV, merged exactly), or None to choose from the work (about 256
+        programs); a Python int >= 1. Ignored by "xla".
     Returns:
       `(output, key_cache, value_cache)`, or `(output, scores, key_cache, value_cache)`
       with `return_scores=True`:
@@ -111,6 +114,9 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend is None:
         backend = default_backend()
+    if num_splits is not None and (isinstance(num_splits, bool)
+                                   or not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be None or a Python int >= 1, got {num_splits!r}")
     if not isinstance(return_scores, (bool, np.bool_)):
         raise ValueError(f"return_scores must be a Python bool (under jit, a static argument: "
                          f"static_argnames=('return_scores',)), got "
@@ -134,7 +140,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
         aggregation_window, return_scores=bool(return_scores), backend=backend,
-        num_splits=ragged_kernel.NUM_SPLITS)
+        num_splits=num_splits or 0)
 
 
 def score_offsets(past_lens, subsequence_begins):

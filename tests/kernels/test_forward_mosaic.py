@@ -36,15 +36,6 @@ SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 1
           (jnp.bfloat16, "GQA4", 17, 250, 64)]
 
 
-@pytest.fixture
-def switches(monkeypatch):
-    """monkeypatch for the kernel's module switches, which are read when tracing: jit
-    caches are cleared on the way in and out, so no trace outlives its switch."""
-    jax.clear_caches()
-    yield monkeypatch
-    jax.clear_caches()
-
-
 def _mods(variant, batch, q_heads, q_len, kv_len):
     mask_factory, score_factory, _ = VARIANTS[variant]
     args = (batch, q_heads, q_len, kv_len)
@@ -90,16 +81,10 @@ def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
 @pytest.mark.parametrize("variant", SLICED)
 @pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim", [
     (jnp.bfloat16, "GQA4", 300, 300, 64), (jnp.float16, "MHA", 256, 256, 128)])
-def test_slice_reads_of_document_ids(backend, variant, dtype, layout, q_len, kv_len, dim,
-                                     switches):
+def test_slice_reads_of_document_ids(backend, variant, dtype, layout, q_len, kv_len, dim):
     """`doc_ids[q_idx]` / `doc_ids[kv_idx]` load as vectors (ragged lengths read the
-    edge-padded ids); with SLICE_READS off, such mods are refused."""
+    edge-padded ids)."""
     _check(variant, dtype, layout, q_len, kv_len, dim, backend)
-    q, k, v = random_qkv(0, 2, q_len, kv_len, 2, 2, dim, dim, dtype)
-    mask_mod, score_mod = _mods(variant, 2, 2, q_len, kv_len)
-    switches.setattr(forward_mosaic, "SLICE_READS", False)
-    with pytest.raises(ValueError, match="gather"):
-        pf.attention(q, k, v, mask_mod=mask_mod, backend="interpret", kernel_options=MOSAIC)
 
 
 def test_contiguous_reads_recognizes_index_reads_only():
@@ -269,11 +254,13 @@ def test_vmap_grad_and_checkpoint(backend):
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("early", [True, False])
-def test_both_hand_over_forms_give_the_same_values(backend, early, switches):
-    """Handing the tensor cores over before q·kᵀ lands, or after (forced both ways)."""
-    switches.setattr(forward_mosaic, "HAND_OVER_BEFORE_SCORES_LAND", early)
-    q, k, v = random_qkv(7, 1, 256, 384, 2, 2, 64, 64, jnp.bfloat16)
+@pytest.mark.parametrize("dim", [128, 64])
+def test_both_hand_over_forms_give_the_same_values(backend, dim):
+    """Handing the tensor cores over before q·kᵀ lands (D 128 with ALiBi), or after (D 64:
+    `hand_over_early`)."""
+    assert forward_mosaic.hand_over_early(dim, make_mod_program(masks.alibi(2), SCORE)) \
+        == (dim == 128)
+    q, k, v = random_qkv(7, 1, 256, 384, 2, 2, dim, dim, jnp.bfloat16)
     out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2),
                        backend=backend, kernel_options=MOSAIC)
     expected, _ = golden(q, k, v, masks.causal_mask, masks.alibi(2))

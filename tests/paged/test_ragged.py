@@ -205,9 +205,9 @@ SPLIT_OPTIONS = {
 }
 
 
-def assert_matches_reference_with_scores(case, config, options, backend):
+def assert_matches_reference_with_scores(case, config, options, backend, num_splits=None):
     out, scores, key_cache, value_cache = paged.paged_attention(
-        **case, **options, return_scores=True, backend=backend)
+        **case, **options, return_scores=True, backend=backend, num_splits=num_splits)
     expected, expected_scores, expected_k, expected_v = reference_paged_attention(
         **case, **options)
     assert out.dtype == config["dtype"]
@@ -222,40 +222,36 @@ def assert_matches_reference_with_scores(case, config, options, backend):
 
 # Split-KV: programs sharing one work item's tiles. 3 leaves uneven shares; 8 and 64 are
 # more splits than some or all items have tiles (empty splits must weigh nothing in the
-# merge). The op reads NUM_SPLITS on each call and keys its compiled program on it.
+# merge). `num_splits` is a static argument of the op's compiled program.
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8, 64])
 @pytest.mark.parametrize("option", SPLIT_OPTIONS)
 @pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "gqa_bf16_page16"])
-def test_split_kv_matches_reference(config_name, option, num_splits, backend, monkeypatch):
-    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+def test_split_kv_matches_reference(config_name, option, num_splits, backend):
     config, _ = case_config(config_name)
     case = make_case(2, MIX_LONG, **config)
     assert_matches_reference_with_scores(case, config, SPLIT_OPTIONS[option](config["q_heads"]),
-                                         backend)
+                                         backend, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
 @pytest.mark.parametrize("mix", ["random_a", "random_b"])
 @pytest.mark.parametrize("config_name", ["gqa_bf16_page16", "mqa_bf16_page4"])
-def test_split_kv_random_mixes_match_reference(config_name, mix, num_splits, backend,
-                                               monkeypatch):
-    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
+def test_split_kv_random_mixes_match_reference(config_name, mix, num_splits, backend):
     config, _ = case_config(config_name)
     case = make_case(3, SPLIT_MIXES[mix], **config)
     options = SPLIT_OPTIONS["long_window_alibi"](config["q_heads"])
-    assert_matches_reference_with_scores(case, config, options, backend)
+    assert_matches_reference_with_scores(case, config, options, backend, num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [2, 8])
-def test_split_kv_decode_only_batch_matches_reference(num_splits, monkeypatch):
+def test_split_kv_decode_only_batch_matches_reference(num_splits):
     # The case split-KV exists for: one new token per sequence, long histories.
-    monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
     config, _ = case_config("gqa_dv_f32_page16")
     seqs = [(past, 1) for past in (383, 256, 129, 64, 1, 300)]
     case = make_case(4, seqs, **config)
-    assert_matches_reference_with_scores(case, config, {}, "interpret")
+    assert_matches_reference_with_scores(case, config, {}, "interpret", num_splits=num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [2, 5, 40])
@@ -281,9 +277,8 @@ def test_split_kv_kernel_lse_equals_one_split(num_splits):
     np.testing.assert_allclose(np.asarray(out), np.asarray(out_one), atol=1e-5, rtol=1e-5)
 
 
-def test_num_splits_setting_reaches_an_already_compiled_op(monkeypatch):
-    # The benchmark sets NUM_SPLITS between calls of one shape: each value must reach
-    # the kernel, not a program traced for an earlier value.
+def test_num_splits_reaches_an_already_compiled_op(monkeypatch):
+    # Each value passed must reach the kernel, not a program traced for an earlier one.
     kernel = ragged_kernel.ragged_paged_attention
     requested = []
 
@@ -295,11 +290,18 @@ def test_num_splits_setting_reaches_an_already_compiled_op(monkeypatch):
     config, _ = case_config("mha_f32_page4")
     case = make_case(6, [(29, 1), (0, 3), (11, 2)], **config)  # shapes no other test uses
     for num_splits in (2, 2, 3, 3):
-        monkeypatch.setattr(ragged_kernel, "NUM_SPLITS", num_splits)
-        paged.paged_attention(**case, backend="interpret")
+        paged.paged_attention(**case, backend="interpret", num_splits=num_splits)
     # (The op's very first call in a process may trace twice, for reasons of its own.)
     assert set(requested) == {2, 3} and requested[-1] == 3
     assert requested.count(3) == 1  # the second call with 3 reuses its program
+
+
+@pytest.mark.parametrize("num_splits", [0, -1, 1.5, True])
+def test_bad_num_splits_is_a_value_error(num_splits):
+    config, _ = case_config("mha_f32_page4")
+    case = make_case(6, [(29, 1)], **config)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged.paged_attention(**case, backend="interpret", num_splits=num_splits)
 
 
 def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
