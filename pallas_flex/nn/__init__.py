@@ -1,4 +1,4 @@
-"""Flax integration (DESIGN §5).
+"""Flax integration.
 
 * `FlexMultiHeadAttention`: an `nnx.MultiHeadAttention`-shaped layer taking mods or a
   BlockMask at call time, with a per-row decode cache.

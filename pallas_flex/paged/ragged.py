@@ -2,14 +2,14 @@
 
 The varlen paged op of OpenVINO's PagedAttention spec, in JAX: one call serves any mix
 of sequences (prompt chunks, decode steps), all tokens packed along one axis. The call
-runs in four stages, kept apart so that a Pallas kernel can replace stage (c) behind
-the same checks and cache writes:
+runs in four stages:
 
   (a) validate shapes (always `ValueError`) and metadata (`ValueError` when concrete,
       `checkify.debug_check` when traced; see `pallas_flex.paged._validation`);
   (b) scatter the new keys and values into the caches at their positions;
-  (c) attend from the caches (now holding history and new tokens) — here an XLA loop
-      over logical pages with an online softmax in float32;
+  (c) attend from the caches (now holding history and new tokens): the ragged Pallas
+      kernel (`pallas_flex.kernels.ragged`, backends "pallas" and "interpret") or, on
+      "xla", a loop over logical pages with an online softmax in float32;
   (d) optionally, a second pass over the same pages for the aggregated scores.
 """
 

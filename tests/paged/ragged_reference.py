@@ -1,7 +1,7 @@
 """An independent float64 NumPy reference for `paged_attention`.
 
 Written from the OpenVINO PagedAttention spec (its `insert_into_cache`, with the new
-tokens placed after each sequence's `past_lens` history as DESIGN §4 says) with plain
+tokens placed after each sequence's `past_lens` history) with plain
 loops: insert each sequence's new tokens into a copy of the caches, read the
 sequence's whole key/value history back position by position, and run a dense softmax
 per token and head.

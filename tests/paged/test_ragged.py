@@ -83,7 +83,7 @@ def snapshot(case):
 def dense_bf16_baseline(case, q_heads, kv_heads, head_dim, scale=None, sliding_window=0,
                         alibi_slopes=None):
     """The dense XLA computation in the inputs' dtype, one padded batch row per sequence:
-    the accuracy bar for 16-bit outputs (DESIGN §6). Returns [T, Hq * Dv]."""
+    the accuracy bar for 16-bit outputs (tests/conftest.py). Returns [T, Hq * Dv]."""
     _, expected_cache_k, expected_cache_v = reference_paged_attention(**case)[1:]
     past = np.asarray(case["past_lens"])
     begins = np.asarray(case["subsequence_begins"])
