@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from pallas_flex.kernels import device
+from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.decode import flex_decode
@@ -22,7 +22,6 @@ from pallas_flex.masks.block_mask import BlockMask, create_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
-_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _DEFAULT_MASK_BLOCK = 128
 
 
@@ -58,7 +57,7 @@ def _validate_inputs(q, k, v):
         if not hasattr(x, "shape") or len(x.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [B, S, H, D], got shape "
                              f"{getattr(x, 'shape', type(x).__name__)}")
-        if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        if jnp.dtype(x.dtype) not in device.SUPPORTED_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -322,10 +321,8 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.shape != expected:
             raise ValueError(f"{name} must have shape [B, H, S] = {expected}, got {lse.shape}")
-    lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
-    lse = jnp.logaddexp(lse_a, lse_b)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight_a = jnp.swapaxes(jnp.exp(lse_a - safe), 1, 2)[..., None]
-    weight_b = jnp.swapaxes(jnp.exp(lse_b - safe), 1, 2)[..., None]
-    out = out_a.astype(jnp.float32) * weight_a + out_b.astype(jnp.float32) * weight_b
-    return out.astype(out_a.dtype), lse
+    # Parts along a new leading axis, lse as [2, B, S, H] to line up with out's axes.
+    parts_lse = jnp.swapaxes(jnp.stack([lse_a, lse_b]).astype(jnp.float32), 2, 3)
+    parts_out = jnp.stack([out_a.astype(jnp.float32), out_b.astype(jnp.float32)])
+    out, lse = online_softmax.merge_partials(parts_out, parts_lse, axis=0)
+    return out.astype(out_a.dtype), jnp.swapaxes(lse, 1, 2)

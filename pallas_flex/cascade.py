@@ -30,10 +30,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from pallas_flex.api import attention, flex_attention, merge_attention_states
+from pallas_flex.kernels import device
 from pallas_flex.masks.block_mask import BlockMask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
 
-_SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v):
@@ -47,7 +47,7 @@ def _validate(q, prefix_k, prefix_v, suffix_k, suffix_v):
                              f"{getattr(x, 'shape', type(x).__name__)}{hint}")
         if 0 in x.shape:
             raise ValueError(f"{name} must be non-empty, got shape {x.shape}")
-        if jnp.dtype(x.dtype) not in _SUPPORTED_DTYPES:
+        if jnp.dtype(x.dtype) not in device.SUPPORTED_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     dtypes = {name: x.dtype for name, x in arrays}
     if len(set(dtypes.values())) != 1:

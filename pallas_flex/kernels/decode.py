@@ -136,15 +136,6 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     lse_ref[batch, program_head, split, :] = lse
 
 
-def _merge_splits(partial_out, partial_lse):
-    """Exact LSE merge over axis 2 (the splits); empty splits carry lse = -inf."""
-    lse = jax.nn.logsumexp(partial_lse, axis=2)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weights = jnp.exp(partial_lse - safe[:, :, None])  # exp(-inf) = 0 for empty splits
-    out = jnp.sum(weights[..., None] * partial_out, axis=2)
-    return out, lse
-
-
 def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int, *, dtype,
                           query_rows: int, head_dim: int, value_dim: int, reads):
     """(block_kv, num_stages) fitted to the shared-memory budget, keeping the user's
@@ -258,8 +249,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         name="flex_attention_decode",
     )(q_rows, k, v, *tables, *paging, *captured)
 
-    out, lse = _merge_splits(partial_out[:, :, :, :rows, :value_dim],
-                             partial_lse[:, :, :, :rows])
+    out, lse = online_softmax.merge_partials(partial_out[:, :, :, :rows, :value_dim],
+                                             partial_lse[:, :, :, :rows], axis=2)
     out = out.reshape(batch, num_head_programs, heads_per_program, q_len, value_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, value_dim)
     lse = lse.reshape(batch, q_heads, q_len)

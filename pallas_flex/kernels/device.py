@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 SHARED_MEMORY_ENVIRONMENT_VARIABLE = "PALLAS_FLEX_SHARED_MEMORY_KIB"
 
@@ -74,6 +75,10 @@ def mosaic_allowed(budget: int) -> bool:
     """The Mosaic GPU kernels are written for Hopper's full shared memory: a smaller
     budget asks for what a smaller GPU would run (the Triton kernels)."""
     return budget >= device_shared_memory_bytes()
+
+
+# The input dtypes every kernel (and the paged cache) takes.
+SUPPORTED_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def supports_bfloat16() -> bool:

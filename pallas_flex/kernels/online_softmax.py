@@ -105,3 +105,15 @@ def finalize_chunks(state):
     has_mass = running_sum > 0.0
     denominator = jnp.where(has_mass, running_sum, 1.0)[:, None]
     return tuple(accumulator / denominator for accumulator in accumulators), lse
+
+
+def merge_partials(partial_out, partial_lse, axis: int):
+    """The exact merge of attention over disjoint key sets (split-KV programs, a cascade's
+    prefix and suffix): `partial_lse` (natural log, float32, -inf for a part with no
+    keys) along `axis`, `partial_out` the parts' normalized outputs with the same axes
+    and a trailing value axis. Returns (out, lse) with `axis` summed out; a row no part
+    saw ends as zeros with lse = -inf."""
+    lse = jax.nn.logsumexp(partial_lse, axis=axis)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weights = jnp.exp(partial_lse - jnp.expand_dims(safe, axis))  # exp(-inf) = 0
+    return jnp.sum(weights[..., None] * partial_out, axis=axis), lse

@@ -207,15 +207,6 @@ def planned_num_splits(query_shape, key_cache_shape, num_seqs: int, num_listed_b
                              interpret=interpret, requested=requested)
 
 
-def _merge_splits(partial_out, partial_lse):
-    """Exact LSE merge over axis 1 (the splits) of normalized partial outputs
-    [T, splits, Hq, Dv] with lse [T, splits, Hq]; empty splits carry lse = -inf."""
-    lse = jax.nn.logsumexp(partial_lse, axis=1)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weights = jnp.exp(partial_lse - safe[:, None])  # exp(-inf) = 0 for empty splits
-    return jnp.sum(weights[..., None] * partial_out, axis=1), lse
-
-
 def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence_begins,
                            block_indices, block_indices_begins, scale, sliding_window,
                            alibi_slopes, *, interpret: bool, block_kv: int = 64,
@@ -280,6 +271,6 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
       block_indices.astype(jnp.int32), block_indices_begins.astype(jnp.int32), *scalars,
       query, key_cache, value_cache)
     if num_splits > 1:
-        out, lse = _merge_splits(out, lse)
+        out, lse = online_softmax.merge_partials(out, lse, axis=1)
         out = out.astype(query.dtype)
     return out[:, :, :value_dim], lse

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flex.masks.combinators import noop_mask
 from pallas_flex.masks.mod_program import MASK, ModProgram, make_mod_program, vmap_mask
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -216,7 +217,7 @@ class BlockMask:
             full_state = _state_from_tables(full_kv_num_blocks, full_kv_indices,
                                             num_kv_blocks, FULL)
             state = jnp.maximum(state, full_state)
-        mask_program = make_mod_program(mask_mod if mask_mod is not None else _all_true, MASK)
+        mask_program = make_mod_program(mask_mod if mask_mod is not None else noop_mask, MASK)
         return cls.from_block_state(state, block_size=(block_q, block_kv),
                                     seq_lengths=(int(q_len), int(kv_len)),
                                     mask_mod=mask_program)
@@ -340,10 +341,6 @@ class BlockMask:
             seq_lengths=(q_len, self.seq_lengths[1]))
 
 
-def _all_true(b, h, q_idx, kv_idx):
-    return jnp.bool_(True)
-
-
 def _draw(state: np.ndarray, max_rows: int, max_cols: int) -> list[str]:
     rows, cols = state.shape
     row_step, col_step = -(-rows // max_rows), -(-cols // max_cols)
@@ -420,7 +417,7 @@ def create_block_mask(mask_mod: Callable | ModProgram | None, B: int | None, H: 
       >>> bm = create_block_mask(pf.masks.causal_mask, None, None, 4096, 4096)
       >>> bm.sparsity()  # about 48.4
     """
-    program = make_mod_program(mask_mod if mask_mod is not None else _all_true, MASK)
+    program = make_mod_program(mask_mod if mask_mod is not None else noop_mask, MASK)
     batch = _check_size(B, "B", allow_none=True)
     heads = _check_size(H, "H", allow_none=True)
     q_len = _check_size(Q_LEN, "Q_LEN", allow_none=False)

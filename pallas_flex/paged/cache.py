@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_flex.kernels import device
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, require)
 
-_CACHE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 def _ceil_div(a, b):
@@ -79,7 +79,7 @@ class PagedKVCache:
                             ("value_dim", value_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-        if jnp.dtype(dtype) not in _CACHE_DTYPES:
+        if jnp.dtype(dtype) not in device.SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got "
                              f"{jnp.dtype(dtype)}")
         return cls(

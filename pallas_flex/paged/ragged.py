@@ -25,12 +25,11 @@ import numpy as np
 from jax import lax
 
 from pallas_flex.api import default_backend
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged as ragged_kernel
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, is_traced, require)
 
-_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 _BACKENDS = (None, "pallas", "interpret", "xla")
 
 
@@ -165,7 +164,7 @@ def _validate_arrays(query, key, value, key_cache, value_cache):
         if not hasattr(x, "shape") or len(x.shape) != rank:
             raise ValueError(f"{name} must be a {rank}-D array {layout}, got shape "
                              f"{getattr(x, 'shape', type(x).__name__)}")
-        if jnp.dtype(x.dtype) not in _DTYPES:
+        if jnp.dtype(x.dtype) not in device.SUPPORTED_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
     dtypes = [x.dtype for _, x, _, _ in arrays]
     if len(set(dtypes)) != 1:
