@@ -131,6 +131,8 @@ def capture_triton(functions) -> list[tuple[str, int, int, str]]:
     import jax
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
+    from pallas_flex import api
+
     # Lower for an H100 whatever this machine has, and keep each Triton module (the
     # patches are undone afterwards: GPU work in the same process sees the real device).
     h100 = gpu_info.get_gpu_info_from_version(gpu_info.GpuVersion.H100)
@@ -146,8 +148,9 @@ def capture_triton(functions) -> list[tuple[str, int, int, str]]:
     pallas_call_registration.gpu_info_lib.get_gpu_info = lambda: h100
     pallas_call_registration.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        lowered = [jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
-                   for fn, shapes in functions]
+        with api.lowering_for_gpu():  # backend="pallas" traces here without a GPU
+            lowered = [jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+                       .as_text() for fn, shapes in functions]
     finally:
         pallas_call_registration.gpu_info_lib.get_gpu_info = real_gpu_info
         pallas_call_registration.lowering.lower_jaxpr_to_triton_module = real_lower

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -30,10 +31,31 @@ def default_backend() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
+_lowering_for_gpu = False
+
+
+@contextlib.contextmanager
+def lowering_for_gpu():
+    """Lets backend="pallas" trace on a machine without a GPU, to lower the kernels for
+    one: `jax.jit(fn).trace(...).lower(lowering_platforms=("cuda",))`
+    (benchmarks/inspect_kernels.py)."""
+    global _lowering_for_gpu
+    previous, _lowering_for_gpu = _lowering_for_gpu, True
+    try:
+        yield
+    finally:
+        _lowering_for_gpu = previous
+
+
 def resolve_backend(backend) -> str:
     backend = default_backend() if backend is None else backend
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "pallas" and jax.default_backend() != "gpu" and not _lowering_for_gpu:
+        raise ValueError(
+            f'backend="pallas" needs a GPU (jax.default_backend() is '
+            f'"{jax.default_backend()}"); use backend="interpret" to run the kernels in '
+            'the Pallas interpreter, or "xla"')
     return backend
 
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_flex.api import default_backend
+from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged as ragged_kernel
 from pallas_flex.paged._validation import (
@@ -111,8 +111,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend is None:
-        backend = default_backend()
+    backend = resolve_backend(backend)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a Python int >= 1, got {num_splits!r}")
