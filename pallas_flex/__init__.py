@@ -10,7 +10,7 @@ kernels:
 
 from pallas_flex import masks, paged
 from pallas_flex.api import (
-    BACKENDS, attention, default_backend, flex_attention, merge_attention_states)
+    BACKENDS, attention, default_backend, explain, flex_attention, merge_attention_states)
 from pallas_flex.cascade import cascade_attention
 from pallas_flex.kernels.config import KernelOptions
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask
@@ -21,6 +21,6 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS", "BlockMask", "KernelOptions", "and_masks", "attention", "create_block_mask",
     "cascade_attention",
-    "default_backend", "flex_attention", "masks", "merge_attention_states", "noop_mask",
+    "default_backend", "explain", "flex_attention", "masks", "merge_attention_states", "noop_mask",
     "not_mask", "or_masks", "paged",
 ]

@@ -11,14 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
+from pallas_flex import dispatch
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
-from pallas_flex.kernels.decode import flex_decode
-from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
-from pallas_flex.kernels.tile_mods import captured_read_positions
-from pallas_flex.kernels.xla_blockwise import blockwise_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
 
@@ -129,24 +126,14 @@ def resolve_scale(scale, head_dim):
     return float(scale)
 
 
-def uses_decode_kernel(q_len, block_mask, options) -> bool:
-    """Short queries within one BlockMask query block run the split-KV decode kernel."""
-    return q_len <= options.decode_max_q_len and block_mask.num_blocks[0] == 1
-
-
 def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None):
-    """(out in out_dtype (default q's), lse) of the backend `config` names."""
+    """(out in out_dtype (default q's), lse) of the kernel `pallas_flex.dispatch` picks."""
     backend, scale, options = config
-    if backend in ("pallas", "interpret") and uses_decode_kernel(q.shape[1], block_mask, options):
-        return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
-                           interpret=backend == "interpret", out_dtype=out_dtype)
-    if backend in ("pallas", "interpret"):
-        return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
-                                      options=options, interpret=backend == "interpret",
-                                      out_dtype=out_dtype)
-    out, lse = blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
-                                   out_dtype=out_dtype)
-    return out, lse
+    choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
+                                     options=options, out_dtype=out_dtype)
+    return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
+                                options=options, interpret=backend == "interpret",
+                                out_dtype=out_dtype)
 
 
 def _zero_cotangent(x):
@@ -266,6 +253,14 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
       >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
       >>> out = pf.flex_attention(q, k, v, block_mask=bm)
     """
+    block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
+                                                 backend, kernel_options)
+    out, lse = _attention(q, k, v, block_mask, score_program, config=config)
+    return (out, lse) if return_lse else out
+
+
+def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
+    """Validated (block_mask, score_program, config = (backend, scale, options))."""
     _validate_inputs(q, k, v)
     batch, q_len, q_heads, head_dim = q.shape
     if block_mask is None:
@@ -280,12 +275,40 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                          "pass float16 or float32")
     options = resolve_options(kernel_options, max(head_dim, v.shape[3]), q.dtype)
     if backend in ("pallas", "interpret"):
-        # Mods the tile interpreter cannot run fail here, with a message, not in a kernel.
-        captured_read_positions(block_mask.mask_mod)
-        captured_read_positions(score_program)
-    config = (backend, resolve_scale(scale, head_dim), options)
-    out, lse = _attention(q, k, v, block_mask, score_program, config=config)
-    return (out, lse) if return_lse else out
+        dispatch.check_mods_run_on_tiles(block_mask, score_program)
+    return block_mask, score_program, (backend, resolve_scale(scale, head_dim), options)
+
+
+def explain(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
+            backend=None, kernel_options=None) -> str:
+    """Which kernels `attention(q, k, v, ...)` with these arguments runs, and why (the
+    rules: `pallas_flex.dispatch`). q, k, v may be arrays or `jax.ShapeDtypeStruct`s.
+
+    Example:
+      >>> print(pf.explain(q, k, v, mask_mod=pf.masks.causal_mask))
+      forward: mosaic_forward (the Mosaic GPU forward takes it (Hopper, ...))
+      backward: triton_backward (the Triton backward kernel)
+    """
+    block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
+    block_mask, score_program, (backend, _, options) = _prepare(
+        q, k, v, score_mod, block_mask, scale, backend, kernel_options)
+    return dispatch.explain_choice(q, k, v, block_mask, score_program, backend=backend,
+                                   options=options)
+
+
+def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
+    """`attention`'s BlockMask: built from mask_mod, or the one given (or None)."""
+    _validate_inputs(q, k, v)
+    if mask_mod is not None and block_mask is not None:
+        raise ValueError("pass either mask_mod or block_mask, not both (a BlockMask "
+                         "already carries its mask_mod)")
+    if mask_mod is None:
+        return block_mask
+    # Validate kernel_options before their block sizes become the BlockMask's, so a bad
+    # block size is reported against kernel_options rather than block_size.
+    resolve_options(kernel_options, max(q.shape[3], v.shape[3]))
+    return build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
+                            kernel_options)
 
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
@@ -300,16 +323,7 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
       >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
       ...                    score_mod=pf.masks.alibi(num_heads))
     """
-    _validate_inputs(q, k, v)
-    if mask_mod is not None and block_mask is not None:
-        raise ValueError("pass either mask_mod or block_mask, not both (a BlockMask "
-                         "already carries its mask_mod)")
-    if mask_mod is not None:
-        # Validate kernel_options before their block sizes become the BlockMask's, so a bad
-        # block size is reported against kernel_options rather than block_size.
-        resolve_options(kernel_options, max(q.shape[3], v.shape[3]))
-        block_mask = build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1], k.shape[1],
-                                      kernel_options)
+    block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options)
 

@@ -10,7 +10,7 @@ import pytest
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.api import uses_decode_kernel
+from pallas_flex.dispatch import uses_decode_kernel
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.padding import column_chunks

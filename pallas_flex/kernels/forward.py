@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels import device, forward_mosaic, online_softmax, shared_memory
+from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
@@ -170,28 +170,10 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     (`paged_flex_attention` clips the BlockMask so): only partial tiles check lengths.
     out_dtype: float32 keeps the output unrounded (the backward's residual when a
     captured array is differentiated; only the Triton kernel writes it).
+    This is the Triton kernel; `pallas_flex.dispatch` decides when it runs.
     """
     paged = page_table is not None
     out_dtype = jnp.dtype(out_dtype or q.dtype)
-    # "auto" keeps interpret mode on the Triton kernel (what the CPU suite tests); the
-    # Mosaic kernel's interpret mode is asked for by name.
-    named = options.forward_kernel == "mosaic"
-    if named or (options.forward_kernel == "auto" and not interpret):
-        reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
-                                                   interpret=interpret, paged=paged)
-        if reason is None and out_dtype != q.dtype:
-            reason = f"a {out_dtype} output (it writes the inputs' dtype)"
-        budget = planned_shared_memory(options)
-        if reason is None and not interpret and not device.mosaic_allowed(budget):
-            reason = (f"a shared-memory budget of {budget // 1024} KiB "
-                      f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
-        if named and reason is not None:
-            raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
-                             f"GPU forward kernel does not take this call: {reason}")
-        if reason is None:
-            return forward_mosaic.flex_attention_forward_mosaic(
-                q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
-                page_table=page_table, lengths=lengths)
     options = _fit_to_shared_memory(options, q, v, block_mask, score_program,
                                     page_size=k.shape[2] if paged else None)
     batch, q_len, q_heads, head_dim = q.shape

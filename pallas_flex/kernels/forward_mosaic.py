@@ -37,7 +37,7 @@ from jax.extend import core as jex_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels.kv_tiles import page_table_row
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
@@ -204,12 +204,13 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                     f"that are multiples of {PAGE_ROWS_MULTIPLE})")
     if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
-    if not interpret and jax.default_backend() != "gpu":
-        return "no GPU"
     if not interpret:
-        capability = getattr(jax.devices()[0], "compute_capability", "")
-        if capability != "9.0":
-            return f"compute capability {capability!r} (it is written for Hopper, 9.0)"
+        capability = device.compute_capability()
+        if capability is None:
+            return "no GPU"
+        if capability != device.HOPPER:
+            return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
+                    "Hopper, 9.0)")
     for program in (block_mask.mask_mod, score_program):
         reason = _mod_unsupported_reason(program)
         if reason is not None:

@@ -17,13 +17,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flex.api import (
-    build_block_mask, resolve_backend, resolve_scale, uses_decode_kernel, validate_block_mask)
+from pallas_flex import dispatch
+from pallas_flex.api import build_block_mask, resolve_backend, resolve_scale, validate_block_mask
 from pallas_flex.kernels.config import resolve_options
-from pallas_flex.kernels.decode import flex_decode
-from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.reference import reference_attention
-from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.masks.block_mask import BlockMask
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from pallas_flex.paged._validation import is_traced
@@ -96,18 +93,20 @@ def clip_block_mask_to_lengths(block_mask, lengths):
 def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
                           score_program, config):
     backend, scale, options = config
-    kwargs = dict(scale=scale, options=options, interpret=backend == "interpret",
-                  page_table=page_table, lengths=lengths)
-    if uses_decode_kernel(q.shape[1], block_mask, options):
+    choice = dispatch.choose_forward(q, k_pages, v_pages, block_mask, score_program,
+                                     backend=backend, options=options, paged=True)
+    if choice.kernel != "decode":
         # Decode checks the length on every tile: clipping the BlockMask would cost more
-        # (a few small XLA ops, ~15 us) than the check does in a 0.2 ms call.
-        return flex_decode(q, k_pages, v_pages, block_mask, score_program, **kwargs)
-    # Prefill: full tiles skip the length check once the BlockMask is clipped to the
-    # lengths, and tiles past a row's length are not visited at all (the clipping costs
-    # about 1 % of the H100 prefill in benchmarks/paged_bench.py; checking the length on
-    # every tile instead cost 5-6 % on the Triton kernel).
-    block_mask = clip_block_mask_to_lengths(block_mask, lengths)
-    return flex_attention_forward(q, k_pages, v_pages, block_mask, score_program, **kwargs)
+        # (a few small XLA ops, ~15 us) than the check does in a 0.2 ms call. Prefill:
+        # full tiles skip the length check once the BlockMask is clipped to the lengths,
+        # and tiles past a row's length are not visited at all (the clipping costs about
+        # 1 % of the H100 prefill in benchmarks/paged_bench.py; checking the length on
+        # every tile instead cost 5-6 % on the Triton kernel).
+        block_mask = clip_block_mask_to_lengths(block_mask, lengths)
+    return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
+                                scale=scale, options=options,
+                                interpret=backend == "interpret", page_table=page_table,
+                                lengths=lengths)
 
 
 _paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(7,))
@@ -193,8 +192,7 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     backend = resolve_backend(backend)
     scale = resolve_scale(scale, head_dim)
     if backend in ("pallas", "interpret"):
-        captured_read_positions(block_mask.mask_mod)
-        captured_read_positions(score_program)
+        dispatch.check_mods_run_on_tiles(block_mask, score_program)
         out, lse = _paged_attention_jit(q, cache.k_pages, cache.v_pages, cache.page_table,
                                         cache.lengths, block_mask, score_program,
                                         config=(backend, scale, options))

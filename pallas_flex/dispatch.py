@@ -1,0 +1,142 @@
+"""Which kernel runs a call: the one place that decides.
+
+Every entry point (`pallas_flex.attention` / `flex_attention`, `cascade_attention`
+through them, `paged.paged_flex_attention`) asks `choose_forward` for the forward kernel
+and runs it with `run_forward`; the kernels never choose each other. The table, in the
+order the rules are tried:
+
+| rule                                                           | kernel          |
+|----------------------------------------------------------------|-----------------|
+| backend "xla"                                                  | xla_blockwise   |
+| Sq <= decode_max_q_len and one BlockMask query block            | decode          |
+| forward_kernel "triton"                                         | triton_forward  |
+| backend "interpret", forward_kernel "auto"                      | triton_forward  |
+| the Mosaic GPU forward takes the call (`mosaic_unsupported_reason`) | mosaic_forward |
+| otherwise (forward_kernel "mosaic" then raises a ValueError)    | triton_forward  |
+
+("reference" never reaches a kernel: the dense oracle in `pallas_flex.api`.) The
+backward of `pallas_flex.attention` is the Triton backward kernel on "pallas", the same
+kernel in Pallas's interpreter on "interpret" and "xla". The ragged op
+(`paged.paged_attention`) has one kernel of its own.
+
+The Mosaic GPU forward (`kernels/forward_mosaic.py`) is written for Hopper: compute
+capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 128},
+128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a
+multiple of 8 rows dividing 128 or a multiple of 128. `explain` says which kernel a call
+gets and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from pallas_flex.kernels import device, forward_mosaic
+from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
+from pallas_flex.kernels.decode import flex_decode
+from pallas_flex.kernels.forward import flex_attention_forward
+from pallas_flex.kernels.tile_mods import captured_read_positions
+from pallas_flex.kernels.xla_blockwise import blockwise_attention
+
+FORWARD_KERNELS = ("xla_blockwise", "decode", "triton_forward", "mosaic_forward")
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The kernel a call runs (one of `FORWARD_KERNELS`) and why, in a sentence."""
+    kernel: str
+    reason: str
+
+
+def uses_decode_kernel(q_len, block_mask, options: KernelOptions) -> bool:
+    """Short queries within one BlockMask query block run the split-KV decode kernel."""
+    return q_len <= options.decode_max_q_len and block_mask.num_blocks[0] == 1
+
+
+def check_mods_run_on_tiles(block_mask, score_program) -> None:
+    """Mods the kernels' tile interpreter cannot run fail here, with a ValueError that
+    says why, not inside a kernel (every Pallas backend, before tracing one)."""
+    captured_read_positions(block_mask.mask_mod)
+    captured_read_positions(score_program)
+
+
+def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, interpret,
+                              paged=False, out_dtype=None):
+    """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
+    reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
+                                               interpret=interpret, paged=paged)
+    if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
+        reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"
+    budget = planned_shared_memory(options)
+    if reason is None and not interpret and not device.mosaic_allowed(budget):
+        reason = (f"a shared-memory budget of {budget // 1024} KiB "
+                  f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
+    return reason
+
+
+def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
+                   options: KernelOptions, paged: bool = False, out_dtype=None) -> Choice:
+    """The forward kernel of a call (see the module docstring's table). k / v are pages
+    [num_pages, Hkv, page_size, D] when `paged`. A ValueError when kernel_options name
+    the Mosaic kernel and it does not take the call."""
+    if backend not in ("pallas", "interpret"):
+        return Choice("xla_blockwise", f'backend "{backend}": the blockwise XLA loop')
+    interpret = backend == "interpret"
+    q_len = q.shape[1]
+    if uses_decode_kernel(q_len, block_mask, options):
+        return Choice("decode", f"Sq = {q_len} <= decode_max_q_len = "
+                                f"{options.decode_max_q_len} in one BlockMask query block: "
+                                "the split-KV decode kernel")
+    if options.forward_kernel == "triton":
+        return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
+    named = options.forward_kernel == "mosaic"
+    if interpret and not named:
+        # What the CPU suite tests; the Mosaic kernel's interpret mode is asked by name.
+        return Choice("triton_forward", 'backend "interpret" runs the Triton kernel unless '
+                                        "kernel_options['forward_kernel'] is 'mosaic'")
+    reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
+                                       interpret=interpret, paged=paged, out_dtype=out_dtype)
+    if reason is None:
+        return Choice("mosaic_forward", "the Mosaic GPU forward takes it (Hopper, "
+                                        "warp-specialized, wgmma)")
+    if named:
+        raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
+                         f"forward kernel does not take this call: {reason}")
+    return Choice("triton_forward", f"the Mosaic GPU forward does not take {reason}")
+
+
+def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
+                options: KernelOptions, interpret: bool, page_table=None, lengths=None,
+                out_dtype=None):
+    """(out, lse) of the kernel `choice` names (arguments as `choose_forward`'s, plus the
+    paged ones: page_table, lengths)."""
+    paging = dict(page_table=page_table, lengths=lengths)
+    if choice.kernel == "xla_blockwise":
+        return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
+                                   out_dtype=out_dtype)
+    if choice.kernel == "decode":
+        return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
+                           interpret=interpret, out_dtype=out_dtype, **paging)
+    if choice.kernel == "mosaic_forward":
+        return forward_mosaic.flex_attention_forward_mosaic(
+            q, k, v, block_mask, score_program, scale=scale, interpret=interpret, **paging)
+    return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
+                                  options=options, interpret=interpret, out_dtype=out_dtype,
+                                  **paging)
+
+
+def explain_choice(q, k, v, block_mask, score_program, *, backend: str,
+                   options: KernelOptions, paged: bool = False) -> str:
+    """A short report: the forward kernel and why, and the backward kernel."""
+    if backend == "reference":
+        return "forward: reference (dense oracle)\nbackward: jax autodiff of the oracle"
+    choice = choose_forward(q, k, v, block_mask, score_program, backend=backend,
+                            options=options, paged=paged)
+    if paged:
+        backward = "none (paged attention is inference only)"
+    elif backend == "pallas":
+        backward = "triton_backward (the Triton backward kernel)"
+    else:
+        backward = "triton_backward in Pallas's interpreter"
+    return f"forward: {choice.kernel} ({choice.reason})\nbackward: {backward}"

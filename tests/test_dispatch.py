@@ -1,0 +1,146 @@
+"""The dispatch table (`pallas_flex.dispatch`): which forward kernel representative calls
+get on an H100, an A100 and a machine without a GPU, checked on the CPU by planning as
+each device would (its compute capability and shared memory). A row here and the rules
+in the code must agree."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import dispatch, masks
+from pallas_flex.api import _prepare, build_block_mask
+from pallas_flex.kernels import device
+
+H100, A100, NO_GPU = (9, 0), (8, 0), None
+
+
+def _shape(batch=1, length=1024, heads=4, dim=128, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct((batch, length, heads, dim), dtype)
+
+
+def _t5_score_mod():
+    table = jnp.zeros((4, 32))
+    return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(q_idx - kv_idx, 0, 31)]
+
+
+# (name, q, k/v, mask_mod, score_mod, kernel_options, backend, {device: kernel})
+ROWS = [
+    ("bf16 D128 causal", _shape(), _shape(), masks.causal_mask, None, None, "pallas",
+     {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("f16 D64 noop", _shape(dim=64, dtype=jnp.float16), _shape(dim=64, dtype=jnp.float16),
+     None, None, None, "pallas", {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("f32 D128 causal", _shape(dtype=jnp.float32), _shape(dtype=jnp.float32),
+     masks.causal_mask, None, None, "pallas", {H100: "triton_forward", A100: "triton_forward"}),
+    ("bf16 D256", _shape(dim=256), _shape(dim=256), masks.causal_mask, None, None, "pallas",
+     {H100: "triton_forward", A100: "triton_forward"}),
+    ("bf16 D128 T5 gather", _shape(), _shape(), masks.causal_mask, _t5_score_mod(), None,
+     "pallas", {H100: "triton_forward", A100: "triton_forward"}),
+    ("bf16 D128 ALiBi", _shape(), _shape(), masks.causal_mask, masks.alibi(4), None, "pallas",
+     {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("forward_kernel triton", _shape(), _shape(), masks.causal_mask, None,
+     {"forward_kernel": "triton"}, "pallas", {H100: "triton_forward", A100: "triton_forward"}),
+    ("one query token", _shape(length=1), _shape(), None, None, None, "pallas",
+     {H100: "decode", A100: "decode"}),
+    ("16 query tokens", _shape(length=16), _shape(), None, None, None, "pallas",
+     {H100: "decode", A100: "decode"}),
+    ("interpret", _shape(), _shape(), masks.causal_mask, None, None, "interpret",
+     {H100: "triton_forward", A100: "triton_forward", NO_GPU: "triton_forward"}),
+    ("interpret, Mosaic by name", _shape(), _shape(), masks.causal_mask, None,
+     {"forward_kernel": "mosaic"}, "interpret",
+     {H100: "mosaic_forward", A100: "mosaic_forward", NO_GPU: "mosaic_forward"}),
+    ("xla", _shape(), _shape(), masks.causal_mask, None, None, "xla",
+     {H100: "xla_blockwise", A100: "xla_blockwise", NO_GPU: "xla_blockwise"}),
+    ("no GPU, default backend", _shape(), _shape(), masks.causal_mask, None, None, None,
+     {NO_GPU: "xla_blockwise"}),
+]
+
+
+@pytest.fixture
+def plan_as(monkeypatch):
+    """Plans calls as on a GPU of the given compute capability (None: no GPU)."""
+    def plan(capability):
+        monkeypatch.setattr(device, "compute_capability", lambda: capability)
+        monkeypatch.delenv(device.SHARED_MEMORY_ENVIRONMENT_VARIABLE, raising=False)
+    return plan
+
+
+def _choose(q, kv, mask_mod, score_mod, kernel_options, backend):
+    block_mask = None
+    if mask_mod is not None:
+        block_mask = build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
+                                      kv.shape[1], kernel_options)
+    if backend == "pallas":  # resolve_backend refuses "pallas" without a GPU
+        with pf.api.lowering_for_gpu():
+            block_mask, score_program, (backend, _, options) = _prepare(
+                q, kv, kv, score_mod, block_mask, None, backend, kernel_options)
+    else:
+        block_mask, score_program, (backend, _, options) = _prepare(
+            q, kv, kv, score_mod, block_mask, None, backend, kernel_options)
+    return dispatch.choose_forward(q, kv, kv, block_mask, score_program, backend=backend,
+                                   options=options)
+
+
+CASES = [pytest.param(row, capability, kernel,
+                      id=f"{row[0]}-{'cpu' if capability is None else 'sm%d%d' % capability}")
+         for row in ROWS for capability, kernel in row[-1].items()]
+
+
+@pytest.mark.parametrize("row,capability,kernel", CASES)
+def test_dispatch_table(row, capability, kernel, plan_as):
+    plan_as(capability)
+    _, q, kv, mask_mod, score_mod, kernel_options, backend, _ = row
+    choice = _choose(q, kv, mask_mod, score_mod, kernel_options, backend)
+    assert choice.kernel == kernel, choice.reason
+    assert choice.kernel in dispatch.FORWARD_KERNELS and choice.reason
+
+
+@pytest.mark.parametrize("capability,reason", [
+    (A100, "compute capability 8.0"), (NO_GPU, "no GPU")])
+def test_why_the_mosaic_kernel_is_not_taken(capability, reason, plan_as):
+    plan_as(capability)
+    with pf.api.lowering_for_gpu():
+        choice = _choose(_shape(), _shape(), masks.causal_mask, None, None, "pallas")
+    assert choice.kernel == "triton_forward" and reason in choice.reason
+
+
+def test_a_smaller_shared_memory_budget_runs_the_triton_kernel(plan_as, monkeypatch):
+    plan_as(H100)
+    monkeypatch.setenv(device.SHARED_MEMORY_ENVIRONMENT_VARIABLE, "164")
+    choice = _choose(_shape(), _shape(), masks.causal_mask, None, None, "pallas")
+    assert choice.kernel == "triton_forward" and "164 KiB" in choice.reason
+
+
+def test_naming_the_mosaic_kernel_for_a_call_it_cannot_take_is_a_value_error(plan_as):
+    plan_as(H100)
+    with pytest.raises(ValueError, match="forward_kernel'] is 'mosaic'.*float32"):
+        _choose(_shape(dtype=jnp.float32), _shape(dtype=jnp.float32), masks.causal_mask,
+                None, {"forward_kernel": "mosaic"}, "pallas")
+
+
+@pytest.mark.parametrize("page_size,kernel", [(16, "mosaic_forward"), (128, "mosaic_forward"),
+                                              (4, "triton_forward"), (48, "triton_forward")])
+def test_paged_prefill_by_page_size(page_size, kernel, plan_as):
+    plan_as(H100)
+    q = _shape(length=256)
+    pages = jax.ShapeDtypeStruct((64, 4, page_size, 128), jnp.bfloat16)
+    block_mask = build_block_mask(masks.causal_mask, 1, 4, 256, 1024, None)
+    with pf.api.lowering_for_gpu():
+        _, _, (_, _, options) = _prepare(q, _shape(), _shape(), None, block_mask, None,
+                                         "pallas", None)
+    choice = dispatch.choose_forward(q, pages, pages, block_mask, None, backend="pallas",
+                                     options=options, paged=True)
+    assert choice.kernel == kernel, choice.reason
+
+
+def test_explain_names_the_kernels():
+    q = _shape()
+    text = pf.explain(q, q, q, mask_mod=masks.causal_mask, backend="interpret")
+    assert text.splitlines()[0].startswith("forward: triton_forward")
+    assert "backward: triton_backward" in text
+    decode = pf.explain(_shape(length=1), q, q, backend="interpret")
+    assert decode.startswith("forward: decode")
+    assert pf.explain(q, q, q, backend="reference").startswith("forward: reference")
+
