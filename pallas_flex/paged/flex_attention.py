@@ -21,7 +21,6 @@ from pallas_flex import dispatch
 from pallas_flex.api import build_block_mask, resolve_backend, resolve_scale, validate_block_mask
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
-from pallas_flex.masks.block_mask import BlockMask
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from pallas_flex.paged._validation import is_traced
 from pallas_flex.paged.cache import PagedKVCache, _gather_contiguous
@@ -49,47 +48,6 @@ def _validate(q, cache):
                          f"({cache.kv_heads}) for grouped-query attention")
 
 
-def clip_block_mask_to_lengths(block_mask, lengths):
-    """The BlockMask per batch row with blocks at or past `lengths[b]` dropped and a full
-    block that crosses it made partial, so that the kernels check the length on partial
-    tiles only (and skip the empty tail of short rows).
-
-    Runs inside every paged prefill, so it is a few elementwise ops and sums on the KV
-    tables: their listed indices are ascending (`BlockMask`), so the blocks below a
-    length are a prefix of each list and clipping shortens the counts; the one full
-    block that can cross the length moves to the end of the partial list (after every
-    partial block below it, so that list stays ascending). The result is forward-only:
-    its transposed (backward) tables are None. On the H100 (prefill of 2048 new tokens on
-    8192, B4 H16 D128, paired rounds, benchmarks/results/2026-11-23-h100-paged-mosaic.json)
-    this costs 1.1-1.6 % of the 0.8 ms call; the earlier form, rebuilding all tables from the block
-    state with sorts and scatters, 1.9-3.7 %.
-    """
-    block_kv = block_mask.block_size[1]
-    batch = lengths.shape[0]
-    length = lengths.astype(jnp.int32)[:, None, None, None]
-
-    def per_row(table):
-        return jnp.broadcast_to(table, (batch,) + table.shape[1:])
-
-    full_num = per_row(block_mask.full_kv_num_blocks)
-    full_indices = per_row(block_mask.full_kv_indices)
-    partial_num = per_row(block_mask.kv_num_blocks)
-    partial_indices = per_row(block_mask.kv_indices)
-    position = jnp.arange(full_indices.shape[-1], dtype=jnp.int32)
-    full_listed = position < full_num[..., None]
-    full_start = full_indices * block_kv
-    full_below = full_listed & (full_start + block_kv <= length)
-    crossing = jnp.any(full_listed & (full_start < length) & ~full_below, axis=-1)
-    partial_below = (position < partial_num[..., None]) & (partial_indices * block_kv < length)
-    num_partial = jnp.sum(partial_below, axis=-1, dtype=jnp.int32)
-    partial_indices = jnp.where(crossing[..., None] & (position == num_partial[..., None]),
-                                length // block_kv, partial_indices)
-    return BlockMask(num_partial + crossing.astype(jnp.int32), partial_indices,
-                     jnp.sum(full_below, axis=-1, dtype=jnp.int32), full_indices,
-                     None, None, None, None, block_size=block_mask.block_size,
-                     seq_lengths=block_mask.shape[2:], mask_mod=block_mask.mask_mod)
-
-
 def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
                           score_program, config):
     backend, scale, options = config
@@ -102,7 +60,7 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
         # and tiles past a row's length are not visited at all (the clipping costs about
         # 1 % of the H100 prefill in benchmarks/paged_bench.py; checking the length on
         # every tile instead cost 5-6 % on the Triton kernel).
-        block_mask = clip_block_mask_to_lengths(block_mask, lengths)
+        block_mask = block_mask.clip_to_lengths(lengths)
     return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
                                 scale=scale, options=options,
                                 interpret=backend == "interpret", page_table=page_table,

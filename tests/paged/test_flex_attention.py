@@ -140,10 +140,9 @@ def test_paged_errors():
 
 def test_clip_block_mask_to_lengths_drops_and_demotes_blocks():
     from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL
-    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths
 
     block_mask = pf.create_block_mask(None, None, None, 16, 64, block_size=16)  # all full
-    clipped = clip_block_mask_to_lengths(block_mask, jnp.asarray([64, 20, 0], jnp.int32))
+    clipped = block_mask.clip_to_lengths(jnp.asarray([64, 20, 0], jnp.int32))
     state = np.asarray(clipped.block_state())
     assert state.shape == (3, 1, 1, 4)
     np.testing.assert_array_equal(state[0, 0, 0], [FULL] * 4)
@@ -158,7 +157,6 @@ def test_clip_block_mask_to_lengths_matches_the_block_state_definition(seed):
     blocks at or past the length become EMPTY, full blocks crossing it PARTIAL, the rest
     stay; the clipped lists stay ascending."""
     from pallas_flex.masks.block_mask import EMPTY, FULL, PARTIAL, BlockMask
-    from pallas_flex.paged.flex_attention import clip_block_mask_to_lengths
 
     rng = np.random.default_rng(seed)
     block, num_q_blocks, num_kv_blocks, batch = 16, 3, 7, 6
@@ -170,7 +168,7 @@ def test_clip_block_mask_to_lengths_matches_the_block_state_definition(seed):
         seq_lengths=(num_q_blocks * block, num_kv_blocks * block),
         mask_mod=pf.create_block_mask(None, None, None, 16, 16).mask_mod)
     lengths = np.array([0, 16, 37, 64, 111, 112][:batch])
-    clipped = clip_block_mask_to_lengths(block_mask, jnp.asarray(lengths, jnp.int32))
+    clipped = block_mask.clip_to_lengths(jnp.asarray(lengths, jnp.int32))
 
     starts = np.arange(num_kv_blocks) * block
     expected = np.broadcast_to(state, (batch,) + state.shape[1:]).copy()
