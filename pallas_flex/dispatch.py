@@ -32,7 +32,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_flex.kernels import device, forward_mosaic
+from pallas_flex.kernels import device, forward_mosaic, mosaic_eligibility
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
@@ -64,7 +64,7 @@ def check_mods_run_on_tiles(block_mask, score_program) -> None:
 def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, interpret,
                               paged=False, out_dtype=None):
     """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
-    reason = forward_mosaic.unsupported_reason(q, k, v, block_mask, score_program,
+    reason = mosaic_eligibility.unsupported_reason(q, k, v, block_mask, score_program,
                                                interpret=interpret, paged=paged)
     if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
         reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"

@@ -12,13 +12,13 @@ mask_mod, then its partial blocks with it; blocks the mask leaves empty are neve
 loaded. Mods run on [64, 128] tiles of scores and indices in the wgmma register layout
 (`tile_mods.evaluate_jaxpr_on_tiles`, as in the Triton kernels).
 
-What it covers (`unsupported_reason` says why not; the caller then runs the Triton
-kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
+What it covers (`mosaic_eligibility.unsupported_reason` says why not; the dispatcher
+then runs the Triton kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
 zero-padded to whole blocks, as for the Triton kernel), contiguous K/V or a paged cache
 (`_tile_pages`), and mods built from elementwise operations whose captured arrays are
 read at indices that depend on b and h only (a per-head ALiBi slope, a soft-cap value)
-or at exactly q_idx or kv_idx (document ids: `contiguous_reads` loads those as one vector per
-tile). Reads at other indices (T5 buckets) are per-element gathers, which the Triton
+or at exactly q_idx or kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads
+those as one vector per tile). Reads at other indices (T5 buckets) are per-element gathers, which the Triton
 kernel does and this one does not.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
@@ -33,25 +33,24 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.extend import core as jex_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels import device, online_softmax
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.mosaic_eligibility import (
+    BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
 from pallas_flex.kernels.kv_tiles import page_table_row
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
-    EXACT_FLOAT32_INTEGERS, CaptureLog, CapturedRef, captured_inputs, captured_read_sites,
-    evaluate_jaxpr_on_tiles, reads_argument, split_captured_refs)
+    CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument,
+    split_captured_refs)
 from pallas_flex.masks.softcap import tanh_with_exp2
 
-BLOCK = 128  # BlockMask block on both axes: a program's query rows, one K/V tile's rows
+# BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
+# tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
+# K/V tile in shared memory, whose tiling transform groups PAGE_ROWS_MULTIPLE (8) rows.
 ROWS_PER_WARPGROUP = 64
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
-HEAD_DIMS = (64, 128)
-# Pages of a paged cache are copied whole (or 128 rows of one page) into a K/V tile in
-# shared memory, whose tiling transform groups 8 rows.
-PAGE_ROWS_MULTIPLE = 8
 # Issue the copies of pages smaller than a tile from the memory warpgroup's four warps
 # (each arriving on the tile's barrier from its own lanes) instead of from the whole
 # warpgroup one copy after another: Pallas arrives on a copy's barrier from every thread
@@ -69,25 +68,6 @@ _MAX_GRID_AXIS = 65535
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
 _GRID_AXES = ("heads", "q_seq", "batch")
-# Score mods with these primitives keep the late hand-over at D 128 (see hand_over_early).
-_TRANSCENDENTAL = {"tanh", "exp", "exp2", "log", "log1p", "expm1", "logistic", "pow",
-                   "sqrt", "rsqrt", "cbrt", "erf", "erfc", "sin", "cos", "tan", "atan2"}
-# Load a mod's reads of captured arrays at q_idx / kv_idx (document ids) as contiguous
-# slices (`contiguous_reads`), so that document masks run on this kernel. On the H100
-# (B4 H16 S4096 D128, 12 causal documents) 0.176 ms against 0.220 for the Triton
-# kernel.
-
-# Primitives with a Mosaic GPU lowering rule on register arrays (jax 0.11), plus the
-# structural ones the tile interpreter handles itself (captured-array reads, size-1
-# reshapes, calls it inlines). A mod using anything else runs on the Triton kernel.
-_ELEMENTWISE = {
-    "add", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "and", "or",
-    "xor", "not", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "convert_element_type",
-    "exp", "exp2", "log", "log2", "tanh", "integer_pow", "square", "sqrt", "rsqrt",
-    "clamp", "round", "erf",
-}
-_STRUCTURAL = {"dynamic_slice", "squeeze", "reshape", "expand_dims", "broadcast_in_dim",
-               "pjit", "jit", "closed_call", "custom_jvp_call", "remat", "checkpoint"}
 # tanh.approx.f32 (what Mosaic GPU's approximate math makes of tanh) is good to ~5e-4
 # relative: a 30-cap soft-cap would move logits by up to 0.015. The exp2 form is good to
 # 2.5e-7 and uses the same fast exp2 as the softmax.
@@ -97,125 +77,6 @@ _PRIMITIVE_OVERRIDES = {
     "tanh": tanh_with_exp2,
     "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
 }
-
-
-def _primitives(jaxpr):
-    for equation in jaxpr.eqns:
-        yield equation.primitive.name
-        for value in equation.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if isinstance(inner, jex_core.Jaxpr):
-                yield from _primitives(inner)
-
-
-def hand_over_early(head_dim, score_program):
-    """Whether the compute warpgroups hand the tensor cores to each other right after
-    issuing q·kᵀ, before its result lands (as JAX's Mosaic GPU attention does), or only
-    once it has landed.
-
-    Measured on the H100 (an A/B probe of both forms, in git history; ms, bf16): at
-    B4 H16 S4096 D128 early takes noop from 0.959 to 0.893 (cuDNN 0.90), prefix-LM 0.539
-    to 0.517, ALiBi 0.576 to 0.562, causal 0.492 to 0.486, but soft-cap (a tanh per
-    score) from 0.878 to 0.923. At B8 S2048 D64 the two forms are within noise of each
-    other (noop 0.349 / 0.356, prefix-LM 0.242 / 0.257, ALiBi 0.260 / 0.256): late there.
-    """
-    if head_dim != 128:
-        return False
-    return score_program is None or not (set(_primitives(score_program.jaxpr))
-                                         & _TRANSCENDENTAL)
-
-
-def contiguous_reads(program):
-    """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
-    indices independent of both: {id(dynamic_slice equation): (captured position, axis,
-    "q" or "kv")}.
-
-    Such a read (document ids `doc_ids[q_idx]`, a per-position table `bias[h, kv_idx]`)
-    covers a contiguous slice per tile, which the kernel loads as one vector instead of
-    gathering. jnp indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the
-    kernel's indices are never negative, so that select is the index itself.
-    """
-    if program is None:
-        return {}
-    jaxpr = program.jaxpr
-    first_index = 2 if program.kind == "mask" else 3
-    exact = {jaxpr.invars[first_index]: "q", jaxpr.invars[first_index + 1]: "kv"}
-    depends_on_index = set(exact)
-    never_true = set()
-    positions = {var: position for position, var in enumerate(jaxpr.constvars)}
-
-    def is_var(atom):
-        return isinstance(atom, jex_core.Var)
-
-    reads = {}
-    for equation in jaxpr.eqns:
-        name, inputs = equation.primitive.name, equation.invars
-        if (name == "lt" and is_var(inputs[0]) and inputs[0] in exact
-                and isinstance(inputs[1], jex_core.Literal) and inputs[1].val <= 0):
-            never_true.add(equation.outvars[0])
-        elif (name == "select_n" and len(inputs) == 3 and is_var(inputs[0])
-              and inputs[0] in never_true and is_var(inputs[1]) and inputs[1] in exact):
-            exact[equation.outvars[0]] = exact[inputs[1]]
-        elif name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions:
-            kinds = [exact.get(atom) if is_var(atom) else None for atom in inputs[1:]]
-            vector_axes = [axis for axis, kind in enumerate(kinds) if kind is not None]
-            others_scalar = not any(is_var(atom) and atom in depends_on_index
-                                    for atom, kind in zip(inputs[1:], kinds) if kind is None)
-            if len(vector_axes) == 1 and others_scalar:
-                axis = vector_axes[0]
-                reads[id(equation)] = (positions[inputs[0]], axis, kinds[axis])
-        if any(is_var(atom) and atom in depends_on_index for atom in inputs):
-            depends_on_index.update(equation.outvars)
-    return reads
-
-
-def _mod_unsupported_reason(program):
-    """None if the kernel can run `program` (None included), else why not."""
-    if program is None:
-        return None
-    unknown = sorted(set(_primitives(program.jaxpr)) - _ELEMENTWISE - _STRUCTURAL)
-    if unknown:
-        return f"{program.kind}_mod {program.name!r} uses {unknown}"
-    slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
-              for key, (_, axis, _) in contiguous_reads(program).items()}
-    sites = captured_read_sites(program, captured_reads=slices)
-    if any(jnp.shape(index) != () for _, indices in sites for index in indices):
-        return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
-                "computed from q_idx or kv_idx (a per-element gather)")
-    return None
-
-
-def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
-                       paged: bool = False):
-    """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).
-    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_tile_pages`)."""
-    _, q_len, _, head_dim = q.shape
-    if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return f"dtype {q.dtype} (it takes bfloat16 and float16)"
-    if head_dim not in HEAD_DIMS or v.shape[3] != head_dim:
-        return f"head dims {head_dim}/{v.shape[3]} (it takes D = Dv in {HEAD_DIMS})"
-    if tuple(block_mask.block_size) != (BLOCK, BLOCK):
-        return f"BlockMask block size {block_mask.block_size} (it takes {BLOCK}x{BLOCK})"
-    kv_len = block_mask.shape[3]
-    if paged:
-        page_size = k.shape[2]
-        if page_size % PAGE_ROWS_MULTIPLE or (BLOCK % page_size and page_size % BLOCK):
-            return (f"page size {page_size} (it takes multiples of 128 and divisors of 128 "
-                    f"that are multiples of {PAGE_ROWS_MULTIPLE})")
-    if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
-        return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
-    if not interpret:
-        capability = device.compute_capability()
-        if capability is None:
-            return "no GPU"
-        if capability != device.HOPPER:
-            return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
-                    "Hopper, 9.0)")
-    for program in (block_mask.mask_mod, score_program):
-        reason = _mod_unsupported_reason(program)
-        if reason is not None:
-            return reason
-    return None
 
 
 def _scores(q_smem, k_smem, interpret, after_issue=None):

@@ -15,7 +15,7 @@ import pytest
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.kernels import forward_mosaic
+from pallas_flex.kernels import mosaic_eligibility
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import assert_close_to_golden, golden, random_qkv
@@ -27,7 +27,7 @@ MOSAIC = {"forward_kernel": "mosaic"}
 SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional", "prefix_lm",
              "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
              "alibi_causal", "softcap_causal", "softcap_approx", "relative_position"]
-# Supported through forward_mosaic.SLICE_READS (reads at q_idx / kv_idx as slices).
+# Supported through mosaic_eligibility.contiguous_reads (reads at q_idx / kv_idx as slices).
 SLICED = ["document", "document_causal_wrapper"]
 GATHERING = ["t5_bias", "bias_lookup"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
@@ -94,7 +94,7 @@ def test_contiguous_reads_recognizes_index_reads_only():
         # a slice read at kv_idx (row h), and a gather at a computed index
         return score + table[h, kv_idx] + table[h, q_idx // 2]
 
-    reads = forward_mosaic.contiguous_reads(make_mod_program(score_mod, SCORE))
+    reads = mosaic_eligibility.contiguous_reads(make_mod_program(score_mod, SCORE))
     assert sorted(reads.values()) == [(0, 1, "kv")]
 
 
@@ -155,7 +155,7 @@ def test_uncovered_calls_are_refused_with_the_reason(change, reason):
                          shape["value_dim"] or shape["dim"], shape["dtype"])
     block_mask = pf.create_block_mask(masks.causal_mask, None, None, shape["q_len"], 256,
                                       block_size=shape["block_size"])
-    assert reason in forward_mosaic.unsupported_reason(q, k, v, block_mask, None,
+    assert reason in mosaic_eligibility.unsupported_reason(q, k, v, block_mask, None,
                                                        interpret=True)
     with pytest.raises(ValueError, match="Mosaic GPU forward kernel does not take"):
         pf.flex_attention(q, k, v, block_mask=block_mask, backend="interpret",
@@ -169,7 +169,7 @@ def test_unknown_primitive_is_refused():
     program = make_mod_program(score_mod, SCORE)
     q, k, v = random_qkv(0, 1, 128, 128, 1, 1, 64, 64, jnp.bfloat16)
     block_mask = pf.create_block_mask(masks.causal_mask, None, None, 128, 128)
-    assert "floor" in forward_mosaic.unsupported_reason(q, k, v, block_mask, program,
+    assert "floor" in mosaic_eligibility.unsupported_reason(q, k, v, block_mask, program,
                                                         interpret=True)
 
 
@@ -258,7 +258,7 @@ def test_vmap_grad_and_checkpoint(backend):
 def test_both_hand_over_forms_give_the_same_values(backend, dim):
     """Handing the tensor cores over before q·kᵀ lands (D 128 with ALiBi), or after (D 64:
     `hand_over_early`)."""
-    assert forward_mosaic.hand_over_early(dim, make_mod_program(masks.alibi(2), SCORE)) \
+    assert mosaic_eligibility.hand_over_early(dim, make_mod_program(masks.alibi(2), SCORE)) \
         == (dim == 128)
     q, k, v = random_qkv(7, 1, 256, 384, 2, 2, dim, dim, jnp.bfloat16)
     out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2),
@@ -269,11 +269,11 @@ def test_both_hand_over_forms_give_the_same_values(backend, dim):
 
 def test_hand_over_is_early_at_d128_without_transcendental_score_mods():
     program = lambda mod: make_mod_program(mod, SCORE)  # noqa: E731
-    assert forward_mosaic.hand_over_early(128, None)
-    assert forward_mosaic.hand_over_early(128, program(masks.alibi(4)))
-    assert not forward_mosaic.hand_over_early(128, program(masks.tanh_softcap(30.0)))
-    assert not forward_mosaic.hand_over_early(64, None)
-    assert not forward_mosaic.hand_over_early(64, program(masks.alibi(4)))
+    assert mosaic_eligibility.hand_over_early(128, None)
+    assert mosaic_eligibility.hand_over_early(128, program(masks.alibi(4)))
+    assert not mosaic_eligibility.hand_over_early(128, program(masks.tanh_softcap(30.0)))
+    assert not mosaic_eligibility.hand_over_early(64, None)
+    assert not mosaic_eligibility.hand_over_early(64, program(masks.alibi(4)))
 
 
 def test_dead_index_code_in_a_mod_is_skipped():
@@ -329,7 +329,7 @@ def test_paged_page_sizes_it_does_not_take_are_refused():
     q = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)
     pages = jnp.zeros((8, 2, 48, 64), jnp.bfloat16)  # 48 rows: neither divides 128 nor a multiple
     block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 384)
-    reason = forward_mosaic.unsupported_reason(q, pages, pages, block_mask, None,
+    reason = mosaic_eligibility.unsupported_reason(q, pages, pages, block_mask, None,
                                                interpret=True, paged=True)
     assert "page size 48" in reason
 
