@@ -12,10 +12,10 @@
   (they are `checkify.debug_check`s by default, which slow a jitted call's dispatch).
 """
 
-from pallas_flex.paged._validation import traced_checks
+from pallas_flex.paged._validation import set_traced_checks, traced_checks
 from pallas_flex.paged.cache import PagedKVCache, gather_contiguous
 from pallas_flex.paged.flex_attention import paged_flex_attention
 from pallas_flex.paged.ragged import paged_attention, score_offsets
 
 __all__ = ["PagedKVCache", "gather_contiguous", "paged_attention", "paged_flex_attention",
-           "score_offsets", "traced_checks"]
+           "score_offsets", "set_traced_checks", "traced_checks"]

@@ -19,24 +19,36 @@ the ragged op).
 from __future__ import annotations
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config as jax_config
 from jax.experimental import checkify
 
 
-# A JAX config state rather than a plain context variable: it is part of the jit and
-# trace cache keys, so a function traced with the checks and the same function traced
-# without them are two cache entries (a context variable would hand back whichever was
-# traced first). Also settable process-wide with
-# `jax.config.update("pallas_flex_paged_traced_checks", False)` or the environment
-# variable PALLAS_FLEX_PAGED_TRACED_CHECKS=0.
-_TRACED_CHECKS = jax_config.bool_state(
-    "pallas_flex_paged_traced_checks", True,
-    help="Emit pallas_flex's paged metadata checks as checkify.debug_checks when traced.",
-    include_in_jit_key=True, include_in_trace_context=True)
+TRACED_CHECKS_ENVIRONMENT_VARIABLE = "PALLAS_FLEX_PAGED_TRACED_CHECKS"
+
+
+def _default_traced_checks() -> bool:
+    setting = os.environ.get(TRACED_CHECKS_ENVIRONMENT_VARIABLE, "").strip().lower()
+    return setting not in ("0", "false", "no", "off")
+
+
+# A JAX user context (`jax.make_user_context`) rather than a plain context variable: its
+# value is part of jit's cache keys, so a function traced with the checks and the same
+# function traced without them are two cache entries (a context variable would hand
+# back whichever was traced first). Off process-wide with `set_traced_checks(False)` or
+# the environment variable PALLAS_FLEX_PAGED_TRACED_CHECKS=0 (read at import).
+_TRACED_CHECKS = jax.make_user_context(default_value=_default_traced_checks())
+
+
+def set_traced_checks(enabled: bool) -> None:
+    """Process-wide default of `traced_checks` (a `traced_checks(...)` context still
+    overrides it inside its block)."""
+    if not isinstance(enabled, (bool, np.bool_)):
+        raise ValueError(f"enabled must be a bool, got {type(enabled).__name__}")
+    _TRACED_CHECKS.set_global(bool(enabled))
 
 
 @contextlib.contextmanager

@@ -345,3 +345,19 @@ def test_traced_checks_off_for_the_cache_methods():
         assert not jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
         error, _ = checkify.checkify(jax.jit(lambda c: c.reserve(2, 9)))(_filled())
     assert error.get() is None  # out of pages, unreported: the checks were left out
+
+
+def test_set_traced_checks_is_the_process_default():
+    from pallas_flex.paged import set_traced_checks, traced_checks
+
+    step = jax.jit(lambda c, b: c.reserve(b, 3))
+    try:
+        set_traced_checks(False)
+        assert not jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
+        with traced_checks(True):  # a context overrides the default
+            assert jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
+    finally:
+        set_traced_checks(True)
+    assert jax.make_jaxpr(step)(_filled(), jnp.int32(2)).effects
+    with pytest.raises(ValueError, match="enabled must be a bool"):
+        set_traced_checks("no")
