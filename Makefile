@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu bench clean
+.PHONY: demo test test-gpu api-docs bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,8 +45,8 @@ test: $(VENV)/.installed
 GPU_SHARDS ?= 14
 GPU_OUT ?= build/gpu-results
 GPU_PYTEST_ARGS ?=
-# The notebook tests (no gpu test; nbformat/nbclient are not on the GPU machine).
-GPU_IGNORE = --ignore=tests/test_notebooks.py
+# Tests with no gpu test whose imports the GPU machine lacks (nbformat, nbclient, pdoc).
+GPU_IGNORE = --ignore=tests/test_notebooks.py --ignore=tests/test_api_reference.py
 
 test-gpu:
 	@rm -rf $(GPU_OUT)/shards && mkdir -p $(GPU_OUT)/shards; pids=""; \
@@ -66,6 +66,10 @@ test-gpu:
 	  merge_results('$(GPU_OUT)/shards', '$(GPU_OUT)/results.json')" && \
 	rm -rf $(GPU_OUT)/shards; \
 	exit $$status
+
+# The API reference, from the docstrings (tests/test_api_reference.py builds it too).
+api-docs: $(VENV)/.installed
+	$(PY) -m pdoc -o build/api pallas_flex pallas_flex.nn
 
 bench: $(VENV)/.installed
 	$(VENV)/bin/pallas-flex bench
