@@ -22,7 +22,7 @@ import numpy as np
 from benchmarks.jax_bench import write_rows
 from benchmarks.tune_forward import time_ms
 from pallas_flex import paged
-from pallas_flex.kernels import ragged as ragged_kernel
+from pallas_flex.kernels import ragged_paged as ragged_kernel
 
 MIXES = {
     # name: [(past_len, new_len)] per sequence

@@ -8,7 +8,7 @@ runs in four stages:
       `checkify.debug_check` when traced; see `pallas_flex.paged._validation`);
   (b) scatter the new keys and values into the caches at their positions;
   (c) attend from the caches (now holding history and new tokens): the ragged Pallas
-      kernel (`pallas_flex.kernels.ragged`, backends "pallas" and "interpret") or, on
+      kernel (`pallas_flex.kernels.ragged_paged`, backends "pallas" and "interpret") or, on
       "xla", a loop over logical pages with an online softmax in float32;
   (d) optionally, a second pass over the same pages for the aggregated scores.
 """
@@ -26,7 +26,7 @@ from jax import lax
 
 from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
-from pallas_flex.kernels import ragged as ragged_kernel
+from pallas_flex.kernels import ragged_paged as ragged_kernel
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, is_traced, require)
 

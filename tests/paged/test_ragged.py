@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 from pallas_flex import paged
-from pallas_flex.kernels import ragged as ragged_kernel
+from pallas_flex.kernels import ragged_paged as ragged_kernel
 from pallas_flex.masks import alibi_slopes
 from tests.conftest import FLOAT32_TOLERANCE, dense_low_precision, rmse
 from tests.paged.ragged_reference import reference_paged_attention, to_float64
