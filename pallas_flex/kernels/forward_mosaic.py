@@ -44,7 +44,7 @@ from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument,
     split_captured_refs)
-from pallas_flex.masks.softcap import tanh_with_exp2
+from pallas_flex.scores.softcap import tanh_with_exp2
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a

@@ -1,11 +1,10 @@
-"""Mask and score mods (one concept per file), their combinators, and the BlockMask.
+"""Mask mods (one concept per file), their combinators, and the BlockMask.
 
-Mask mods: `mask_mod(b, h, q_idx, kv_idx) -> bool`; score mods:
-`score_mod(score, b, h, q_idx, kv_idx) -> score`. Generators return closures.
+Mask mods: `mask_mod(b, h, q_idx, kv_idx) -> bool`. Generators return closures. The score
+mods (`score_mod(score, b, h, q_idx, kv_idx) -> score`) live in `pallas_flex.scores`;
+this module re-exports them, so `pf.masks.alibi` is `pf.scores.alibi`.
 """
 
-from pallas_flex.masks.alibi import alibi, alibi_slopes
-from pallas_flex.masks.bias import bias_lookup
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask
 from pallas_flex.masks.causal import causal_mask
 from pallas_flex.masks.chunked import chunked_causal
@@ -17,10 +16,10 @@ from pallas_flex.masks.neighborhood import (
     morton_neighborhood_2d, neighborhood_2d, tiled_neighborhood_2d)
 from pallas_flex.masks.offset import offset, offset_score
 from pallas_flex.masks.prefix_lm import prefix_lm
-from pallas_flex.masks.relative_position import relative_position
 from pallas_flex.masks.sliding_window import sliding_window
-from pallas_flex.masks.softcap import tanh_softcap
-from pallas_flex.masks.t5_bias import t5_relative_bias, t5_relative_bucket
+from pallas_flex.scores import (
+    alibi, alibi_slopes, bias_lookup, relative_position, t5_relative_bias, t5_relative_bucket,
+    tanh_softcap)
 
 __all__ = [
     "BlockMask", "ModProgram", "alibi", "alibi_slopes", "and_masks", "bias_lookup",

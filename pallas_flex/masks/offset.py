@@ -49,7 +49,7 @@ def offset_score(score_mod, q_offset):
       score_mod: the score_mod(score, b, h, q_idx, kv_idx) written for absolute positions.
       q_offset: as in `offset`: a Python int, a 0-d int array or an int array of shape [B].
 
-    >>> from pallas_flex.masks.relative_position import relative_position
+    >>> from pallas_flex.scores.relative_position import relative_position
     >>> shifted = offset_score(relative_position(), 10)
     >>> float(shifted(0.0, 0, 0, 0, 4))
     -6.0

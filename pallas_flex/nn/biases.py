@@ -9,7 +9,7 @@ fused attention backward:
     >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask, score_mod=bias())
 
 or, inside a layer, `FlexMultiHeadAttention(..., score_bias=bias)`. The bucketing and
-slope rules are those of `pallas_flex.masks.t5_bias` and `pallas_flex.masks.alibi`.
+slope rules are those of `pallas_flex.scores.t5_bias` and `pallas_flex.scores.alibi`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import initializers
 
-from pallas_flex.masks.alibi import alibi, alibi_slopes
-from pallas_flex.masks.t5_bias import t5_relative_bias
+from pallas_flex.scores.alibi import alibi, alibi_slopes
+from pallas_flex.scores.t5_bias import t5_relative_bias
 
 
 class T5RelativeBias(nnx.Module):

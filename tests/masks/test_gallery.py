@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_flex.masks.alibi import alibi, alibi_slopes
-from pallas_flex.masks.bias import bias_lookup
+from pallas_flex.scores.alibi import alibi, alibi_slopes
+from pallas_flex.scores.bias import bias_lookup
 from pallas_flex.masks.causal import causal_mask
 from pallas_flex.masks.chunked import chunked_causal
 from pallas_flex.masks.combinators import and_masks, noop_mask, noop_score, not_mask, or_masks
@@ -24,10 +24,10 @@ from pallas_flex.masks.neighborhood import (
 )
 from pallas_flex.masks.offset import offset, offset_score
 from pallas_flex.masks.prefix_lm import prefix_lm
-from pallas_flex.masks.relative_position import relative_position
+from pallas_flex.scores.relative_position import relative_position
 from pallas_flex.masks.sliding_window import sliding_window
-from pallas_flex.masks.softcap import tanh_softcap
-from pallas_flex.masks.t5_bias import t5_relative_bias, t5_relative_bucket
+from pallas_flex.scores.softcap import tanh_softcap
+from pallas_flex.scores.t5_bias import t5_relative_bias, t5_relative_bucket
 
 
 # ---------------------------------------------------------------------------------------
