@@ -203,6 +203,12 @@ def time_calls(fn, args, *, iters: int, repeats: int, warmup: int = 2,
     return entry, out
 
 
+def time_ms(fn, *args, iters=20, repeats=5):
+    """Median ms per call of `fn(*args)` (`time_calls`)."""
+    entry, _ = time_calls(fn, args, iters=iters, repeats=repeats)
+    return entry["ms"]
+
+
 def time_paired(calls, *, rounds: int, iters: int) -> dict:
     """{name: [ms per call, one entry per round]} for `calls` {name: (fn, args)}: every
     round times each call once (`iters` calls, synced once), so that clock drift over a

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import pallas_flex as pf
 from pallas_flex import masks
 from benchmarks import jax_bench
-from benchmarks.tune_forward import time_ms
+from benchmarks.jax_bench import time_ms
 
 
 def _mosaic(causal, block_kv, backward_blocks=None):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.jax_bench import write_rows
-from benchmarks.tune_forward import time_ms
+from benchmarks.jax_bench import time_ms
 from pallas_flex import paged
 from pallas_flex.kernels import ragged_paged as ragged_kernel
 
