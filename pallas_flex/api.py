@@ -12,7 +12,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex import dispatch
-from pallas_flex.kernels import device, online_softmax
+from pallas_flex.kernels import device
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
@@ -357,8 +357,13 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     for name, lse in (("lse_a", lse_a), ("lse_b", lse_b)):
         if lse.shape != expected:
             raise ValueError(f"{name} must have shape [B, H, S] = {expected}, got {lse.shape}")
-    # Parts along a new leading axis, lse as [2, B, S, H] to line up with out's axes.
-    parts_lse = jnp.swapaxes(jnp.stack([lse_a, lse_b]).astype(jnp.float32), 2, 3)
-    parts_out = jnp.stack([out_a.astype(jnp.float32), out_b.astype(jnp.float32)])
-    out, lse = online_softmax.merge_partials(parts_out, parts_lse, axis=0)
-    return out.astype(out_a.dtype), jnp.swapaxes(lse, 1, 2)
+    # Two parts, elementwise (`online_softmax.merge_partials` merges along an axis the
+    # parts already share; stacking two outputs for it would copy both on this, the
+    # cascade's, path).
+    lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
+    lse = jnp.logaddexp(lse_a, lse_b)
+    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    weight_a = jnp.swapaxes(jnp.exp(lse_a - safe), 1, 2)[..., None]
+    weight_b = jnp.swapaxes(jnp.exp(lse_b - safe), 1, 2)[..., None]
+    out = out_a.astype(jnp.float32) * weight_a + out_b.astype(jnp.float32) * weight_b
+    return out.astype(out_a.dtype), lse

@@ -72,11 +72,8 @@ def _choose(q, kv, mask_mod, score_mod, kernel_options, backend):
     if mask_mod is not None:
         block_mask = build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
                                       kv.shape[1], kernel_options)
-    if backend == "pallas":  # resolve_backend refuses "pallas" without a GPU
-        with pf.api.lowering_for_gpu():
-            block_mask, score_program, (backend, _, options) = _prepare(
-                q, kv, kv, score_mod, block_mask, None, backend, kernel_options)
-    else:
+    # resolve_backend refuses "pallas" without a GPU; these calls are only planned.
+    with pf.api.lowering_for_gpu():
         block_mask, score_program, (backend, _, options) = _prepare(
             q, kv, kv, score_mod, block_mask, None, backend, kernel_options)
     return dispatch.choose_forward(q, kv, kv, block_mask, score_program, backend=backend,

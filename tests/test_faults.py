@@ -9,6 +9,7 @@ problem (a checkify error under jit), and never mutates what the caller passed. 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import jax
@@ -77,8 +78,8 @@ def _poison_past_lengths(cache, value):
             page = table[row, position // cache.page_size]
             written[page * cache.page_size + position % cache.page_size] = True
     stale = jnp.asarray(~written.reshape(-1, 1, cache.page_size, 1))
-    return cache.replace(k_pages=jnp.where(stale, value, cache.k_pages),
-                         v_pages=jnp.where(stale, value, cache.v_pages))
+    return dataclasses.replace(cache, k_pages=jnp.where(stale, value, cache.k_pages),
+                               v_pages=jnp.where(stale, value, cache.v_pages))
 
 
 def _paged_golden(q, cache, mask_mod=None):
@@ -150,8 +151,9 @@ def test_reused_pages_after_erase_hold_old_nan(backend):
 def _corrupt(field, row, column, value):
     def corrupt(cache):
         if field == "page_table":
-            return cache.replace(page_table=cache.page_table.at[row, column].set(value))
-        return cache.replace(lengths=cache.lengths.at[row].set(value))
+            return dataclasses.replace(
+                cache, page_table=cache.page_table.at[row, column].set(value))
+        return dataclasses.replace(cache, lengths=cache.lengths.at[row].set(value))
     return corrupt
 
 

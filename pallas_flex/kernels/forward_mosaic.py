@@ -39,7 +39,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
-from pallas_flex.kernels.kv_tiles import page_table_row
+from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument,
@@ -385,7 +385,7 @@ def _tile_pages(page_table_ref, batch, block, page_size, num_pages):
     page_of = page_table_row(page_table_ref, batch)
 
     def page_at(logical_page):
-        return jnp.clip(page_of(logical_page), 0, num_pages - 1)
+        return in_pool(page_of(logical_page), num_pages)
 
     if page_size >= BLOCK:
         start = block * BLOCK

@@ -23,11 +23,11 @@ def page_table_row(page_table_ref, batch):
     return lambda slot: page_table_ref[batch, jnp.minimum(slot, max_pages - 1)]
 
 
-def in_pool(page, pages_ref):
-    """A page-table entry clamped into the pool of `pages_ref` [num_pages, ...]: -1 (no
-    page) reads page 0, an entry past the pool its last page (positions the caller
-    masks, or a corrupt table's, never memory outside the pool)."""
-    return jnp.clip(page, 0, pages_ref.shape[0] - 1)
+def in_pool(page, num_pages: int):
+    """A page-table entry clamped into a pool of `num_pages` pages: -1 (no page) reads
+    page 0, an entry past the pool its last page (positions the caller masks, or a
+    corrupt table's, never memory outside the pool)."""
+    return jnp.clip(page, 0, num_pages - 1)
 
 
 def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int,
@@ -38,7 +38,7 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     pages, reading whatever table the caller keeps (a page table row, or a ragged list).
     """
     if page_size % tile == 0:  # the tile lies inside one page
-        page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), pages_ref)
+        page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), pages_ref.shape[0])
         offset = lax.rem(tile_start, jnp.int32(page_size))
         return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
     # Indices per row ([tile, 1]) and per column ([1, width]), broadcast by the load:
@@ -50,7 +50,8 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     # column of the copy layout (8x the loads). H100 results, both forms:
     # benchmarks/results/2026-11-23-h100-paged-small-pages.json.
     positions = tile_start + lax.iota(jnp.int32, tile)
-    pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))), pages_ref)[:, None]
+    pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))),
+                    pages_ref.shape[0])[:, None]
     offsets = lax.rem(positions, jnp.int32(page_size))[:, None]
     columns = column_start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
     return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]

@@ -108,8 +108,8 @@ def finalize_chunks(state):
 
 
 def merge_partials(partial_out, partial_lse, axis: int):
-    """The exact merge of attention over disjoint key sets (split-KV programs, a cascade's
-    prefix and suffix): `partial_lse` (natural log, float32, -inf for a part with no
+    """The exact merge of attention over disjoint key sets (the split-KV programs of the
+    decode and ragged kernels): `partial_lse` (natural log, float32, -inf for a part with no
     keys) along `axis`, `partial_out` the parts' normalized outputs with the same axes
     and a trailing value axis. Returns (out, lse) with `axis` summed out; a row no part
     saw ends as zeros with lse = -inf."""

@@ -79,9 +79,12 @@ def _check_kv_table(num_blocks, indices, num_name, indices_name, num_kv_blocks, 
     xp, (num_blocks, indices) = checking_arrays(num_blocks, indices)
     if indices.size == 0:
         return
+
+    def first(bad):  # the index tuple of the first True entry (any one if none is)
+        return xp.unravel_index(first_true(bad.reshape(-1)), bad.shape)
+
     bad = (num_blocks < 0) | (num_blocks > num_kv_blocks)
-    flat = first_true(bad.reshape(-1))
-    where = xp.unravel_index(flat, num_blocks.shape)
+    where = first(bad)
     require(~xp.any(bad),
             f"{num_name}[{{b}}, {{h}}, {{q}}] = {{value}} is out of range: a query block "
             f"lists at most nKV = {num_kv_blocks} KV blocks (KV_LEN {kv_len} / block_kv "
@@ -89,8 +92,7 @@ def _check_kv_table(num_blocks, indices, num_name, indices_name, num_kv_blocks, 
             b=where[0], h=where[1], q=where[2], value=num_blocks[where])
     listed = xp.arange(num_kv_blocks) < num_blocks[..., None]
     bad = listed & ((indices < 0) | (indices >= num_kv_blocks))
-    flat = first_true(bad.reshape(-1))
-    where = xp.unravel_index(flat, indices.shape)
+    where = first(bad)
     require(~xp.any(bad),
             f"{indices_name}[{{b}}, {{h}}, {{q}}, {{slot}}] = {{value}} is out of range: KV "
             f"block indices must be in [0, {num_kv_blocks}) (KV_LEN {kv_len} / block_kv "

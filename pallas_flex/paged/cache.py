@@ -137,10 +137,6 @@ class PagedKVCache:
         """int32 scalar: pages no row holds."""
         return jnp.sum(self.page_owner < 0, dtype=jnp.int32)
 
-    def replace(self, **fields) -> "PagedKVCache":
-        """The cache with the given fields replaced (`dataclasses.replace`)."""
-        return dataclasses.replace(self, **fields)
-
     # -- validation -------------------------------------------------------------------
 
     def validate(self) -> "PagedKVCache":

@@ -28,7 +28,7 @@ import numpy as np
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.kernels import kv_tiles
+from pallas_flex.kernels import forward_mosaic, kv_tiles
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.ragged import paged_attention
 
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     parser.add_argument("--unclamped", action="store_true")
     args = parser.parse_args(argv)
     if args.unclamped:
-        kv_tiles.in_pool = lambda page, pages_ref: jnp.maximum(page, 0)
+        kv_tiles.in_pool = forward_mosaic.in_pool = lambda page, num_pages: jnp.maximum(page, 0)
     calls = {}
     for page_size in (16, 128):
         cache = corrupt_cache(page_size)
