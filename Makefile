@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu api-docs bench clean
+.PHONY: demo test test-gpu api-docs bench wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,7 +35,8 @@ test: $(VENV)/.installed
 #
 # The shards' logs are joined in $(GPU_OUT)/test-gpu.log and their per-cell records
 # (compile seconds, pass/fail, errors) in $(GPU_OUT)/results.json: two files, as the
-# device tool returns at most 8 from $OUT.
+# device tool returns at most 8 from $OUT. The latest whole run's records are kept in
+# tests/gpu/results/h100-gpu-suite.json.
 #
 # On the device machine: `make test-gpu PYTHON=python3 GPU_OUT=$OUT`.
 # One process runs everything, but takes over an hour:
@@ -74,5 +75,15 @@ api-docs: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(VENV)/bin/pallas-flex bench
 
+# A wheel for a machine without this checkout, such as Colab (upload it and point the
+# notebooks' install cell at it): dist/pallas_flex-<version>-py3-none-any.whl. Needs only
+# pip (it fetches setuptools for the build). build/lib and build/bdist.* go first:
+# setuptools copies whatever build/lib holds into the wheel, modules deleted since the
+# last build included.
+wheel:
+	rm -rf build/lib build/bdist.* dist/pallas_flex-*.whl
+	$(PYTHON) -m pip wheel -q --no-deps -w dist .
+	@ls dist/pallas_flex-*.whl
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build dist *.egg-info
