@@ -1,29 +1,12 @@
 """Read what Triton makes of our kernels without a GPU: registers, spills, shared memory,
-pipelining. Two steps, in two environments:
+pipelining (a maintainer tool; docs/design.md §8 gives the commands).
 
-1. In the project's environment (any machine, no GPU needed), lower the forward and
-   backward kernels for an H100 and write their Triton IR (TTIR):
-
-       python -m benchmarks.inspect_kernels lower --variant causal --out-dir /tmp/ttir \
-           [--options '{"backward_num_stages": 2}'] [--q-heads 32 --kv-heads 8]
-
-2. With pip `triton` (3.6.0 matches jaxlib 0.11.2's build closely: the same shared memory
-   and registers as Nsight Compute reported on the device), run Triton's CUDA pipeline on
-   each file, as XLA does, and print what it made:
-
-       python3 -m venv /tmp/tvenv && /tmp/tvenv/bin/pip install triton==3.6.0
-       /tmp/tvenv/bin/python benchmarks/inspect_kernels.py compile /tmp/ttir/*.ttir
-
-   It writes <name>.ttgir and <name>.ptx next to each input and prints shared memory,
-   async copies (pipelined loads), wgmma count and `ptxas -v`'s registers and spills,
-   then, per loop of the PTX (a block that branches back to itself), its global loads,
-   async copies and wgmma instructions: per-tile work the pipeliner did not turn into
-   async copies shows up there (a paged kernel's page-table reads did, 64 per tile).
-   Warps and stages come from the file name (`..._w8s3.ttir`, as `lower` writes it).
-
-`lower --page-size N` lowers `paged_flex_attention` on a cache of N-row pages instead (no
-backward): the forward kernel for a prefill (`--q-len`, default 2048 new tokens on the
-sequence), the decode kernel with `--q-len 1`.
+`lower` (the project's environment, any machine) writes the forward and backward kernels'
+Triton IR as planned for an H100 (`--page-size N`: the paged kernels); `compile` (a side
+environment with pip `triton==3.6.0`) runs Triton's CUDA pipeline on those files and
+prints shared memory, async copies, wgmma, `ptxas -v` registers and spills and each PTX
+loop's global loads; `audit` checks the shared-memory estimate against Triton for every
+cell of the GPU test matrix. Warps and stages come from the file name (`..._w8s3.ttir`).
 """
 
 from __future__ import annotations

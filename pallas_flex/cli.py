@@ -1,18 +1,13 @@
 """The `pallas-flex` command: `pallas-flex demo`, `pallas-flex bench [options]`,
 `pallas-flex --version`.
 
-`pallas-flex bench --help` lists the benchmark options (see benchmarks/README.md).
+`pallas-flex bench --help` lists the suites and options (pallas_flex/bench/).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
-
-# benchmarks/ is not part of the installed package: it lives beside it in a checkout.
-REPO_ROOT = Path(__file__).resolve().parent.parent
-BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
 
 
 def package_version() -> str:
@@ -29,17 +24,9 @@ def package_version() -> str:
 
 
 def _bench(argv: list[str]) -> int:
-    if not (BENCHMARKS_DIR / "run.py").is_file():
-        print(f"pallas-flex bench: no benchmarks/ found at {BENCHMARKS_DIR}. The benchmark "
-              "harness is not part of the installed package; run it from a source checkout "
-              "(pip install -e . in the repository, or PYTHONPATH=<repo> python3 -m "
-              "benchmarks.run).", file=sys.stderr)
-        return 2
-    if str(REPO_ROOT) not in sys.path:
-        sys.path.insert(0, str(REPO_ROOT))
-    from benchmarks import run  # Only importable from a checkout, hence here.
+    from pallas_flex.bench import cli  # Imported lazily: the harness is not needed otherwise.
 
-    return run.main(argv)
+    return cli.main(argv)
 
 
 def _demo(argv: list[str]) -> int:

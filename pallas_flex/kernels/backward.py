@@ -489,7 +489,7 @@ def _launch_parameters(warps: int, stages: int, owned_rows: int):
     """(num_warps, num_stages) for programs that own `owned_rows`-row tiles. 8 warps
     split a tile's rows into two 64-row warpgroups; on 64 rows they split its columns
     instead, which ran 2x slower on the H100, and 64-row tiles with 3 stages leave room
-    for one program per SM instead of two (benchmarks/results/*backward-tuning*.json)."""
+    for one program per SM instead of two (f908cd9:benchmarks/results/*backward-tuning*.json)."""
     if owned_rows < 128:
         return min(warps, 4), min(stages, 2)
     return warps, stages

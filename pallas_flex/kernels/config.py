@@ -88,15 +88,15 @@ class KernelOptions:
 
 
 # Hopper (sm_90) defaults by padded head dim, measured on the H100 (see
-# benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
+# f908cd9:benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
 _HOPPER_FORWARD = {
     # D 64 (B8 H16 S2048): 64x64 forward tiles 0.420/0.254 ms noop/causal against
-    # 0.446/0.268 for 128x64 (benchmarks/results/2026-11-22-h100-d64-tuning.json).
+    # 0.446/0.268 for 128x64 (f908cd9:benchmarks/results/2026-11-22-h100-d64-tuning.json).
     # Backward: dQ programs on 128x128 tiles, dK/dV programs on 128 keys x 64 queries
     # (no register spills; 128x128 there spills ~700 B per thread): backward alone
     # noop/causal/ALiBi/prefix-LM 1.235/0.750/0.829/0.871 ms against 1.245/0.752/0.883/
     # 0.872 for 128x128 in both kinds (2026-11-23-h100-d64-backward-tiles.json).
-    # Backward walk order (benchmarks/results/2026-11-23-h100-backward-walk-order.json):
+    # Backward walk order (f908cd9:benchmarks/results/2026-11-23-h100-backward-walk-order.json):
     # masked blocks first at D 128 (causal backward 2.043 -> 1.976 ms), full blocks first
     # at D 64 with its 128x128 tiles (causal 0.75 ms against 0.82 masked first; with the
     # 128x64 dK/dV tiles the two orders are within 1 %); D 256 keeps the order it was
@@ -132,7 +132,7 @@ TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stag
 # registers and 75 KB of spill stores): 962 ms forward+backward; 16x16 tiles with one
 # stage: 74.8 ms. The forward keeps the 16-bit table: 14.8 ms and 5.3 s to compile,
 # against 22.4 ms / 4.2 s with 8 warps and 25.3 ms / 3.7 s with 8 warps on 16-row KV
-# tiles (benchmarks/results/2026-11-24-h100-compile-times.json). Shared-memory
+# tiles (f908cd9:benchmarks/results/2026-11-24-h100-compile-times.json). Shared-memory
 # fitting (kernels/shared_memory.py) still applies on top.
 _HOPPER_FLOAT32_CHANGES = {
     64: dict(decode_block_kv=32),
@@ -215,7 +215,7 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
 
 
 # Forward on a paged cache, B4 H16 2048 new tokens after 6144 cached, D 128 bf16 (see
-# benchmarks/results/*paged*.json): pipelining depth by page size. Tiles inside one page
+# f908cd9:benchmarks/results/*paged*.json): pipelining depth by page size. Tiles inside one page
 # (64) want 3 stages, and so do tiles gathered across 16-row pages since their pointers
 # are built per row (+3.9 to +6.6 % over contiguous at 3 stages, +8.3 / +9.5 % at 2);
 # 128-row pages want 2.

@@ -191,7 +191,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         # Tiles gathered across pages spill at 128 rows (800-1200 B at 255 registers);
         # 32-row tiles take 66 registers. H100, B8 S16384 D128: 128-row tiles cost
         # +14 / +13 / +1 % over contiguous at pages 16 / 64 / 128, 32-row tiles
-        # -1 / +0 / -1 % (benchmarks/results/2026-11-23-h100-paged-small-pages.json).
+        # -1 / +0 / -1 % (f908cd9:benchmarks/results/2026-11-23-h100-paged-small-pages.json).
         default_tile = min(default_tile, 32)
     block_kv = options.decode_block_kv or default_tile
     block_kv = min(block_kv, mask_block_kv)

@@ -57,7 +57,7 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # that issues it (after a warpgroup barrier), so 16-row pages (8 copies per tile) were
 # bound by the copies' issue rate. H100 prefill at 16-row pages, paired rounds: +7.2 %
 # over contiguous from the whole warpgroup, +3.2 % from four warps (D 64: +14 / +6.3 %);
-# benchmarks/results/2026-11-23-h100-paged-warp-copies.json.
+# f908cd9:benchmarks/results/2026-11-23-h100-paged-warp-copies.json.
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
@@ -345,7 +345,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         def fetch(step, slot, after_release):
             # The tables are read once for K and V, before the release waits (reading
             # them after each wait measured the same on the H100's paged prefill:
-            # benchmarks/results/2026-11-23-h100-paged-mosaic.json).
+            # f908cd9:benchmarks/results/2026-11-23-h100-paged-mosaic.json).
             location = locate(kv_block_of(step))
             if after_release:
                 plgpu.barrier_wait(k_consumed.at[slot])

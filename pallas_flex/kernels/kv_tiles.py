@@ -48,7 +48,7 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     # instead of two). The page table is read as a [tile] vector and given its column
     # axis afterwards: read as [tile, 1], each thread loaded its rows' entries once per
     # column of the copy layout (8x the loads). H100 results, both forms:
-    # benchmarks/results/2026-11-23-h100-paged-small-pages.json.
+    # f908cd9:benchmarks/results/2026-11-23-h100-paged-small-pages.json.
     positions = tile_start + lax.iota(jnp.int32, tile)
     pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))),
                     pages_ref.shape[0])[:, None]

@@ -43,7 +43,7 @@ _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
 # steps on 4096-token histories: 64 sequences (512 programs unsplit) 0.453 ms unsplit,
 # 0.462 in 2 splits; 16 sequences (128 programs) 0.187 / 0.176 / 0.207 ms in 1 / 2 / 4
-# splits (benchmarks/results/2026-11-23-h100-ragged-kernel.json).
+# splits (f908cd9:benchmarks/results/2026-11-23-h100-ragged-kernel.json).
 _TARGET_PROGRAMS = 256
 
 

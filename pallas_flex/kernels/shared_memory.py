@@ -14,7 +14,7 @@ holds the measured points):
   array gets a gradient (its scatter-add converts the cotangent tile too).
 
 Two cases keep more (pip triton 3.6.0 compiles of the GPU test matrix, `python -m
-benchmarks.inspect_kernels audit`, benchmarks/results/2026-11-24-shared-memory-audit.json):
+benchmarks.inspect_kernels audit`, tests/gpu/results/shared-memory-audit.json):
 
 * float32 with one stage (no software pipeline): a tile is loaded into registers and
   copied into shared memory for each dot that reads it, one at a time, so the loop needs

@@ -305,7 +305,7 @@ class BlockMask:
         end of the partial list (after every partial block below it, so that list stays
         ascending). The result is forward-only: its transposed (backward) tables are
         None. On the H100 (prefill of 2048 new tokens on 8192, B4 H16 D128, paired rounds,
-        benchmarks/results/2026-11-23-h100-paged-mosaic.json) this costs 1.1-1.6 % of the
+        f908cd9:benchmarks/results/2026-11-23-h100-paged-mosaic.json) this costs 1.1-1.6 % of the
         0.8 ms call; rebuilding all tables from the block state with sorts and scatters
         cost 1.9-3.7 %.
         """

@@ -58,7 +58,7 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
         # (a few small XLA ops, ~15 us) than the check does in a 0.2 ms call. Prefill:
         # full tiles skip the length check once the BlockMask is clipped to the lengths,
         # and tiles past a row's length are not visited at all (the clipping costs about
-        # 1 % of the H100 prefill in benchmarks/paged_bench.py; checking the length on
+        # 1 % of the H100 prefill in `pallas-flex bench paged`; checking the length on
         # every tile instead cost 5-6 % on the Triton kernel).
         block_mask = block_mask.clip_to_lengths(lengths)
     return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,

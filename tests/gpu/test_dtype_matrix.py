@@ -24,7 +24,7 @@ float32 backward at a 256-wide (padded) head dim, 16-row tiles and one stage, ne
 KiB: its held tiles are kept as TF32 high and low halves (kernels/shared_memory.py). The
 call raises a ValueError that says so and points to bfloat16/float16 or a smaller head
 dim; these cells expect it. The list comes from the shared-memory audit (`python -m
-benchmarks.inspect_kernels audit`, benchmarks/results/2026-11-24-shared-memory-audit.json),
+benchmarks.inspect_kernels audit`, tests/gpu/results/shared-memory-audit.json),
 which compiles every cell's kernels for the GPU each budget stands for; a real T4 (sm_75,
 no tensor cores in Triton) plans with its own estimate and is not bound by this list.
 
@@ -33,8 +33,9 @@ JAX's caches (`test_budget_change_takes_effect_on_the_next_call`). The cells do 
 on it: the suite clears the caches when the budget changes (conftest).
 
 Runtime estimate (H100). First-call compile seconds measured there with an earlier
-version of this suite running as 6 concurrent shards (benchmarks/results/
-2026-11-24-h100-training-dtypes-and-captured-gradients.json): forward 4.2 (float32) /
+version of this suite running as 6 concurrent shards (f908cd9:benchmarks/results/
+2026-11-24-h100-training-dtypes-and-captured-gradients.json; the latest whole run:
+tests/gpu/results/h100-gpu-suite.json): forward 4.2 (float32) /
 2.7 (16-bit), forward_backward 7.3 / 4.5, decode 2.5 / 1.9. Tracing every cell on the
 CPU (kernels planned as for the H100) gives 346 distinct programs of the 504 (146
 float32, 200 16-bit), and ~28 more on the GPU, where the device budget's 16-bit forward

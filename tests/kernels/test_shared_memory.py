@@ -46,8 +46,8 @@ MEASURED = [
           stages=3, reads=ModReads(1, 0)), 90112),
     (dict(kind="forward", dtype=jnp.bfloat16, head_dim=128, block_q=128, block_kv=64,
           stages=2, reads=ModReads(1, 0), slack=33 * KIB), 131072),
-    # float32 with one stage, pip triton for the budget's GPU (benchmarks/results/
-    # 2026-11-24-shared-memory-audit.json): held tiles in TF32 halves, one streamed tile.
+    # float32 with one stage, pip triton for the budget's GPU (tests/gpu/results/
+    # shared-memory-audit.json): held tiles in TF32 halves, one streamed tile.
     # D256 backward, 16-row tiles, sm_90 (the K tile once per dot layout)
     (dict(kind="backward", dtype=jnp.float32, head_dim=256, dq_tile=(16, 16),
           dkdv_tile=(16, 16), stages=1), 81920),

@@ -316,7 +316,7 @@ def test_automatic_splits_fill_the_gpu_only_when_items_do_not():
 
 
 def test_planned_splits_for_the_benchmark_batches():
-    # Hq 32, Hkv 8, D 128, pages of 16 (benchmarks/ragged_bench.py).
+    # Hq 32, Hkv 8, D 128, pages of 16 (`pallas-flex bench ragged`).
     def plan(seqs):
         num_tokens = sum(new for _, new in seqs)
         num_blocks = sum(-(-(past + new) // 16) for past, new in seqs)

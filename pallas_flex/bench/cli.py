@@ -1,0 +1,208 @@
+"""`pallas-flex bench`: run suites side by side with their peers, print the tables and keep
+the latest run per (GPU, suite) in `<out>/<gpu>/<suite>.json`; `pallas-flex bench report`
+regenerates the Markdown from those files (see pallas_flex/bench/report.py)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+from pallas_flex.bench import cases, report
+
+SUITES = ("forward", "fwd_bwd", "decode", "paged", "ragged", "cascade", "memory",
+          "block_mask", "compile")
+TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
+PEERS = {"forward": "cuDNN, PyTorch FlexAttention", "fwd_bwd": "cuDNN, "
+         "PyTorch FlexAttention", "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas "
+         "paged_attention", "paged": "the same call on a contiguous cache", "ragged": "the "
+         "op's XLA loop", "cascade": "pf.attention over concatenated caches", "memory": "-",
+         "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)"}
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="pallas-flex bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Benchmark pallas_flex against its peers on this machine's first device.",
+        epilog="suites and what each is compared with:\n" + "\n".join(
+            f"  {name:11s} {peers}" for name, peers in PEERS.items()) +
+        "\n\n`pallas-flex bench report [--check]` regenerates benchmarks/results/README.md "
+        "and README.md's performance table from the results files.\nKernel inspection "
+        "(registers, shared memory, spills) is a maintainer tool in a checkout: "
+        "python -m benchmarks.inspect_kernels --help.")
+    parser.add_argument("suites", nargs="*", default=["forward"], metavar="SUITE",
+                        help=f"any of {', '.join(SUITES)} or all (default: forward)")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes that a CPU runs in seconds (XLA backend there)")
+    parser.add_argument("--shapes", help="forward/fwd_bwd/decode: comma-separated names or "
+                        "indices of the suite's shapes (default: all)")
+    parser.add_argument("--variants", help="forward/fwd_bwd/decode: comma-separated names")
+    parser.add_argument("--backend", help="ours on this backend (default: the device's best)")
+    parser.add_argument("--no-torch", action="store_true", help="skip PyTorch FlexAttention")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds per suite and framework (default: none)")
+    parser.add_argument("--out", help="results directory (default: benchmarks/results in a "
+                        "checkout, nothing with --quick)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.suites = list(SUITES) if args.suites == ["all"] else args.suites
+    for suite in args.suites:
+        if suite not in SUITES:
+            parser.error(f"unknown suite {suite!r}; choose from {', '.join(SUITES)} or all")
+    return args
+
+
+def _pick(spec, items, what):
+    """The items named (or indexed) in a comma-separated `spec`; all of them for None."""
+    by_name = {item.name: item for item in items} | {str(i): x for i, x in enumerate(items)}
+    for token in (spec or "").split(","):
+        if token and token not in by_name:
+            raise SystemExit(f"unknown {what} {token!r}; choose from "
+                             f"{', '.join(item.name for item in items)}")
+    return [by_name[token] for token in spec.split(",") if token] if spec else list(items)
+
+
+def run_child(args, suite: str) -> dict:
+    """In the child process: one suite on the JAX side."""
+    import jax
+
+    import pallas_flex as pf
+    from pallas_flex.bench import jax_suites
+
+    decode = suite == "decode"
+    shapes = ((cases.QUICK_DECODE_SHAPES if decode else cases.QUICK_ATTENTION_SHAPES)
+              if args.quick else (cases.DECODE_SHAPES if decode else cases.ATTENTION_SHAPES))
+    options = types.SimpleNamespace(
+        quick=args.quick, backend=args.backend or pf.default_backend(),
+        shapes=_pick(args.shapes, shapes, "shape"),
+        variants=_pick(args.variants, cases.DECODE_VARIANTS if decode else cases.VARIANTS,
+                       "variant"),
+        timing={"iters": args.iters, "repeats": args.repeats})
+    columns, metric, rows = jax_suites.SUITES[suite](options)
+    versions = {"jax": jax.__version__, "pallas_flex": pf.__version__}
+    versions["jaxlib"] = importlib.metadata.version("jaxlib")
+    return {"suite": suite, "device": jax.devices()[0].device_kind, "backend": options.backend,
+            "versions": versions, "columns": columns, "metric": metric, "rows": rows}
+
+
+def _subprocess(command, env, timeout):
+    print("$ " + " ".join(command), flush=True)
+    try:
+        return subprocess.run(command, env={**os.environ, **env}, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        print(f"timed out after {timeout} s", flush=True)
+        return None
+
+
+def _with_torch(args, result, workdir: Path) -> None:
+    """Adds a torch_flex entry to every row (timed, or why not) and compares outputs."""
+    suite = result["suite"]
+    if suite not in TORCH_SUITES:
+        return
+    if suite != "block_mask":
+        result["columns"].append("torch_flex")
+    reason = ("--no-torch" if args.no_torch else "torch is not installed"
+              if importlib.util.find_spec("torch") is None else
+              "no GPU" if result["backend"] != "pallas" else None)
+    entries, status = {}, "n/a"
+    if reason is None:
+        case_file, out_file = workdir / f"{suite}-cases.json", workdir / f"{suite}-torch.json"
+        case_file.write_text(json.dumps([[row["case"], row["params"]] for row in result["rows"]]))
+        # torch owns the GPU in its process; JAX is imported there for the mods only.
+        code = _subprocess([sys.executable, "-m", "pallas_flex.bench.torch_peer", suite,
+                            str(case_file), str(out_file)], {"JAX_PLATFORMS": "cpu"},
+                           args.timeout)
+        if out_file.exists():
+            torch_result = json.loads(out_file.read_text())
+            result["versions"]["torch"] = torch_result["torch"]
+            entries = torch_result["entries"]
+        status = "timeout" if code is None else "error"
+        reason = (f"not reached within --timeout {args.timeout:g} s" if code is None else
+                  f"the torch process exited with {code} before this case")
+    for row in result["rows"]:
+        entry = entries.get(row["case"], {"status": status, "reason": reason})
+        ours, theirs = row.pop("samples", None), entry.pop("samples", None)
+        if ours and theirs:
+            entry["max_rel_diff_vs_ours"] = max(
+                max(abs(a - b) for a, b in zip(x, y)) / max(max(map(abs, y)), 1e-6)
+                for x, y in zip(ours, theirs))
+        row["torch_flex"] = entry
+
+
+def _git_commit():
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                         text=True)
+    return git.stdout.strip() or None
+
+
+def gpu_name(device_kind: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100'; 'cpu' -> 'cpu'."""
+    model = re.search(r"\b[a-z]+\d+[a-z]*\b", device_kind.lower())
+    return model.group(0) if model else re.sub(r"[^a-z0-9]+", "-", device_kind.lower())
+
+
+def write(out: Path, result: dict) -> Path:
+    """Into out/<gpu>/<suite>.json, replacing the rows of the same cases (a suite may be
+    run in parts) when the file is from the same device."""
+    path = out / gpu_name(result["device"]) / f"{result['suite']}.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old.get("device") == result["device"]:
+            fresh = {row["case"] for row in result["rows"]}
+            result["rows"] = [r for r in old["rows"] if r["case"] not in fresh] + result["rows"]
+            result["commands"] = list(dict.fromkeys(old.get("commands", []) +
+                                                    result["commands"]))
+            result["columns"] = list(dict.fromkeys(old["columns"] + result["columns"]))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        return report.main(argv[1:])
+    args = parse_args(argv)
+    if args.child:
+        result = run_child(args, args.suites[0])
+        Path(args.child).write_text(json.dumps(result))
+        return 0
+    out = Path(args.out) if args.out else (
+        None if args.quick or not Path("benchmarks/results").is_dir()
+        else Path("benchmarks/results"))
+    command = "pallas-flex bench " + " ".join(argv)
+    failed = 0
+    with tempfile.TemporaryDirectory() as workdir:
+        for suite in args.suites:
+            child_out = Path(workdir) / f"{suite}.json"
+            options = [a for a in argv if a not in SUITES and a != "all"]
+            _subprocess([sys.executable, "-m", "pallas_flex.bench.cli", suite, *options,
+                         "--child", str(child_out)],
+                {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, args.timeout)
+            if not child_out.exists():
+                print(f"{suite}: the JAX process wrote no result", flush=True)
+                failed += 1
+                continue
+            result = json.loads(child_out.read_text())
+            _with_torch(args, result, Path(workdir))
+            result.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds"), git_commit=_git_commit(), commands=[command])
+            print("\n".join(report.table(result)) + "\n", flush=True)
+            if out is not None:
+                print(f"wrote {write(out, result)}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,408 @@
+"""The JAX side of every suite: pallas_flex and the JAX peers (cuDNN through
+`jax.nn.dot_product_attention`, JAX's Pallas `paged_attention`, the XLA paths).
+
+A suite is `run(options) -> (columns, metric, rows)`: `columns` names the implementations
+timed (ours first: ratios are taken against it), `metric` the key of each entry's value
+("ms", "s" or "peak_mib"), and a row is {"case", "params", column: entry, ...}, an entry
+being {metric: value, ...} or {"status", "reason"} where that column cannot run the case.
+`options` carries shapes, variants, backend, timing and `quick` (tiny CPU sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import statistics
+import time
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flex as pf
+from pallas_flex.bench import cases
+from pallas_flex.bench.timing import error_entry, time_calls, time_paired
+
+OURS = "pallas_flex"
+
+
+def mods(variant: cases.Variant, shape: cases.Shape, arrays=jnp.asarray, tanh=jnp.tanh):
+    """(mask_mod, score_mod) of a variant, as a user writes them; queries sit at the end of
+    the keys (decode: the one query at Skv - 1). `arrays`/`tanh` make torch's twin."""
+    offset = shape.seq_len - shape.queries
+    ids = arrays(cases.document_ids(shape.seq_len, variant.documents))
+    slopes = arrays(cases.alibi_slopes(shape.q_heads))
+    masks = {
+        "none": None,
+        "causal": lambda b, h, q, kv: q + offset >= kv,
+        "sliding": lambda b, h, q, kv: (q + offset >= kv) & (q + offset - kv < variant.window),
+        "prefix": lambda b, h, q, kv: (kv < variant.prefix) | (q + offset >= kv),
+        "document": lambda b, h, q, kv: (ids[q + offset] == ids[kv]) & (q + offset >= kv),
+    }
+    scores = {
+        "none": None,
+        "alibi": lambda s, b, h, q, kv: s + slopes[h] * (kv - q - offset),
+        "softcap": lambda s, b, h, q, kv: variant.cap * tanh(s / variant.cap),
+    }
+    return masks[variant.mask], scores[variant.score]
+
+
+def _bf16(*arrays):
+    return [jnp.asarray(x, jnp.bfloat16) for x in arrays]
+
+
+def _step(attend, mode):
+    """One timed call: the output (fwd), or the output and dq, dk, dv for the cotangent
+    d_out (fwd_bwd, the vector-Jacobian product of one jitted step)."""
+    def step(q, k, v, d_out, *extra):
+        if mode == "fwd":
+            return attend(q, k, v, *extra)
+        out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, *extra), q, k, v)
+        return (out, *pullback(d_out))
+    return jax.jit(step)
+
+
+def _difference(ours, other) -> float:
+    """Largest |ours - other| relative to max |other|, over every returned array."""
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(other)):
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        worst = max(worst, float(jnp.max(jnp.abs(a - b)) / jnp.maximum(jnp.max(jnp.abs(b)),
+                                                                        1e-6)))
+    return worst
+
+
+def _measure(row, name, fn, args, options, ours_out=None):
+    """Times `fn(*args)` into row[name]; returns its output. A failure becomes the entry
+    (a peer's: "unsupported"), so one broken case does not end the run."""
+    try:
+        row[name], out = time_calls(fn, args, **options.timing)
+        if ours_out is not None:
+            row[name]["max_rel_diff_vs_ours"] = _difference(ours_out, out)
+        return out
+    except Exception as error:
+        traceback.print_exc()
+        row[name] = error_entry(error, "error" if ours_out is None else "unsupported")
+        return None
+
+
+def _samples(out, shape):
+    """The sampled elements the torch peer also reports (out, dq; dk, dv at KV heads)."""
+    arrays = out if isinstance(out, tuple) else (out,)
+    return [np.asarray(x[cases.sample_positions(shape, kv=i in (2, 3))].astype(jnp.float32))
+            .tolist() for i, x in enumerate(arrays)]
+
+
+def _cudnn(variant, shape, kv_lengths=None):
+    kwargs = {"is_causal": variant.mask in ("causal", "sliding") and shape.q_len is None}
+    if variant.mask == "sliding":
+        kwargs["local_window_size"] = (variant.window - 1, 0)
+    if kv_lengths is not None:  # decode, bottom-right causal: each query sees its keys
+        kwargs["query_seq_lengths"] = jnp.ones(shape.batch, jnp.int32)
+        kwargs["key_value_seq_lengths"] = kv_lengths
+    return functools.partial(jax.nn.dot_product_attention, scale=shape.scale,
+                             implementation="cudnn", **kwargs)
+
+
+# -- forward, fwd_bwd, decode -------------------------------------------------------------
+
+def attention(options, mode: str, decode: bool = False):
+    """Ours against cuDNN (where it can express the variant) and, for decode, JAX's Pallas
+    paged_attention on a paged copy of the cache."""
+    on_gpu = jax.default_backend() == "gpu"
+    columns = [OURS, "cudnn"] + (["jax_paged"] if decode else [])
+    rows = []
+    for shape in options.shapes:
+        q, k, v, d_out = _bf16(*cases.inputs(shape))
+        for variant in options.variants:
+            if decode and shape.dv != shape.head_dim and variant.name != "noop":
+                continue  # latent attention (MLA) is measured plain: the masks cost the same
+            print(f"[{mode}] {shape.name} {variant.name}", flush=True)
+            row = {"case": f"{shape.name} {variant.name}", "params": {
+                **dataclasses.asdict(shape), "shape": shape.name, "variant": variant.name,
+                "mode": mode, "flops": cases.flops(variant, shape, mode),
+                **({"bytes": shape.kv_bytes} if decode else {})}}
+            mask_mod, score_mod = mods(variant, shape)
+            block_mask = pf.create_block_mask(mask_mod, None, None, shape.queries,
+                                              shape.seq_len)
+
+            def ours(q, k, v, block_mask):
+                return pf.flex_attention(q, k, v, score_mod, block_mask, scale=shape.scale,
+                                         backend=options.backend)
+            out = _measure(row, OURS, _step(ours, mode), (q, k, v, d_out, block_mask), options)
+            if out is not None:
+                row["samples"] = _samples(out, shape)
+            if not on_gpu:
+                row["cudnn"] = {"status": "n/a", "reason": "no GPU"}
+            elif not variant.cudnn_expressible or shape.dv != shape.head_dim:
+                row["cudnn"] = {"status": "inexpressible", "reason": "a mask or score_mod "
+                                "cuDNN has no form for, or Dv != D"}
+            else:
+                lengths = jnp.full(shape.batch, shape.seq_len, jnp.int32) if decode else None
+                _measure(row, "cudnn", _step(_cudnn(variant, shape, lengths), mode),
+                         (q, k, v, d_out), options, out)
+            if decode:
+                _jax_paged(row, variant, shape, (q, k, v), options, out)
+            rows.append(row)
+    return columns, "ms", rows
+
+
+def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_splits=16):
+    """JAX's Pallas Triton paged_attention (no ALiBi, Dv = D, S a multiple of k_splits
+    pages; it applies no softmax scale, so q is scaled first)."""
+    if variant.name not in ("noop", "causal", "softcap_30") or shape.dv != shape.head_dim \
+            or shape.seq_len % (page_size * k_splits):
+        row["jax_paged"] = {"status": "inexpressible", "reason": "ALiBi, Dv != D or a length "
+                            "that is no multiple of 16 pages"}
+        return
+    try:
+        with warnings.catch_warnings():  # the module says it is deprecated
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu import paged_attention
+    except ImportError as error:
+        row["jax_paged"] = error_entry(error, "n/a")
+        return
+    q, k, v = qkv
+    (k_pages, table, _), (v_pages, _, _) = (_shuffled_pages(x, page_size) for x in (k, v))
+    k_pages, v_pages = k_pages.transpose(1, 0, 2, 3), v_pages.transpose(1, 0, 2, 3)
+    scale = shape.scale or shape.head_dim ** -0.5
+    cap = variant.cap if variant.score == "softcap" else None
+
+    def call(q, k_pages, v_pages, table):
+        query = (q[:, 0].astype(jnp.float32) * scale).astype(q.dtype)
+        return paged_attention.paged_attention(
+            query, k_pages, v_pages, table, jnp.full(shape.batch, shape.seq_len, jnp.int32),
+            attn_logits_soft_cap=cap, k_splits=k_splits,
+            interpret=jax.default_backend() != "gpu")[:, None]
+    _measure(row, "jax_paged", jax.jit(call), (q, k_pages, v_pages, table), options, ours_out)
+
+
+def _shuffled_pages(x, page_size):
+    """x [B, S, H, D] -> pages [B * S / page_size, H, page_size, D] in a seeded random
+    physical order, the page table int32 [B, S / page_size] and each page's row."""
+    b, s, h, d = x.shape
+    table = np.random.default_rng([cases.INPUT_SEED, 5]).permutation(b * s // page_size)
+    logical = np.argsort(table)  # the logical page at each physical page
+    pages = x.reshape(-1, page_size, h, d).transpose(0, 2, 1, 3)[jnp.asarray(logical)]
+    return (pages, jnp.asarray(table.reshape(b, -1), jnp.int32),
+            jnp.asarray(logical // (s // page_size), jnp.int32))
+
+
+# -- paged, ragged, cascade ------------------------------------------------------------------
+
+def paged(options):
+    """The same call reading K/V through a page table (pages shuffled) or contiguously, in
+    paired rounds; decode (causal at the last position) and prefill (new tokens after a
+    cached history)."""
+    page_sizes = (16,) if options.quick else (16, 64, 128)
+    columns = ["contiguous"] + [f"paged_{size}" for size in page_sizes]
+    calls_ = ((("decode", 2, 1, 512, 4, 2, 64), ("prefill", 1, 128, 512, 4, 4, 64))
+              if options.quick else (("decode", 8, 1, 16384, 32, 8, 128),
+                                     ("prefill", 4, 2048, 8192, 16, 16, 128)))
+    rows = []
+    for name, batch, q_len, length, q_heads, kv_heads, dim in calls_:
+        shape = cases.Shape(name, batch, q_heads, kv_heads, length, dim, q_len=q_len)
+        q, k, v, _ = _bf16(*cases.inputs(shape))
+        block_mask = pf.create_block_mask(mods(cases.VARIANTS[1], shape)[0], None, None,
+                                          q_len, length)
+        calls = {"contiguous": (jax.jit(lambda q, k, v, m: pf.flex_attention(
+            q, k, v, block_mask=m, backend=options.backend)), (q, k, v, block_mask))}
+        for size in page_sizes:
+            (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, size) for x in (k, v))
+            cache = pf.paged.PagedKVCache(k_pages, v_pages, table, jnp.full(
+                (batch,), length, jnp.int32), owner)
+            calls[f"paged_{size}"] = (jax.jit(lambda q, c, m: pf.paged.paged_flex_attention(
+                q, c, block_mask=m, backend=options.backend)), (q, cache, block_mask))
+        print(f"[paged] {name}", flush=True)
+        row = {"case": name, "params": {"batch": batch, "q_len": q_len, "kv_len": length,
+                                        "q_heads": q_heads, "kv_heads": kv_heads,
+                                        "head_dim": dim, "bytes": shape.kv_bytes}}
+        row.update(time_paired(calls, rounds=3 if options.quick else 9))
+        ours = calls["contiguous"][0](*calls["contiguous"][1])
+        for column in columns[1:]:
+            row[column]["max_rel_diff_vs_ours"] = _difference(ours, calls[column][0](
+                *calls[column][1]))
+        rows.append(row)
+    return columns, "ms", rows
+
+
+RAGGED_MIXES = {  # name: [(past_len, new_len)] per sequence
+    "decode_64x4096": [(4096, 1)] * 64,
+    "mixed_4prefill1024_60decode4096": [(1024, 1024)] * 4 + [(4096, 1)] * 60,
+    "prefill_2x4096": [(0, 4096)] * 2,
+}
+QUICK_RAGGED_MIXES = {"tiny_mixed": [(64, 32), (200, 1), (0, 48)]}
+
+
+def ragged(options, heads=(32, 8), dim=128, block=16):
+    """The ragged mixed prefill + decode op on the Pallas kernel against its XLA loop, as a
+    server calls it: caches donated and fed back, traced checks off."""
+    if options.quick:
+        heads, dim = (4, 2), 64
+    rows = []
+    for name, seqs in (QUICK_RAGGED_MIXES if options.quick else RAGGED_MIXES).items():
+        print(f"[ragged] {name}", flush=True)
+        blocks = [-(-(past + new) // block) for past, new in seqs]
+        tokens = sum(new for _, new in seqs)
+        normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
+            [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
+             (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
+        others = dict(query=normal[0], key=normal[1], value=normal[2],
+                      past_lens=jnp.asarray([past for past, _ in seqs], jnp.int32),
+                      subsequence_begins=jnp.asarray(np.cumsum([0] + [n for _, n in seqs]),
+                                                     jnp.int32),
+                      block_indices=jnp.asarray(np.random.default_rng(0).permutation(
+                          sum(blocks)), jnp.int32),
+                      block_indices_begins=jnp.asarray(np.cumsum([0] + blocks), jnp.int32))
+        row = {"case": name, "params": {
+            "sequences": len(seqs), "new_tokens": tokens, "kernel_backend": options.backend,
+            "bytes": sum(p + n for p, n in seqs) * heads[1] * dim * 4}}
+        outs = {}
+        for column, backend in (("kernel", options.backend), ("xla_loop", "xla")):
+            step = jax.jit(lambda others, kc, vc, backend=backend: pf.paged.paged_attention(
+                **others, key_cache=kc, value_cache=vc, backend=backend),
+                donate_argnums=(1, 2))
+            caches = [jnp.copy(normal[3]), jnp.copy(normal[4])]
+
+            def call(others):
+                out, caches[0], caches[1] = step(others, *caches)
+                return out
+            with pf.paged.traced_checks(False):
+                outs[column] = _measure(row, column, call, (others,), options)
+        if all(out is not None for out in outs.values()):
+            row["xla_loop"]["max_rel_diff_vs_ours"] = _difference(outs["kernel"],
+                                                                  outs["xla_loop"])
+        rows.append(row)
+    return ["kernel", "xla_loop"], "ms", rows
+
+
+def cascade(options):
+    """`pf.cascade_attention` over a shared prefix against `pf.attention` over each
+    request's concatenated prefix + suffix (built outside the timed call)."""
+    batch, prefix, suffix, heads, dim = (4, 512, 64, (8, 2), 64) if options.quick else (
+        16, 4096, 256, (32, 8), 128)
+    q, prefix_k, prefix_v, suffix_k, suffix_v = _bf16(
+        cases.normal((batch, 1, heads[0], dim), 0), cases.normal((1, prefix, heads[1], dim), 1),
+        cases.normal((1, prefix, heads[1], dim), 2),
+        cases.normal((batch, suffix, heads[1], dim), 3),
+        cases.normal((batch, suffix, heads[1], dim), 4))
+    lengths = np.random.default_rng([cases.INPUT_SEED, 9]).integers(1, suffix + 1, batch)
+    lengths = jnp.asarray(lengths, jnp.int32).at[0].set(suffix)
+    k, v = (jnp.concatenate([jnp.broadcast_to(p, (batch, *p.shape[1:])), s], axis=1)
+            for p, s in ((prefix_k, suffix_k), (prefix_v, suffix_v)))
+    rows = []
+    for variant in ("full", "ragged"):
+        print(f"[cascade] {variant}", flush=True)
+        ragged_ = variant == "ragged"
+        row = {"case": f"b{batch}_p{prefix}_l{suffix} {variant}", "params": {
+            "batch": batch, "prefix": prefix, "suffix": suffix, "q_heads": heads[0],
+            "kv_heads": heads[1], "head_dim": dim}}
+
+        def shared(q, pk, pv, sk, sv, lengths, ragged_=ragged_):
+            mask = (lambda b, h, q_idx, kv: kv < lengths[b]) if ragged_ else None
+            return pf.cascade_attention(q, pk, pv, sk, sv, suffix_mask_mod=mask,
+                                        backend=options.backend)
+
+        def concatenated(q, k, v, lengths, ragged_=ragged_):
+            mask = (lambda b, h, q_idx, kv: kv < prefix + lengths[b]) if ragged_ else None
+            return pf.attention(q, k, v, mask_mod=mask, backend=options.backend)
+        out = _measure(row, "cascade", jax.jit(shared),
+                       (q, prefix_k, prefix_v, suffix_k, suffix_v, lengths), options)
+        _measure(row, "concatenated", jax.jit(concatenated), (q, k, v, lengths), options, out)
+        rows.append(row)
+    return ["cascade", "concatenated"], "ms", rows
+
+
+# -- memory, BlockMask creation, compile time ---------------------------------------------------
+
+def memory(options):
+    """Peak device memory of one causal fwd+bwd step (compiled ahead, run once between two
+    reads of the allocator's statistics; lengths ascending, so each step sets the process's
+    peak: `peak_exact`), then its time. Flat bytes per token: memory linear in S."""
+    lengths, heads, dim = ((256, 512), 2, 64) if options.quick else (
+        (16384, 32768, 65536), 16, 128)
+    device = jax.devices()[0]
+    rows = []
+    for length in lengths:
+        print(f"[memory] S={length}", flush=True)
+        shape = cases.Shape(f"s{length}", 1, heads, heads, length, dim)
+        args = [jax.device_put(np.asarray(x, jnp.bfloat16)) for x in cases.inputs(shape)]
+        args.append(pf.create_block_mask(pf.masks.causal_mask, None, None, length, length))
+        step = _step(lambda q, k, v, m: pf.flex_attention(
+            q, k, v, block_mask=m, backend=options.backend), "fwd_bwd").lower(*args).compile()
+        before = device.memory_stats() or {}
+        jax.block_until_ready(step(*args))
+        after = device.memory_stats() or {}
+        entry = time_calls(step, args, iters=1, repeats=3)[0]  # outputs freed now
+        if "peak_bytes_in_use" in after:
+            entry["peak_mib"] = after["peak_bytes_in_use"] / 2 ** 20
+            entry["peak_exact"] = after["peak_bytes_in_use"] > before.get("peak_bytes_in_use", 0)
+            entry["peak_kib_per_token"] = after["peak_bytes_in_use"] / 1024 / length
+        else:
+            entry.update(status="n/a", reason="this device reports no memory statistics")
+        rows.append({"case": f"S={length}", "params": {
+            "batch": 1, "heads": heads, "head_dim": dim, "seq_len": length,
+            "input_mib": 4 * args[0].nbytes / 2 ** 20}, OURS: entry})
+        del args
+    return [OURS], "peak_mib", rows
+
+
+def block_mask(options):
+    """Building a causal document BlockMask (12 documents, 128-blocks), compiled, median of
+    5 builds after a warm-up."""
+    rows = []
+    for length in (2048, 4096) if options.quick else (16384, 65536, 131072):
+        ids = jnp.asarray(cases.document_ids(length, 12))
+        mask_mod = pf.and_masks(pf.masks.causal_mask, pf.masks.document_mask(ids))
+        build = functools.partial(pf.create_block_mask, mask_mod, None, None, length, length)
+        jax.block_until_ready(build().kv_indices)
+        seconds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            jax.block_until_ready(build().kv_indices)
+            seconds.append(time.perf_counter() - start)
+        rows.append({"case": f"S={length}", "params": {"seq_len": length, "documents": 12},
+                     OURS: {"ms": statistics.median(seconds) * 1e3,
+                            "sparsity_percent": float(build().sparsity())}})
+    return [OURS, "torch_flex"], "ms", rows
+
+
+def compile_time(options):
+    """First-call seconds (trace, lower, compile, one run) of a new causal shape per head
+    dim and dtype: forward, forward+backward, and decode (one query on the same keys)."""
+    jax.block_until_ready(jax.jit(lambda x: x + 1)(jnp.zeros(8)))  # the process's first jit
+    rows = []
+    for dim in (64,) if options.quick else (64, 128, 256):
+        for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+            length = (128 if options.quick else 1024) + dim  # a new shape per row
+            shape = cases.Shape("compile", 1, 8, 8, length, dim)
+            q, k, v, d_out = (jnp.asarray(x, dtype) for x in cases.inputs(shape))
+
+            def forward(q, k, v):
+                return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
+                                    backend=options.backend)
+            row = {"case": f"D{dim} {jnp.dtype(dtype).name}",
+                   "params": {"head_dim": dim, "dtype": jnp.dtype(dtype).name,
+                              "seq_len": length}}
+            for column, fn, args in (
+                    ("forward", forward, (q, k, v)),
+                    ("fwd_bwd", lambda q, k, v: jax.vjp(forward, q, k, v)[1](d_out), (q, k, v)),
+                    ("decode", lambda q, k, v: pf.attention(q, k, v, backend=options.backend),
+                     (q[:, :1], k, v))):
+                start = time.perf_counter()
+                jax.block_until_ready(jax.jit(fn)(*args))
+                row[column] = {"s": time.perf_counter() - start}
+            print(row, flush=True)
+            rows.append(row)
+    return ["forward", "fwd_bwd", "decode"], "s", rows
+
+
+SUITES = {
+    "forward": lambda options: attention(options, "fwd"),
+    "fwd_bwd": lambda options: attention(options, "fwd_bwd"),
+    "decode": lambda options: attention(options, "fwd", decode=True),
+    "paged": paged, "ragged": ragged, "cascade": cascade, "memory": memory,
+    "block_mask": block_mask, "compile": compile_time,
+}

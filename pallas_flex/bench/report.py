@@ -1,0 +1,186 @@
+"""Markdown (and a plot) from the results files, so no figure is typed by hand.
+
+    pallas-flex bench report [--results benchmarks/results] [--readme README.md] [--check]
+
+writes `<results>/README.md` (every suite of every GPU) and the table between
+`<!-- performance-table:start -->` and `<!-- performance-table:end -->` in the README;
+`--check` only says whether both are up to date (tests/test_bench.py runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+START, END = "<!-- performance-table:start -->", "<!-- performance-table:end -->"
+MAIN_GPU, MAIN_SHAPE = "h100", "b4_s4096_d128"
+UNITS = {"ms": "ms", "s": "s", "peak_mib": "MiB"}
+
+
+def load(results_dir) -> list[dict]:
+    """Every `<gpu>/<suite>.json` under results_dir, each with its `gpu` and `path`."""
+    results = []
+    for path in sorted(Path(results_dir).glob("*/*.json")):
+        result = json.loads(path.read_text())
+        results.append({**result, "gpu": path.parent.name, "path": str(path)})
+    return results
+
+
+def value(entry, metric):
+    return entry.get(metric) if isinstance(entry, dict) else None
+
+
+def _number(x) -> str:
+    return "–" if x is None else f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+
+
+def _cell(entry, metric) -> str:
+    if value(entry, metric) is not None:
+        return _number(value(entry, metric))
+    status = (entry or {}).get("status", "–")
+    return "–" if status == "inexpressible" else status
+
+
+def ratio(row, column, ours, metric):
+    a, b = value(row.get(column), metric), value(row.get(ours), metric)
+    return a / b if a is not None and b else None
+
+
+def table(result: dict) -> list[str]:
+    """One results file as a Markdown table: each column's value, then, for timings, each
+    peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s."""
+    columns, metric = result["columns"], result["metric"]
+    ours, peers = columns[0], columns[1:]
+    ratios = metric == "ms" and peers
+    rows = result["rows"]
+    rate = next((key for key in ("bytes", "flops") if metric == "ms" and rows
+                 and key in rows[0]["params"]), None)
+    header = ["case"] + [f"{c} ({UNITS[metric]})" for c in columns]
+    header += [f"{c} / {ours}" for c in peers] if ratios else []
+    header += [{"flops": "TFLOP/s", "bytes": "TB/s"}[rate]] if rate else []
+    lines = [f"### {result['suite']} — {result['device']}",
+             "", f"{result['date']}, commit {result.get('git_commit')}, "
+             + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+             + f"; `{'`, `'.join(result['commands'])}`", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    notes = []
+    for row in rows:
+        cells = [row["case"]] + [_cell(row.get(c), metric) for c in columns]
+        if ratios:
+            cells += [_number(ratio(row, c, ours, metric)) + ("×" if ratio(row, c, ours, metric)
+                                                              else "") for c in peers]
+        if rate:
+            ms = value(row.get(ours), metric)
+            cells.append(_number(row["params"][rate] / ms / 1e9 if ms else None))
+        lines.append("| " + " | ".join(cells) + " |")
+        notes += [f"- {row['case']}, {c}: {row[c]['reason'][:200]}" for c in columns
+                  if isinstance(row.get(c), dict) and row[c].get("status") in
+                  ("error", "unsupported", "timeout")]
+    return lines + ([""] + notes if notes else [])
+
+
+def geomean(values):
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def readme_table(results: list[dict]) -> list[str]:
+    """README's table: forward and forward+backward at B4 H16 S4096 D128 on the main GPU."""
+    on_main = [r for r in results if r["gpu"] == MAIN_GPU] or results
+    if not on_main:
+        return ["No results yet: `pallas-flex bench all` on a GPU, then "
+                "`pallas-flex bench report`."]
+    by_suite = {r["suite"]: r for r in on_main}
+    lines = [f"{on_main[0]['device']}, bf16; time of a peer / time of pallas_flex "
+             "(> 1: pallas_flex is faster); – : the peer cannot express it.", ""]
+    modes = [by_suite[s] for s in ("forward", "fwd_bwd") if s in by_suite]
+    if modes:
+        lines += ["| B4 H16 S4096 D128 | " + " | ".join(
+            f"{m['suite']} ms | torch / ours | cuDNN / ours" for m in modes) + " |",
+                  "|---|" + "---|---|---|" * len(modes)]
+        rows = {m["suite"]: {r["params"]["variant"]: r for r in m["rows"]
+                             if r["params"].get("shape") == MAIN_SHAPE} for m in modes}
+        for variant in dict.fromkeys(v for m in rows.values() for v in m):
+            cells = [variant]
+            for m in modes:
+                row = rows[m["suite"]].get(variant, {})
+                cells += [_cell(row.get("pallas_flex"), "ms")] + [
+                    _number(ratio(row, c, "pallas_flex", "ms")) for c in ("torch_flex", "cudnn")]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def results_readme(results: list[dict]) -> str:
+    parts = ["# Benchmark results", "",
+             "Generated by `pallas-flex bench report` from the JSON files beside it (one per "
+             "GPU and suite: the latest run, with device, versions, date and command). Do not "
+             "edit by hand. Entries: the median of timed loops (ms), first-call seconds (s) or "
+             "the peak device memory (MiB); a peer's `– ` means it cannot express the case.", ""]
+    parts += ["| GPU | suite | cases | peer / ours (geometric mean over the cases both ran) |",
+              "|---|---|---|---|"]
+    for result in results:
+        ours = result["columns"][0]
+        means = [f"{c} {_number(geomean(ratio(r, c, ours, 'ms') for r in result['rows']))}×"
+                 for c in result["columns"][1:] if result["metric"] == "ms"]
+        parts.append(f"| {result['gpu']} | {result['suite']} | {len(result['rows'])} | "
+                     f"{', '.join(means) or '(no peer: see its table)'} |")
+    parts.append("")
+    for result in results:
+        parts += table(result) + [""]
+    return "\n".join(parts)
+
+
+def with_readme_table(readme: str, results: list[dict]) -> str:
+    if START not in readme or END not in readme:
+        raise ValueError(f"the README has no {START} ... {END} block")
+    head, rest = readme.split(START, 1)
+    return head + START + "\n" + "\n".join(readme_table(results)) + "\n" + END + \
+        rest.split(END, 1)[1]
+
+
+def plot(results: list[dict], path=None):
+    """Bars of ours and each peer per case, one panel per timed suite of the main GPU."""
+    import matplotlib.pyplot as plt
+
+    gpu = MAIN_GPU if any(r["gpu"] == MAIN_GPU for r in results) else results[0]["gpu"]
+    timed = [r for r in results if r["gpu"] == gpu and r["metric"] == "ms"]
+    figure, axes = plt.subplots(len(timed), 1, figsize=(12, 3.2 * len(timed)), squeeze=False)
+    for ax, result in zip(axes[:, 0], timed):
+        width, rows = 0.8 / len(result["columns"]), result["rows"]
+        for i, column in enumerate(result["columns"]):
+            ax.bar([j + i * width for j in range(len(rows))],
+                   [value(row.get(column), "ms") or 0 for row in rows], width, label=column)
+        ax.set_xticks(range(len(rows)), [r["case"] for r in rows], rotation=30, ha="right",
+                      fontsize=7)
+        ax.set(ylabel="ms", title=f"{result['suite']} ({result['device']})")
+        ax.legend(fontsize=7)
+    figure.tight_layout()
+    if path:
+        figure.savefig(path, dpi=110)
+    return figure
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="pallas-flex bench report", description=__doc__)
+    parser.add_argument("--results", default="benchmarks/results")
+    parser.add_argument("--readme", default="README.md")
+    parser.add_argument("--plot", help="also save a plot of the main GPU's timings here")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 if the generated files differ from what is there")
+    args = parser.parse_args(argv)
+    results = load(args.results)
+    readme = Path(args.readme)
+    targets = {Path(args.results) / "README.md": results_readme(results),
+               readme: with_readme_table(readme.read_text(), results)}
+    stale = [str(p) for p, text in targets.items() if not p.exists() or p.read_text() != text]
+    if args.check:
+        print("out of date: " + ", ".join(stale) if stale else "up to date")
+        return 1 if stale else 0
+    for path, text in targets.items():
+        path.write_text(text)
+    if args.plot:
+        plot(results, args.plot)
+    print(f"wrote {', '.join(map(str, targets))} from {len(results)} results files")
+    return 0

@@ -1,0 +1,171 @@
+"""The benchmark harness (pallas_flex/bench): its cases, its tables, the README's
+performance table against the committed results, and `pallas-flex bench --quick` from a
+plain install of the package."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_flex.bench import cases, cli, jax_suites, report
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("shape", [cases.Shape("s", 1, 4, 2, 300, 32),
+                                   cases.Shape("decode", 1, 4, 2, 300, 32, q_len=1),
+                                   cases.Shape("few", 1, 4, 2, 300, 32, q_len=37)],
+                         ids=lambda shape: shape.name)
+@pytest.mark.parametrize("variant", cases.VARIANTS, ids=lambda variant: variant.name)
+def test_analytic_densities_match_the_mods(shape, variant):
+    """The FLOP count's exact per-row key counts equal the mask_mod evaluated element by
+    element (queries at the end of the keys), for the mods the suites time."""
+    variant = cases.Variant(variant.name, variant.mask, variant.score, window=50,
+                            prefix=70, documents=5)
+    mask_mod, _ = jax_suites.mods(variant, shape)
+    q = jnp.arange(shape.queries)[:, None]
+    kv = jnp.arange(shape.seq_len)[None, :]
+    dense = (np.ones((shape.queries, shape.seq_len), bool) if mask_mod is None
+             else np.asarray(jax.vmap(jax.vmap(mask_mod, (None, None, None, 0)),
+                                      (None, None, 0, None))(0, 0, q[:, 0], kv[0])))
+    np.testing.assert_array_equal(dense.sum(axis=1), cases.allowed_keys(variant, shape))
+    expected = 4.0 * shape.q_heads * shape.head_dim * dense.sum()
+    assert cases.flops(variant, shape, "fwd") == pytest.approx(expected)
+    assert cases.flops(variant, shape, "fwd_bwd") == pytest.approx(3.5 * expected)
+
+
+def test_alibi_slopes_are_the_standard_ones():
+    np.testing.assert_allclose(cases.alibi_slopes(8), [2.0 ** -(h + 1) for h in range(8)])
+    assert len(cases.alibi_slopes(12)) == 12
+
+
+def test_gpu_names():
+    assert cli.gpu_name("NVIDIA H100 80GB HBM3") == "h100"
+    assert cli.gpu_name("NVIDIA A100-SXM4-80GB") == "a100"
+    assert cli.gpu_name("Tesla T4") == "t4"
+    assert cli.gpu_name("cpu") == "cpu"
+
+
+def _result(rows, **extra):
+    return {"suite": "forward", "device": "NVIDIA H100 80GB HBM3", "metric": "ms",
+            "columns": ["pallas_flex", "cudnn", "torch_flex"], "date": "2026-11-24",
+            "git_commit": "abc", "versions": {"jax": "0.11.2"}, "commands": ["x"],
+            "rows": rows, **extra}
+
+
+def _row(variant, ours, cudnn, torch, shape="b4_s4096_d128"):
+    return {"case": f"{shape} {variant}", "params": {"shape": shape, "variant": variant,
+                                                     "flops": 2e9},
+            "pallas_flex": {"ms": ours}, "cudnn": cudnn if isinstance(cudnn, dict) else
+            {"ms": cudnn}, "torch_flex": {"ms": torch}}
+
+
+def test_a_table_gives_values_ratios_statuses_and_failures():
+    result = _result([_row("causal", 2.0, 3.0, 5.0),
+                      _row("alibi", 4.0, {"status": "inexpressible", "reason": "r"}, 2.0),
+                      _row("softcap", 1.0, {"status": "unsupported", "reason": "boom"}, 1.0)])
+    lines = report.table(result)
+    assert "| b4_s4096_d128 causal | 2 | 3 | 5 | 1.5× | 2.5× | 1 |" in lines
+    assert "| b4_s4096_d128 alibi | 4 | – | 2 | – | 0.5× | 0.5 |" in lines
+    assert "| b4_s4096_d128 softcap | 1 | unsupported | 1 | – | 1× | 2 |" in lines
+    assert "- b4_s4096_d128 softcap, cudnn: boom" in lines
+
+
+def test_write_keeps_the_other_cases_of_a_suite_run_in_parts(tmp_path):
+    first = _result([_row("causal", 2.0, 3.0, 5.0), _row("alibi", 4.0, 3.0, 2.0)],
+                    commands=["first"])
+    cli.write(tmp_path, first)
+    path = cli.write(tmp_path, _result([_row("alibi", 1.0, 1.0, 1.0)], commands=["second"]))
+    assert path == tmp_path / "h100" / "forward.json"
+    written = json.loads(path.read_text())
+    assert [(row["case"], row["pallas_flex"]["ms"]) for row in written["rows"]] == [
+        ("b4_s4096_d128 causal", 2.0), ("b4_s4096_d128 alibi", 1.0)]
+    assert written["commands"] == ["first", "second"]
+
+
+def test_the_readme_table_is_generated_into_its_markers(tmp_path):
+    (tmp_path / "h100").mkdir()
+    result = _result([_row("causal", 2.0, 3.0, 5.0), _row("causal", 9.0, 9.0, 9.0, "other")])
+    (tmp_path / "h100" / "forward.json").write_text(json.dumps(result))
+    readme = f"intro\n{report.START}\nstale\n{report.END}\nrest\n"
+    text = report.with_readme_table(readme, report.load(tmp_path))
+    assert text.startswith("intro\n") and text.endswith(f"{report.END}\nrest\n")
+    assert "stale" not in text
+    assert "| causal | 2 | 2.5 | 1.5 |" in text  # the main shape only
+    summary = report.results_readme(report.load(tmp_path))
+    assert "| h100 | forward | 2 | cudnn 1.22×, torch_flex 1.58× |" in summary
+    with pytest.raises(ValueError, match="performance-table"):
+        report.with_readme_table("no markers", [])
+
+
+def test_the_committed_tables_match_the_committed_results(monkeypatch, capsys):
+    """README.md's performance table and benchmarks/results/README.md are what
+    `pallas-flex bench report` makes of the results files: no figure typed by hand."""
+    monkeypatch.chdir(REPO_ROOT)
+    assert report.main(["--check"]) == 0, capsys.readouterr().out
+    results = report.load(REPO_ROOT / "benchmarks" / "results")
+    assert {r["suite"] for r in results if r["gpu"] == "h100"} == set(cli.SUITES)
+    for result in results:
+        for key in ("device", "date", "versions", "commands", "columns", "metric", "rows"):
+            assert result[key], (result["path"], key)
+
+
+def test_quick_runs_a_suite_end_to_end(tmp_path):
+    """The CLI as a user runs it: a JAX process per suite, the torch peer reported as not
+    run (no GPU), a results file under <out>/cpu/."""
+    assert cli.main(["cascade", "--quick", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "cpu" / "cascade.json").read_text())
+    assert [row["case"] for row in written["rows"]] == ["b4_p512_l64 full",
+                                                        "b4_p512_l64 ragged"]
+    for row in written["rows"]:
+        assert row["cascade"]["ms"] > 0
+        assert row["concatenated"]["max_rel_diff_vs_ours"] < 2e-2
+
+
+def test_bench_quick_works_from_a_plain_install(tmp_path):
+    """`pallas-flex bench --quick` from a wheel installed into a fresh virtualenv, run
+    outside the checkout (its dependencies borrowed from this environment)."""
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
+    shutil.copytree(REPO_ROOT / "pallas_flex", source / "pallas_flex",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w",
+                            str(tmp_path / "dist"), str(source)], capture_output=True,
+                           text=True, timeout=300)
+    if build.returncode and "No matching distribution found for setuptools" in build.stderr:
+        pytest.skip("pip cannot reach setuptools to build with (no index here)")
+    assert build.returncode == 0, build.stderr
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    subprocess.run([venv / "bin" / "python", "-m", "pip", "install", "-q", "--no-deps",
+                    str(wheel)], check=True, timeout=300)
+    site_packages = subprocess.run(
+        [venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+        capture_output=True, text=True, check=True).stdout.strip()
+    # jax, numpy, ... from this environment; the path itself, not its .pth files, so the
+    # checkout's editable install stays out.
+    (Path(site_packages) / "borrowed.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    where = subprocess.run([venv / "bin" / "python", "-c",
+                            "import pallas_flex; print(pallas_flex.__file__)"], cwd=work,
+                           capture_output=True, text=True, check=True).stdout
+    assert where.startswith(site_packages), where
+    run = subprocess.run([venv / "bin" / "pallas-flex", "bench", "--quick"], cwd=work,
+                         capture_output=True, text=True, timeout=600,
+                         env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "| tiny_gqa causal |" in run.stdout
+    assert not list(work.iterdir())  # --quick writes no results file
