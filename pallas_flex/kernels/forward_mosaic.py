@@ -44,7 +44,6 @@ from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument,
     split_captured_refs)
-from pallas_flex.scores.softcap import tanh_with_exp2
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
@@ -68,13 +67,18 @@ _MAX_GRID_AXIS = 65535
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
 _GRID_AXES = ("heads", "q_seq", "batch")
-# tanh.approx.f32 (what Mosaic GPU's approximate math makes of tanh) is good to ~5e-4
-# relative: a 30-cap soft-cap would move logits by up to 0.015. The exp2 form is good to
-# 2.5e-7 and uses the same fast exp2 as the softmax.
+# tanh runs as tanh.approx.f32 (what `approx_math=True` makes of it): one transcendental
+# instruction, where the exact form (`softcap.tanh_with_exp2`: an exp2 and a division)
+# costs two, and the softmax's exp2 already keeps that unit busy. Causal + soft-cap 30 at
+# B4 H16 S4096 D128 bf16 on the H100: 0.573 ms against 0.870 (causal alone 0.491,
+# tokamax's soft-cap 0.553). Its relative error (about 2**-11, PTX ISA) moves a capped
+# logit by at most cap * 4.9e-4 (0.015 at cap 30); the largest output error against
+# float64 at B1 H4 S2048 D128 causal stayed the bf16 rounding's (7.6e-3 with either form),
+# and tests/kernels/test_forward_mosaic.py bounds it with scores driven into saturation.
+# The kernel takes 16-bit inputs only; float32 runs on the Triton kernel (exact tanh).
 # Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
 # ("Register bitwidth ... must be divisible by 8"): xor with True says the same.
 _PRIMITIVE_OVERRIDES = {
-    "tanh": tanh_with_exp2,
     "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
 }
 

@@ -138,8 +138,7 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     and doubled the softmax's per-element cost on ALiBi).
 
     primitive_overrides: {primitive name: function of the broadcast operands} replacing
-    a primitive's own rule (the Mosaic GPU kernel swaps its approximate tanh for an
-    accurate one).
+    a primitive's own rule (the Mosaic GPU kernel's `not` on bool tiles).
     broadcast: how operands of different shapes meet (the Mosaic GPU kernel's index
     vectors are 1-D, in register layouts that broadcast along one tile axis each).
     captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis)} replacing those
