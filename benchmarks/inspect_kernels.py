@@ -21,6 +21,8 @@ import sys
 
 
 def lower(args) -> None:
+    """The forward and backward kernels of a B4 call, or with --page-size those of
+    `paged_flex_attention` on pages of that many rows (the last q_len of seq_len tokens)."""
     import jax
     import jax.numpy as jnp
 
@@ -29,72 +31,49 @@ def lower(args) -> None:
     from pallas_flex.kernels import backward, forward
     from pallas_flex.kernels.config import resolve_options
     from pallas_flex.masks.mod_program import SCORE, make_mod_program
+    from pallas_flex.paged.cache import PagedKVCache
 
     options = resolve_options(json.loads(args.options), args.head_dim, args.dtype)
-    if args.page_size:
-        lower_paged(args, options)
-        return
-    batch, length, dim = 4, args.seq_len, args.head_dim
-    kv_heads = args.kv_heads or args.q_heads
-    dtype = jnp.dtype(args.dtype)
-    q_shape = jax.ShapeDtypeStruct((batch, length, args.q_heads, dim), dtype)
-    kv_shape = jax.ShapeDtypeStruct((batch, length, kv_heads, dim), dtype)
-    lse_shape = jax.ShapeDtypeStruct((batch, args.q_heads, length), jnp.float32)
-    mask_mod = None if args.variant == "noop" else masks.causal_mask
+    batch, length, dim, size = 4, args.seq_len, args.head_dim, args.page_size
+    kv_heads, dtype = args.kv_heads or args.q_heads, jnp.dtype(args.dtype)
+    shape = lambda *dims, dtype=dtype: jax.ShapeDtypeStruct(dims, dtype)  # noqa: E731
     score_mod = {"alibi": masks.alibi(args.q_heads), "softcap": masks.tanh_softcap(30.0)
                  }.get(args.variant)
+    if size:
+        q_len = args.q_len or min(2048, length)
+        pages = batch * (-(-length // size))
+        cache = PagedKVCache(shape(pages, kv_heads, size, dim), shape(pages, kv_heads, size, dim),
+                             shape(batch, pages // batch, dtype=jnp.int32),
+                             shape(batch, dtype=jnp.int32), shape(pages, dtype=jnp.int32))
+        block_mask = pf.create_block_mask(masks.offset(masks.causal_mask, length - q_len),
+                                          None, None, q_len, length)
+        run = lambda q, cache: pf.paged.paged_flex_attention(  # noqa: E731
+            q, cache, block_mask=block_mask, score_mod=score_mod, backend="pallas",
+            kernel_options=options)
+        _write_ttir(args, [(run, (shape(batch, q_len, args.q_heads, dim), cache))],
+                    suffix=f"{args.variant}_page{size}")
+        return
+    q_shape, kv_shape = shape(batch, length, args.q_heads, dim), shape(batch, length,
+                                                                        kv_heads, dim)
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
-    block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
-    scale = dim ** -0.5
+    block_mask = pf.create_block_mask(None if args.variant == "noop" else masks.causal_mask,
+                                      None, None, length, length)
 
     def run_forward(q, k, v):
-        return forward.flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
-                                              options=options, interpret=False)
+        return forward.flex_attention_forward(q, k, v, block_mask, score_program,
+                                              scale=dim ** -0.5, options=options,
+                                              interpret=False)
 
     def run_backward(q, k, v, out, lse, d_out):
         return backward.flex_attention_backward(
-            q, k, v, out, lse, d_out, None, block_mask, score_program, scale=scale,
+            q, k, v, out, lse, d_out, None, block_mask, score_program, scale=dim ** -0.5,
             options=options, interpret=False, wanted_const_grads=[False] * len(
                 score_program.consts) if score_program is not None else None)
 
     _write_ttir(args, [(run_forward, (q_shape, kv_shape, kv_shape)),
-                       (run_backward, (q_shape, kv_shape, kv_shape, q_shape, lse_shape,
+                       (run_backward, (q_shape, kv_shape, kv_shape, q_shape,
+                                       shape(batch, args.q_heads, length, dtype=jnp.float32),
                                        q_shape))], suffix=args.variant)
-
-
-def lower_paged(args, options) -> None:
-    """The kernels of `paged_flex_attention` on a cache of args.page_size-row pages:
-    queries are the last q_len positions of seq_len-token rows (causal, or the variant's
-    mods), pages [B * seq_len / page_size, Hkv, page_size, D]."""
-    import jax
-    import jax.numpy as jnp
-
-    import pallas_flex as pf
-    from pallas_flex import masks
-    from pallas_flex.paged.cache import PagedKVCache
-    from pallas_flex.paged.flex_attention import paged_flex_attention
-
-    batch, length, dim, page_size = 4, args.seq_len, args.head_dim, args.page_size
-    q_len = args.q_len or min(2048, length)
-    kv_heads = args.kv_heads or args.q_heads
-    num_pages = batch * (-(-length // page_size))
-    pages = jax.ShapeDtypeStruct((num_pages, kv_heads, page_size, dim), jnp.bfloat16)
-    cache = PagedKVCache(
-        k_pages=pages, v_pages=pages,
-        page_table=jax.ShapeDtypeStruct((batch, num_pages // batch), jnp.int32),
-        lengths=jax.ShapeDtypeStruct((batch,), jnp.int32),
-        page_owner=jax.ShapeDtypeStruct((num_pages,), jnp.int32))
-    q_shape = jax.ShapeDtypeStruct((batch, q_len, args.q_heads, dim), jnp.bfloat16)
-    mask_mod = masks.offset(masks.causal_mask, length - q_len)
-    score_mod = {"alibi": masks.alibi(args.q_heads), "softcap": masks.tanh_softcap(30.0)
-                 }.get(args.variant)
-    block_mask = pf.create_block_mask(mask_mod, None, None, q_len, length)
-
-    def run(q, cache):
-        return paged_flex_attention(q, cache, block_mask=block_mask, score_mod=score_mod,
-                                    backend="pallas", kernel_options=options)
-
-    _write_ttir(args, [(run, (q_shape, cache))], suffix=f"{args.variant}_page{page_size}")
 
 
 def _write_ttir(args, functions, *, suffix: str) -> None:

@@ -22,8 +22,8 @@ from pallas_flex.bench import cases, report
 SUITES = ("forward", "fwd_bwd", "decode", "paged", "ragged", "cascade", "memory",
           "block_mask", "compile")
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
-PEERS = {"forward": "cuDNN, PyTorch FlexAttention", "fwd_bwd": "cuDNN, "
-         "PyTorch FlexAttention", "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas "
+PEERS = {"forward": "cuDNN, tokamax (Mosaic GPU), PyTorch FlexAttention", "fwd_bwd": "cuDNN, "
+         "tokamax, PyTorch FlexAttention", "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas "
          "paged_attention", "paged": "the same call on a contiguous cache", "ragged": "the "
          "op's XLA loop", "cascade": "pf.attention over concatenated caches", "memory": "-",
          "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)"}

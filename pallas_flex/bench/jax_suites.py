@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import statistics
 import time
 import traceback
 import warnings
@@ -109,10 +108,10 @@ def _cudnn(variant, shape, kv_lengths=None):
 # -- forward, fwd_bwd, decode -------------------------------------------------------------
 
 def attention(options, mode: str, decode: bool = False):
-    """Ours against cuDNN (where it can express the variant) and, for decode, JAX's Pallas
-    paged_attention on a paged copy of the cache."""
+    """Ours against cuDNN and tokamax's Mosaic GPU kernel (where they can express the
+    variant) or, for decode, cuDNN and JAX's Pallas paged_attention on a paged cache."""
     on_gpu = jax.default_backend() == "gpu"
-    columns = [OURS, "cudnn"] + (["jax_paged"] if decode else [])
+    columns = [OURS, "cudnn"] + (["jax_paged"] if decode else ["tokamax"])
     rows = []
     for shape in options.shapes:
         q, k, v, d_out = _bf16(*cases.inputs(shape))
@@ -145,8 +144,31 @@ def attention(options, mode: str, decode: bool = False):
                          (q, k, v, d_out), options, out)
             if decode:
                 _jax_paged(row, variant, shape, (q, k, v), options, out)
+            else:
+                _tokamax(row, variant, shape, (q, k, v, d_out), mode, options, out)
             rows.append(row)
     return columns, "ms", rows
+
+
+def _tokamax(row, variant, shape, args, mode, options, ours_out):
+    """tokamax's Mosaic GPU attention (causal, windows, soft-cap; optional: pip install)."""
+    if variant.mask not in ("none", "causal", "sliding") or variant.score == "alibi":
+        row["tokamax"] = {"status": "inexpressible", "reason": "no such mask or score"}
+    elif jax.default_backend() != "gpu":
+        row["tokamax"] = {"status": "n/a", "reason": "no GPU"}
+    if "tokamax" in row:
+        return
+    try:
+        import tokamax
+    except ImportError as error:
+        row["tokamax"] = error_entry(error, "n/a")
+        return
+    attend = functools.partial(
+        tokamax.dot_product_attention, scale=shape.scale, is_causal=variant.mask != "none",
+        local_window_size=(variant.window - 1, 0) if variant.mask == "sliding" else None,
+        logits_soft_cap=variant.cap if variant.score == "softcap" else None,
+        implementation="mosaic")
+    _measure(row, "tokamax", _step(attend, mode), args, options, ours_out)
 
 
 def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_splits=16):
@@ -350,22 +372,15 @@ def memory(options):
 
 
 def block_mask(options):
-    """Building a causal document BlockMask (12 documents, 128-blocks), compiled, median of
-    5 builds after a warm-up."""
+    """Building a causal document BlockMask (12 documents, 128-blocks): median of 5."""
     rows = []
     for length in (2048, 4096) if options.quick else (16384, 65536, 131072):
         ids = jnp.asarray(cases.document_ids(length, 12))
         mask_mod = pf.and_masks(pf.masks.causal_mask, pf.masks.document_mask(ids))
         build = functools.partial(pf.create_block_mask, mask_mod, None, None, length, length)
-        jax.block_until_ready(build().kv_indices)
-        seconds = []
-        for _ in range(5):
-            start = time.perf_counter()
-            jax.block_until_ready(build().kv_indices)
-            seconds.append(time.perf_counter() - start)
+        entry = time_calls(lambda: build().kv_indices, (), iters=1, repeats=5)[0]
         rows.append({"case": f"S={length}", "params": {"seq_len": length, "documents": 12},
-                     OURS: {"ms": statistics.median(seconds) * 1e3,
-                            "sparsity_percent": float(build().sparsity())}})
+                     OURS: {**entry, "sparsity_percent": float(build().sparsity())}})
     return [OURS, "torch_flex"], "ms", rows
 
 

@@ -98,8 +98,8 @@ def readme_table(results: list[dict]) -> list[str]:
     modes = [by_suite[s] for s in ("forward", "fwd_bwd") if s in by_suite]
     if modes:
         lines += ["| B4 H16 S4096 D128 | " + " | ".join(
-            f"{m['suite']} ms | torch / ours | cuDNN / ours" for m in modes) + " |",
-                  "|---|" + "---|---|---|" * len(modes)]
+            f"{m['suite']} ms | torch / ours | cuDNN / ours | tokamax / ours" for m in modes)
+                  + " |", "|---|" + "---|---|---|---|" * len(modes)]
         rows = {m["suite"]: {r["params"]["variant"]: r for r in m["rows"]
                              if r["params"].get("shape") == MAIN_SHAPE} for m in modes}
         for variant in dict.fromkeys(v for m in rows.values() for v in m):
@@ -107,7 +107,8 @@ def readme_table(results: list[dict]) -> list[str]:
             for m in modes:
                 row = rows[m["suite"]].get(variant, {})
                 cells += [_cell(row.get("pallas_flex"), "ms")] + [
-                    _number(ratio(row, c, "pallas_flex", "ms")) for c in ("torch_flex", "cudnn")]
+                    _number(ratio(row, c, "pallas_flex", "ms"))
+                    for c in ("torch_flex", "cudnn", "tokamax")]
             lines.append("| " + " | ".join(cells) + " |")
     return lines
 
