@@ -350,9 +350,8 @@ def main(argv=None) -> None:
     lower_parser.add_argument("--out-dir", default="/tmp/ttir")
     lower_parser.add_argument("--page-size", type=int, default=0,
                               help="lower paged_flex_attention on pages of this many rows")
-    lower_parser.add_argument("--q-len", type=int, default=0,
-                              help="with --page-size: new tokens (1 = the decode kernel; "
-                                   "0 = min(2048, seq-len))")
+    lower_parser.add_argument("--q-len", type=int, default=0, help="with --page-size: new "
+                              "tokens (1: the decode kernel; 0: min(2048, seq-len))")
     compile_parser = commands.add_parser("compile", help="compile TTIR files (pip triton)")
     compile_parser.add_argument("files", nargs="+")
     compile_parser.add_argument("--arch", type=int, default=90, help="compute capability")

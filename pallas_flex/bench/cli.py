@@ -19,14 +19,15 @@ from pathlib import Path
 
 from pallas_flex.bench import cases, report
 
-SUITES = ("forward", "fwd_bwd", "decode", "paged", "ragged", "cascade", "memory",
-          "block_mask", "compile")
+SUITES = {  # each suite and what it is compared with
+    "forward": "cuDNN, tokamax (Mosaic GPU), PyTorch FlexAttention",
+    "fwd_bwd": "cuDNN, tokamax, PyTorch FlexAttention",
+    "score_mods": "the same causal call without the mod",
+    "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas paged_attention",
+    "paged": "the same call on a contiguous cache", "ragged": "the op's XLA loop",
+    "cascade": "pf.attention over concatenated caches", "memory": "-",
+    "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)"}
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
-PEERS = {"forward": "cuDNN, tokamax (Mosaic GPU), PyTorch FlexAttention", "fwd_bwd": "cuDNN, "
-         "tokamax, PyTorch FlexAttention", "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas "
-         "paged_attention", "paged": "the same call on a contiguous cache", "ragged": "the "
-         "op's XLA loop", "cascade": "pf.attention over concatenated caches", "memory": "-",
-         "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)"}
 
 
 def parse_args(argv):
@@ -34,7 +35,7 @@ def parse_args(argv):
         prog="pallas-flex bench", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Benchmark pallas_flex against its peers on this machine's first device.",
         epilog="suites and what each is compared with:\n" + "\n".join(
-            f"  {name:11s} {peers}" for name, peers in PEERS.items()) +
+            f"  {name:11s} {peers}" for name, peers in SUITES.items()) +
         "\n\n`pallas-flex bench report [--check]` regenerates benchmarks/results/README.md "
         "and README.md's performance table from the results files.\nKernel inspection "
         "(registers, shared memory, spills) is a maintainer tool in a checkout: "
@@ -90,8 +91,8 @@ def run_child(args, suite: str) -> dict:
                        "variant"),
         timing={"iters": args.iters, "repeats": args.repeats})
     columns, metric, rows = jax_suites.SUITES[suite](options)
-    versions = {"jax": jax.__version__, "pallas_flex": pf.__version__}
-    versions["jaxlib"] = importlib.metadata.version("jaxlib")
+    versions = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
+                "pallas_flex": pf.__version__}
     return {"suite": suite, "device": jax.devices()[0].device_kind, "backend": options.backend,
             "versions": versions, "columns": columns, "metric": metric, "rows": rows}
 
@@ -110,8 +111,7 @@ def _with_torch(args, result, workdir: Path) -> None:
     suite = result["suite"]
     if suite not in TORCH_SUITES:
         return
-    if suite != "block_mask":
-        result["columns"].append("torch_flex")
+    result["columns"].append("torch_flex")
     reason = ("--no-torch" if args.no_torch else "torch is not installed"
               if importlib.util.find_spec("torch") is None else
               "no GPU" if result["backend"] != "pallas" else None)
@@ -141,9 +141,8 @@ def _with_torch(args, result, workdir: Path) -> None:
 
 
 def _git_commit():
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                         text=True)
-    return git.stdout.strip() or None
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True).stdout.strip() or None
 
 
 def gpu_name(device_kind: str) -> str:
@@ -153,8 +152,7 @@ def gpu_name(device_kind: str) -> str:
 
 
 def write(out: Path, result: dict) -> Path:
-    """Into out/<gpu>/<suite>.json, replacing the rows of the same cases (a suite may be
-    run in parts) when the file is from the same device."""
+    """Into out/<gpu>/<suite>.json, replacing the rows of the cases run (in parts, maybe)."""
     path = out / gpu_name(result["device"]) / f"{result['suite']}.json"
     if path.exists():
         old = json.loads(path.read_text())

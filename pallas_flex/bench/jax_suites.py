@@ -1,12 +1,9 @@
-"""The JAX side of every suite: pallas_flex and the JAX peers (cuDNN through
-`jax.nn.dot_product_attention`, JAX's Pallas `paged_attention`, the XLA paths).
-
-A suite is `run(options) -> (columns, metric, rows)`: `columns` names the implementations
-timed (ours first: ratios are taken against it), `metric` the key of each entry's value
-("ms", "s" or "peak_mib"), and a row is {"case", "params", column: entry, ...}, an entry
-being {metric: value, ...} or {"status", "reason"} where that column cannot run the case.
-`options` carries shapes, variants, backend, timing and `quick` (tiny CPU sizes).
-"""
+"""The JAX side of every suite: pallas_flex and the JAX peers (cuDNN, tokamax, JAX's
+Pallas `paged_attention`, the XLA paths). A suite is `run(options) -> (columns, metric,
+rows)`: the implementations timed (ours first: ratios are taken against it), the entries'
+value key ("ms", "s", "peak_mib"), rows {"case", "params", column: entry}, an entry being
+{metric: value, ...} or {"status", "reason"}. `options`: shapes, variants, backend,
+timing, `quick` (tiny CPU sizes)."""
 
 from __future__ import annotations
 
@@ -74,8 +71,8 @@ def _difference(ours, other) -> float:
 
 
 def _measure(row, name, fn, args, options, ours_out=None):
-    """Times `fn(*args)` into row[name]; returns its output. A failure becomes the entry
-    (a peer's: "unsupported"), so one broken case does not end the run."""
+    """Times `fn(*args)` into row[name]; returns its output (a failure is the entry)."""
+    print(f"  {row['case']}: {name}", flush=True)
     try:
         row[name], out = time_calls(fn, args, **options.timing)
         if ours_out is not None:
@@ -118,7 +115,6 @@ def attention(options, mode: str, decode: bool = False):
         for variant in options.variants:
             if decode and shape.dv != shape.head_dim and variant.name != "noop":
                 continue  # latent attention (MLA) is measured plain: the masks cost the same
-            print(f"[{mode}] {shape.name} {variant.name}", flush=True)
             row = {"case": f"{shape.name} {variant.name}", "params": {
                 **dataclasses.asdict(shape), "shape": shape.name, "variant": variant.name,
                 "mode": mode, "flops": cases.flops(variant, shape, mode),
@@ -212,6 +208,36 @@ def _shuffled_pages(x, page_size):
             jnp.asarray(logical // (s // page_size), jnp.int32))
 
 
+def score_mods(options):
+    """Each common score_mod on the causal forward against the same call without it (the
+    `causal` column): its ratio to causal is what the mod costs."""
+    rows = []
+    for shape in options.shapes:
+        q, k, v, _ = _bf16(*cases.inputs(shape))
+        block_mask = pf.create_block_mask(pf.masks.causal_mask, None, None, shape.seq_len,
+                                          shape.seq_len)
+        table = jnp.asarray(cases.normal((shape.q_heads, 32), 4))
+        bias = None if shape.seq_len > 8192 else pf.scores.bias_lookup(jnp.asarray(  # dense
+            cases.normal((1, shape.q_heads, shape.seq_len, shape.seq_len), 5), jnp.bfloat16))
+        row = {"case": shape.name, "params": {
+            **dataclasses.asdict(shape), "flops": cases.flops(cases.VARIANTS[1], shape, "fwd")}}
+        for column, score_mod in {
+                "causal": None, "alibi": pf.scores.alibi(cases.alibi_slopes(shape.q_heads)),
+                "relative_position": pf.scores.relative_position(0.01),
+                "t5_bias": pf.scores.t5_relative_bias(table, bidirectional=False),
+                "bias_lookup": bias,
+                "softcap": pf.scores.tanh_softcap(30.0)}.items():
+            if column == "bias_lookup" and score_mod is None:
+                row[column] = {"status": "skipped", "reason": "a dense [H, S, S] bias"}
+                continue
+            attend = jax.jit(lambda q, k, v, m, mod=score_mod: pf.flex_attention(
+                q, k, v, mod, m, backend=options.backend))
+            _measure(row, column, attend, (q, k, v, block_mask), options)
+        rows.append(row)
+    return ["causal", "alibi", "relative_position", "t5_bias", "bias_lookup", "softcap"], \
+        "ms", rows
+
+
 # -- paged, ragged, cascade ------------------------------------------------------------------
 
 def paged(options):
@@ -238,9 +264,7 @@ def paged(options):
             calls[f"paged_{size}"] = (jax.jit(lambda q, c, m: pf.paged.paged_flex_attention(
                 q, c, block_mask=m, backend=options.backend)), (q, cache, block_mask))
         print(f"[paged] {name}", flush=True)
-        row = {"case": name, "params": {"batch": batch, "q_len": q_len, "kv_len": length,
-                                        "q_heads": q_heads, "kv_heads": kv_heads,
-                                        "head_dim": dim, "bytes": shape.kv_bytes}}
+        row = {"case": name, "params": {**dataclasses.asdict(shape), "bytes": shape.kv_bytes}}
         row.update(time_paired(calls, rounds=3 if options.quick else 9))
         ours = calls["contiguous"][0](*calls["contiguous"][1])
         for column in columns[1:]:
@@ -265,19 +289,17 @@ def ragged(options, heads=(32, 8), dim=128, block=16):
         heads, dim = (4, 2), 64
     rows = []
     for name, seqs in (QUICK_RAGGED_MIXES if options.quick else RAGGED_MIXES).items():
-        print(f"[ragged] {name}", flush=True)
         blocks = [-(-(past + new) // block) for past, new in seqs]
         tokens = sum(new for _, new in seqs)
         normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
             [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
              (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
+        i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
         others = dict(query=normal[0], key=normal[1], value=normal[2],
-                      past_lens=jnp.asarray([past for past, _ in seqs], jnp.int32),
-                      subsequence_begins=jnp.asarray(np.cumsum([0] + [n for _, n in seqs]),
-                                                     jnp.int32),
-                      block_indices=jnp.asarray(np.random.default_rng(0).permutation(
-                          sum(blocks)), jnp.int32),
-                      block_indices_begins=jnp.asarray(np.cumsum([0] + blocks), jnp.int32))
+                      past_lens=i32([past for past, _ in seqs]),
+                      subsequence_begins=i32(np.cumsum([0] + [new for _, new in seqs])),
+                      block_indices=i32(np.random.default_rng(0).permutation(sum(blocks))),
+                      block_indices_begins=i32(np.cumsum([0] + blocks)))
         row = {"case": name, "params": {
             "sequences": len(seqs), "new_tokens": tokens, "kernel_backend": options.backend,
             "bytes": sum(p + n for p, n in seqs) * heads[1] * dim * 4}}
@@ -305,18 +327,15 @@ def cascade(options):
     request's concatenated prefix + suffix (built outside the timed call)."""
     batch, prefix, suffix, heads, dim = (4, 512, 64, (8, 2), 64) if options.quick else (
         16, 4096, 256, (32, 8), 128)
-    q, prefix_k, prefix_v, suffix_k, suffix_v = _bf16(
-        cases.normal((batch, 1, heads[0], dim), 0), cases.normal((1, prefix, heads[1], dim), 1),
-        cases.normal((1, prefix, heads[1], dim), 2),
-        cases.normal((batch, suffix, heads[1], dim), 3),
-        cases.normal((batch, suffix, heads[1], dim), 4))
+    q, prefix_k, prefix_v, suffix_k, suffix_v = _bf16(*(cases.normal(shape, i) for i, shape in
+        enumerate([(batch, 1, heads[0], dim)] + [(1, prefix, heads[1], dim)] * 2
+                  + [(batch, suffix, heads[1], dim)] * 2)))
     lengths = np.random.default_rng([cases.INPUT_SEED, 9]).integers(1, suffix + 1, batch)
     lengths = jnp.asarray(lengths, jnp.int32).at[0].set(suffix)
     k, v = (jnp.concatenate([jnp.broadcast_to(p, (batch, *p.shape[1:])), s], axis=1)
             for p, s in ((prefix_k, suffix_k), (prefix_v, suffix_v)))
     rows = []
     for variant in ("full", "ragged"):
-        print(f"[cascade] {variant}", flush=True)
         ragged_ = variant == "ragged"
         row = {"case": f"b{batch}_p{prefix}_l{suffix} {variant}", "params": {
             "batch": batch, "prefix": prefix, "suffix": suffix, "q_heads": heads[0],
@@ -365,8 +384,7 @@ def memory(options):
         else:
             entry.update(status="n/a", reason="this device reports no memory statistics")
         rows.append({"case": f"S={length}", "params": {
-            "batch": 1, "heads": heads, "head_dim": dim, "seq_len": length,
-            "input_mib": 4 * args[0].nbytes / 2 ** 20}, OURS: entry})
+            **dataclasses.asdict(shape), "input_mib": 4 * args[0].nbytes / 2 ** 20}, OURS: entry})
         del args
     return [OURS], "peak_mib", rows
 
@@ -381,7 +399,7 @@ def block_mask(options):
         entry = time_calls(lambda: build().kv_indices, (), iters=1, repeats=5)[0]
         rows.append({"case": f"S={length}", "params": {"seq_len": length, "documents": 12},
                      OURS: {**entry, "sparsity_percent": float(build().sparsity())}})
-    return [OURS, "torch_flex"], "ms", rows
+    return [OURS], "ms", rows  # the torch peer's column is added by the caller
 
 
 def compile_time(options):
@@ -398,9 +416,8 @@ def compile_time(options):
             def forward(q, k, v):
                 return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
                                     backend=options.backend)
-            row = {"case": f"D{dim} {jnp.dtype(dtype).name}",
-                   "params": {"head_dim": dim, "dtype": jnp.dtype(dtype).name,
-                              "seq_len": length}}
+            row = {"case": f"D{dim} {jnp.dtype(dtype).name}", "params": {
+                "head_dim": dim, "dtype": jnp.dtype(dtype).name, "seq_len": length}}
             for column, fn, args in (
                     ("forward", forward, (q, k, v)),
                     ("fwd_bwd", lambda q, k, v: jax.vjp(forward, q, k, v)[1](d_out), (q, k, v)),
@@ -409,14 +426,13 @@ def compile_time(options):
                 start = time.perf_counter()
                 jax.block_until_ready(jax.jit(fn)(*args))
                 row[column] = {"s": time.perf_counter() - start}
-            print(row, flush=True)
             rows.append(row)
     return ["forward", "fwd_bwd", "decode"], "s", rows
 
 
 SUITES = {
     "forward": lambda options: attention(options, "fwd"),
-    "fwd_bwd": lambda options: attention(options, "fwd_bwd"),
+    "fwd_bwd": lambda options: attention(options, "fwd_bwd"), "score_mods": score_mods,
     "decode": lambda options: attention(options, "fwd", decode=True),
     "paged": paged, "ragged": ragged, "cascade": cascade, "memory": memory,
     "block_mask": block_mask, "compile": compile_time,

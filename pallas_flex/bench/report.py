@@ -1,11 +1,7 @@
-"""Markdown (and a plot) from the results files, so no figure is typed by hand.
-
-    pallas-flex bench report [--results benchmarks/results] [--readme README.md] [--check]
-
-writes `<results>/README.md` (every suite of every GPU) and the table between
-`<!-- performance-table:start -->` and `<!-- performance-table:end -->` in the README;
-`--check` only says whether both are up to date (tests/test_bench.py runs it).
-"""
+"""Markdown (and a plot) from the results files, so no figure is typed by hand:
+`pallas-flex bench report [--check]` writes `<results>/README.md` (every suite of every
+GPU) and the README's table between its performance-table markers (`--check`: only say
+whether both are up to date; tests/test_bench.py runs it)."""
 
 from __future__ import annotations
 
@@ -21,11 +17,8 @@ UNITS = {"ms": "ms", "s": "s", "peak_mib": "MiB"}
 
 def load(results_dir) -> list[dict]:
     """Every `<gpu>/<suite>.json` under results_dir, each with its `gpu` and `path`."""
-    results = []
-    for path in sorted(Path(results_dir).glob("*/*.json")):
-        result = json.loads(path.read_text())
-        results.append({**result, "gpu": path.parent.name, "path": str(path)})
-    return results
+    return [{**json.loads(path.read_text()), "gpu": path.parent.name, "path": str(path)}
+            for path in sorted(Path(results_dir).glob("*/*.json"))]
 
 
 def value(entry, metric):
@@ -37,10 +30,9 @@ def _number(x) -> str:
 
 
 def _cell(entry, metric) -> str:
-    if value(entry, metric) is not None:
-        return _number(value(entry, metric))
     status = (entry or {}).get("status", "–")
-    return "–" if status == "inexpressible" else status
+    return _number(value(entry, metric)) if value(entry, metric) is not None else (
+        "–" if status == "inexpressible" else status)
 
 
 def ratio(row, column, ours, metric):

@@ -35,9 +35,8 @@ def time_calls(fn, args, *, iters: int = 20, repeats: int = 5, budget_s: float =
 
 
 def time_paired(calls: dict, *, rounds: int = 9, iters: int = 20) -> dict:
-    """{name: entry} for `calls` {name: (fn, args)}, timed in rounds that time every call
-    once: the H100's clock drifts by several percent under sustained load, and pairing
-    makes the drift hit all of them alike. entry = {ms (median over rounds), rounds_ms}."""
+    """{name: {ms (median over rounds), rounds_ms}} for `calls` {name: (fn, args)}, each round
+    timing every call once, so that the H100's clock drift under load hits all alike."""
     rounds_ms = {name: [] for name in calls}
     for _ in range(rounds):
         for name, (fn, args) in calls.items():
@@ -48,5 +47,4 @@ def time_paired(calls: dict, *, rounds: int = 9, iters: int = 20) -> dict:
 
 
 def error_entry(error: BaseException, status: str = "error") -> dict:
-    text = f"{type(error).__name__}: {error}"
-    return {"status": status, "reason": text[:600]}
+    return {"status": status, "reason": f"{type(error).__name__}: {error}"[:600]}
