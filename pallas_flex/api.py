@@ -361,7 +361,14 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     # parts already share; stacking two outputs for it would copy both on this, the
     # cascade's, path).
     lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
-    lse = jnp.logaddexp(lse_a, lse_b)
+    # log(exp(a) + exp(b)) written so that rows with no keys in either part (-inf, -inf)
+    # give -inf with zero gradients: jnp.logaddexp's derivative there is NaN, which a
+    # zero cotangent does not cancel (context parallelism merges such rows every step).
+    largest = jnp.maximum(lse_a, lse_b)
+    shift = jnp.where(jnp.isfinite(largest), largest, 0.0)
+    total = jnp.exp(lse_a - shift) + jnp.exp(lse_b - shift)
+    some = total > 0
+    lse = jnp.where(some, shift + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)
     safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
     weight_a = jnp.swapaxes(jnp.exp(lse_a - safe), 1, 2)[..., None]
     weight_b = jnp.swapaxes(jnp.exp(lse_b - safe), 1, 2)[..., None]

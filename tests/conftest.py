@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-import jax
+import os
+
+# Four host devices for the multi-device tests (tests/test_context_parallel.py): XLA reads
+# the flag when the CPU backend starts, which is after this import, before any test runs.
+# Single-device code still runs on device 0; a GPU, where there is one, is unaffected.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=4"]).strip()
+
+import jax  # noqa: E402
 import jax.numpy as jnp
 import numpy as np
 import pytest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -39,3 +40,21 @@ def test_merging_with_an_empty_side_keeps_the_other_and_both_empty_gives_zeros()
                                                      nothing_lse)
     assert np.all(np.asarray(empty_out) == 0) and np.all(np.isneginf(np.asarray(empty_lse)))
     assert np.isfinite(np.asarray(empty_out)).all()
+
+
+def test_merging_two_empty_rows_has_zero_gradients():
+    """A row with no keys in either part merges to zeros and lse -inf, and its gradients
+    are zeros, not NaN (jnp.logaddexp's derivative at (-inf, -inf) is NaN): context
+    parallelism merges such rows at every ring step."""
+    out = jnp.ones((1, 3, 2, 4), jnp.float32)
+    lse = jnp.array([[[-jnp.inf, 0.5, -jnp.inf]] * 2], jnp.float32)  # rows 0 and 2 empty
+
+    def loss(out_a, lse_a, out_b, lse_b):
+        merged, merged_lse = pf.merge_attention_states(out_a, lse_a, out_b, lse_b)
+        return jnp.sum(merged) + jnp.sum(jnp.where(jnp.isfinite(merged_lse), merged_lse, 0))
+    merged, merged_lse = pf.merge_attention_states(out, lse, 2 * out, lse)
+    assert not np.any(np.asarray(merged[:, 0])) and bool(jnp.isneginf(merged_lse[0, 0, 0]))
+    np.testing.assert_allclose(merged[:, 1], 1.5 * np.ones((1, 2, 4)))
+    np.testing.assert_allclose(merged_lse[:, :, 1], 0.5 + np.log(2.0), rtol=1e-6)
+    for gradient in jax.grad(loss, argnums=(0, 1, 2, 3))(out, lse, 2 * out, lse):
+        assert bool(jnp.all(jnp.isfinite(gradient)))
