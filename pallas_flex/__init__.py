@@ -8,7 +8,7 @@ kernels:
     >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask)
 """
 
-from pallas_flex import masks, paged, scores
+from pallas_flex import context_parallel, masks, paged, scores
 from pallas_flex.api import (
     BACKENDS, attention, default_backend, explain, flex_attention, merge_attention_states)
 from pallas_flex.cascade import cascade_attention
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS", "BlockMask", "KernelOptions", "and_masks", "attention", "create_block_mask",
-    "cascade_attention",
+    "cascade_attention", "context_parallel",
     "default_backend", "explain", "flex_attention", "masks", "merge_attention_states", "noop_mask",
     "not_mask", "or_masks", "paged", "ring_attention", "scores",
 ]

@@ -16,20 +16,45 @@ import jax.numpy as jnp
 from pallas_flex.api import attention, merge_attention_states
 
 
-def _shifted(mod, q_offset, kv_offset, is_score):
-    """`mod` evaluated at global positions: shard-local indices plus the shards' offsets
-    (traced scalars: the kernels read them as captured arrays, so one program serves
-    every device and step)."""
+def _positions(index, length, devices, layout):
+    """Global position of each local index of device `index`'s shard of `length` rows:
+    contiguous (device i holds [i * length, (i + 1) * length)) or zig-zag (two chunks of
+    length / 2: chunk i and chunk 2N - 1 - i, so every device gets as much of a causal
+    mask's work as every other)."""
+    if layout == "contiguous":
+        offset = (index * length).astype(jnp.int32)
+        return lambda local: local + offset
+    half = length // 2
+    first = (index * half).astype(jnp.int32)
+    second = ((2 * devices - 1 - index) * half).astype(jnp.int32)
+    return lambda local: jnp.where(local < half, local + first, local - half + second)
+
+
+def _at_global_positions(mod, q_position, kv_position, is_score):
+    """`mod` evaluated at global positions (traced shard offsets: the kernels read them as
+    captured arrays, so one program serves every device and step)."""
     if mod is None:
         return None
     if is_score:
-        return lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_idx + q_offset,
-                                                       kv_idx + kv_offset)
-    return lambda b, h, q_idx, kv_idx: mod(b, h, q_idx + q_offset, kv_idx + kv_offset)
+        return lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_position(q_idx),
+                                                       kv_position(kv_idx))
+    return lambda b, h, q_idx, kv_idx: mod(b, h, q_position(q_idx), kv_position(kv_idx))
+
+
+def zigzag_order(seq_len, devices):
+    """int32 [seq_len]: the global positions in zig-zag layout order, so that
+    `x[:, zigzag_order(S, N)]` sharded N ways gives device i chunks i and 2N - 1 - i (of
+    S / 2N positions each); `x[:, jnp.argsort(order)]` undoes it."""
+    if seq_len % (2 * devices):
+        raise ValueError(f"a zig-zag layout splits the sequence into 2 x {devices} equal "
+                         f"chunks: seq_len {seq_len} is not a multiple of {2 * devices}")
+    chunks = jnp.arange(seq_len, dtype=jnp.int32).reshape(2 * devices, -1)
+    order = [chunk for i in range(devices) for chunk in (i, 2 * devices - 1 - i)]
+    return chunks[jnp.asarray(order)].reshape(-1)
 
 
 def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=None,
-                   return_lse=False, backend=None, kernel_options=None):
+                   return_lse=False, layout="contiguous", backend=None, kernel_options=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -40,6 +65,10 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
       mask_mod, score_mod: as in `pf.attention`, at global positions (`q_idx`, `kv_idx`
         are positions in the whole sequence); arrays they capture are read whole on
         every device (pass them replicated), and get gradients as in `pf.attention`.
+      layout: "contiguous" (above) or "zig-zag" (device i holds chunks i and 2N - 1 - i of
+        the sequence cut in 2N: lay the inputs out with `x[:, zigzag_order(S, N)]`, and
+        the outputs come back in that order). The mods still see original positions.
+        Zig-zag balances a causal mask's work across the devices.
       scale, return_lse, backend, kernel_options: as in `pf.attention`.
     Returns:
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
@@ -47,7 +76,7 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
     The kernels' internal loops do not yet declare which values vary over manual mesh
     axes, so the enclosing `jax.shard_map` needs `check_vma=False`. Every step visits
     every shard (a pair with no block in the BlockMask costs a kernel launch that reads
-    nothing, and its transfer); zig-zag load balancing for causal masks is not built yet.
+    nothing, and its transfer).
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("cp",))
@@ -61,18 +90,24 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must be 4-D shards [B, S, H, D], got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
+    if layout not in ("contiguous", "zig-zag"):
+        raise ValueError(f"layout must be 'contiguous' or 'zig-zag', got {layout!r}")
+    if layout == "zig-zag" and (q.shape[1] % 2 or k.shape[1] % 2):
+        raise ValueError(f"a zig-zag shard holds two equal chunks: shard lengths "
+                         f"{q.shape[1]} and {k.shape[1]} must be even")
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
-    q_offset = (index * q.shape[1]).astype(jnp.int32)
+    q_position = _positions(index, q.shape[1], devices, layout)
     # Each step sends this device's K/V shard to the next device and receives the
     # previous one's: at step s, device i holds the shard of device (i - s) mod N.
     to_next = [(source, (source + 1) % devices) for source in range(devices)]
     out = lse = None
     for step in range(devices):
-        kv_offset = (((index - step) % devices) * k.shape[1]).astype(jnp.int32)
+        kv_position = _positions((index - step) % devices, k.shape[1], devices, layout)
         part, part_lse = attention(
-            q, k, v, mask_mod=_shifted(mask_mod, q_offset, kv_offset, False),
-            score_mod=_shifted(score_mod, q_offset, kv_offset, True), scale=scale,
+            q, k, v, mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False),
+            score_mod=_at_global_positions(score_mod, q_position, kv_position, True),
+            scale=scale,
             return_lse=True, backend=backend, kernel_options=kernel_options)
         if out is None:
             out, lse = part.astype(jnp.float32), part_lse

@@ -62,11 +62,10 @@ def _sharded(mesh, fn, *replicated):
         out_specs=(shard, P(None, None, "cp")), check_vma=False))
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("case", CASES)
+# Every case on the XLA path; the Pallas kernels (interpret mode: slow) on two masks.
+@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [
+    ("causal", "interpret"), ("documents", "interpret")])
 def test_ring_equals_one_device(mesh, case, backend):
-    if backend == "interpret" and case not in ("causal", "documents"):
-        pytest.skip("interpret mode is slow: two masks cover the kernels' path")
     mask_mod, score_mod = CASES[case]
     q, k, v, d_out = _inputs()
 
@@ -88,6 +87,45 @@ def test_ring_equals_one_device(mesh, case, backend):
     want = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("case", ["causal", "documents"])
+def test_zigzag_layout_equals_one_device_at_original_positions(mesh, case):
+    """Inputs laid out zig-zag (device i: chunks i and 7 - i of 8): the mods still see
+    original positions, and the outputs put back in order equal single-device ones."""
+    mask_mod, _ = CASES[case]
+    q, k, v, d_out = _inputs(3)
+    order = pf.context_parallel.zigzag_order(S, DEVICES)
+    restore = jnp.argsort(order)
+    np.testing.assert_array_equal(order[:S // 8], np.arange(S // 8))  # device 0: chunk 0 ...
+    np.testing.assert_array_equal(order[S // 8:S // 4], np.arange(7 * S // 8, S))  # and 7
+    ring = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+        q, k, v, axis_name="cp", mask_mod=mask_mod, return_lse=True, layout="zig-zag",
+        backend="xla"))
+
+    def zigzag(q, k, v):
+        out, lse = ring(q[:, order], k[:, order], v[:, order])
+        return out[:, restore], lse[:, :, restore]
+
+    def single(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, return_lse=True, backend="xla")
+    (out, lse), (expected, expected_lse) = zigzag(q, k, v), single(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
+    got = jax.grad(lambda q, k, v: jnp.sum(zigzag(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+
+
+def test_bad_layouts_are_value_errors(mesh):
+    with pytest.raises(ValueError, match="layout must be"):
+        _sharded(mesh, lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
+                                                         layout="striped"))(*_inputs()[:3])
+    with pytest.raises(ValueError, match="not a multiple of 8"):
+        pf.context_parallel.zigzag_order(100, DEVICES)
 
 
 def test_a_captured_learnable_array_gets_its_gradient(mesh):
@@ -137,3 +175,28 @@ def test_shards_must_be_4d(mesh):
     with pytest.raises(ValueError, match="4-D shards"):
         _sharded(mesh, lambda q, k, v: (pf.ring_attention(q[0], k, v, axis_name="cp"),
                                         jnp.zeros((B, HQ, S // DEVICES))))(*_inputs()[:3])
+
+
+def test_zigzag_balances_a_causal_mask_s_blocks_across_devices():
+    """The blocks each device's BlockMasks list over its N ring steps: contiguous shards
+    leave the last device N times the first's causal work; zig-zag gives all the same."""
+    from pallas_flex import context_parallel
+
+    def work(layout):
+        per_device = []
+        for device in range(DEVICES):
+            q_position = context_parallel._positions(jnp.int32(device), S // DEVICES,
+                                                     DEVICES, layout)
+            total = 0
+            for source in range(DEVICES):
+                kv_position = context_parallel._positions(jnp.int32(source), S // DEVICES,
+                                                          DEVICES, layout)
+                block_mask = pf.create_block_mask(context_parallel._at_global_positions(
+                    masks.causal_mask, q_position, kv_position, False), None, None,
+                    S // DEVICES, S // DEVICES, block_size=16)
+                total += int(block_mask.kv_num_blocks.sum() + block_mask.full_kv_num_blocks.sum())
+            per_device.append(total)
+        return per_device
+    contiguous, zigzag = work("contiguous"), work("zig-zag")
+    assert contiguous[-1] >= 3 * contiguous[0], contiguous
+    assert len(set(zigzag)) == 1 and sum(zigzag) == sum(contiguous), (zigzag, contiguous)
