@@ -13,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_flex.api import attention, merge_attention_states
+from pallas_flex.api import _attention_block_mask, attention, merge_attention_states
 
 
 def _positions(index, length, devices, layout):
@@ -74,9 +74,9 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
 
     The kernels' internal loops do not yet declare which values vary over manual mesh
-    axes, so the enclosing `jax.shard_map` needs `check_vma=False`. Every step visits
-    every shard (a pair with no block in the BlockMask costs a kernel launch that reads
-    nothing, and its transfer).
+    axes, so the enclosing `jax.shard_map` needs `check_vma=False`. A step whose
+    BlockMask lists no block is not computed on that device, and K/V stop travelling
+    once no device needs a later step (a sliding window's first steps only).
 
     Example:
       >>> mesh = jax.make_mesh((4,), ("cp",))
@@ -99,21 +99,39 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
     # Each step sends this device's K/V shard to the next device and receives the
-    # previous one's: at step s, device i holds the shard of device (i - s) mod N.
+    # previous one's: at step s, device i holds the shard of device (i - s) mod N. The
+    # BlockMask of every step is built first: a step whose BlockMask lists no block is
+    # not computed on that device, and the transfers stop once no device needs a later
+    # step (the decision is psum'd, so every device takes the same branch).
     to_next = [(source, (source + 1) % devices) for source in range(devices)]
-    out = lse = None
+    steps = []
     for step in range(devices):
         kv_position = _positions((index - step) % devices, k.shape[1], devices, layout)
-        part, part_lse = attention(
-            q, k, v, mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False),
-            score_mod=_at_global_positions(score_mod, q_position, kv_position, True),
-            scale=scale,
-            return_lse=True, backend=backend, kernel_options=kernel_options)
-        if out is None:
-            out, lse = part.astype(jnp.float32), part_lse
-        else:
-            out, lse = merge_attention_states(out, lse, part, part_lse)
+        block_mask = _attention_block_mask(
+            q, k, v, _at_global_positions(mask_mod, q_position, kv_position, False), None,
+            kernel_options)
+        busy = jnp.bool_(True) if block_mask is None else (
+            jnp.sum(block_mask.kv_num_blocks) + jnp.sum(block_mask.full_kv_num_blocks) > 0)
+        steps.append((block_mask, busy,
+                      _at_global_positions(score_mod, q_position, kv_position, True)))
+    out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
+    lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+        def compute(q, k, v, block_mask=block_mask, shifted_score_mod=shifted_score_mod):
+            return attention(q, k, v, block_mask=block_mask, score_mod=shifted_score_mod,
+                             scale=scale, return_lse=True, backend=backend,
+                             kernel_options=kernel_options)
+
+        def skip(q, k, v):
+            return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
+                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
+        part, part_lse = jax.lax.cond(busy, compute, skip, q, k, v)
+        out, lse = merge_attention_states(out, lse, part, part_lse)
         if step + 1 < devices:
-            k, v = jax.lax.ppermute((k, v), axis_name, to_next)
+            later = jax.lax.psum(sum(b.astype(jnp.int32) for _, b, _ in steps[step + 1:]),
+                                 axis_name)
+            k, v = jax.lax.cond(later > 0,
+                                lambda k, v: jax.lax.ppermute((k, v), axis_name, to_next),
+                                lambda k, v: (k, v), k, v)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out

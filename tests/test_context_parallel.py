@@ -200,3 +200,37 @@ def test_zigzag_balances_a_causal_mask_s_blocks_across_devices():
     contiguous, zigzag = work("contiguous"), work("zig-zag")
     assert contiguous[-1] >= 3 * contiguous[0], contiguous
     assert len(set(zigzag)) == 1 and sum(zigzag) == sum(contiguous), (zigzag, contiguous)
+
+
+@pytest.mark.parametrize("case,computed,transfers", [
+    ("causal", 1 + 2 + 3 + 4, 3 * DEVICES),  # device i: shards 0..i; the last needs all
+    ("sliding_window", 1 + 2 + 2 + 2, 1 * DEVICES),  # window 20 < 32: this shard and the
+    ("noop_softcap", DEVICES * DEVICES, 3 * DEVICES)])  # previous; then K/V stay put
+def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, computed,
+                                                        transfers):
+    """Kernel calls and K/V transfers actually executed (host callbacks inside the taken
+    branches), summed over the four devices."""
+    from pallas_flex import context_parallel
+
+    counts = {"computed": 0, "transfers": 0}
+
+    def counting(name, function):
+        def wrapped(*args, **kwargs):
+            jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
+            return function(*args, **kwargs)
+        return wrapped
+    monkeypatch.setattr(context_parallel, "attention",
+                        counting("computed", context_parallel.attention))
+    monkeypatch.setattr(jax.lax, "ppermute", counting("transfers", jax.lax.ppermute))
+    mask_mod, score_mod = CASES[case]
+    q, k, v, _ = _inputs(4)
+    ring = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+        backend="xla"))
+    out, _ = ring(q, k, v)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    assert counts == {"computed": computed, "transfers": transfers}
+    expected, _ = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                               return_lse=True, backend="xla")
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
