@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 from pallas_flex.api import _attention_block_mask, attention, merge_attention_states
 
+__all__ = ["ring_attention", "zigzag_order"]
+
 
 def _positions(index, length, devices, layout):
     """Global position of each local index of device `index`'s shard of `length` rows:
