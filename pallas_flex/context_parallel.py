@@ -56,7 +56,8 @@ def zigzag_order(seq_len, devices):
 
 
 def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=None,
-                   return_lse=False, layout="contiguous", backend=None, kernel_options=None):
+                   return_lse=False, layout="contiguous", strategy="ring", backend=None,
+                   kernel_options=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -71,6 +72,11 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
         the sequence cut in 2N: lay the inputs out with `x[:, zigzag_order(S, N)]`, and
         the outputs come back in that order). The mods still see original positions.
         Zig-zag balances a causal mask's work across the devices.
+      strategy: "ring" (K/V shards passed round the ring, one step per device) or
+        "all_gather" (every device gathers the whole K/V once, `jax.lax.all_gather`, and
+        runs one call: what Llama 3 training uses; K/V memory per device is the whole
+        sequence's). Which is faster depends on the interconnect and lengths: not yet
+        measured, so the ring is the default.
       scale, return_lse, backend, kernel_options: as in `pf.attention`.
     Returns:
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
@@ -97,9 +103,23 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
     if layout == "zig-zag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"a zig-zag shard holds two equal chunks: shard lengths "
                          f"{q.shape[1]} and {k.shape[1]} must be even")
+    if strategy not in ("ring", "all_gather"):
+        raise ValueError(f"strategy must be 'ring' or 'all_gather', got {strategy!r}")
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
+    if strategy == "all_gather":
+        # The gathered K/V rows are in device order: row g is device g // L's local row.
+        length = k.shape[1]
+        k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
+
+        def kv_position(gathered):
+            return _positions(gathered // length, length, devices, layout)(gathered % length)
+        out, lse = attention(
+            q, k, v, mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False),
+            score_mod=_at_global_positions(score_mod, q_position, kv_position, True),
+            scale=scale, return_lse=True, backend=backend, kernel_options=kernel_options)
+        return (out, lse) if return_lse else out
     # Each step sends this device's K/V shard to the next device and receives the
     # previous one's: at step s, device i holds the shard of device (i - s) mod N. The
     # BlockMask of every step is built first: a step whose BlockMask lists no block is

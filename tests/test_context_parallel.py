@@ -124,6 +124,9 @@ def test_bad_layouts_are_value_errors(mesh):
     with pytest.raises(ValueError, match="layout must be"):
         _sharded(mesh, lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
                                                          layout="striped"))(*_inputs()[:3])
+    with pytest.raises(ValueError, match="strategy must be"):
+        _sharded(mesh, lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
+                                                         strategy="ulysses"))(*_inputs()[:3])
     with pytest.raises(ValueError, match="not a multiple of 8"):
         pf.context_parallel.zigzag_order(100, DEVICES)
 
@@ -234,3 +237,35 @@ def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, 
     expected, _ = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
                                return_lse=True, backend="xla")
     np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zig-zag"])
+@pytest.mark.parametrize("case", ["documents", "noop_softcap"])
+def test_all_gather_strategy_equals_one_device(mesh, case, layout):
+    """strategy="all_gather": K/V gathered once (in device order, positions mapped back
+    through the layout), one call per device; outputs and gradients as on one device."""
+    mask_mod, score_mod = CASES[case]
+    q, k, v, d_out = _inputs(5)
+    order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
+             else jnp.arange(S))
+    restore = jnp.argsort(order)
+    gathered = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+        layout=layout, strategy="all_gather", backend="xla"))
+
+    def sharded(q, k, v):
+        out, lse = gathered(q[:, order], k[:, order], v[:, order])
+        return out[:, restore], lse[:, :, restore]
+
+    def single(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+                            backend="xla")
+    (out, lse), (expected, expected_lse) = sharded(q, k, v), single(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
+    got = jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
