@@ -32,15 +32,15 @@ def _positions(index, length, devices, layout):
     return lambda local: jnp.where(local < half, local + first, local - half + second)
 
 
-def _at_global_positions(mod, q_position, kv_position, is_score):
-    """`mod` evaluated at global positions (traced shard offsets: the kernels read them as
-    captured arrays, so one program serves every device and step)."""
+def _at_global_positions(mod, q_position, kv_position, is_score, head=lambda h: h):
+    """`mod` evaluated at global positions (and heads: `head`), from traced shard offsets
+    the kernels read as captured arrays, so one program serves every device and step."""
     if mod is None:
         return None
     if is_score:
-        return lambda score, b, h, q_idx, kv_idx: mod(score, b, h, q_position(q_idx),
+        return lambda score, b, h, q_idx, kv_idx: mod(score, b, head(h), q_position(q_idx),
                                                        kv_position(kv_idx))
-    return lambda b, h, q_idx, kv_idx: mod(b, h, q_position(q_idx), kv_position(kv_idx))
+    return lambda b, h, q_idx, kv_idx: mod(b, head(h), q_position(q_idx), kv_position(kv_idx))
 
 
 def zigzag_order(seq_len, devices):
@@ -72,11 +72,14 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
         the sequence cut in 2N: lay the inputs out with `x[:, zigzag_order(S, N)]`, and
         the outputs come back in that order). The mods still see original positions.
         Zig-zag balances a causal mask's work across the devices.
-      strategy: "ring" (K/V shards passed round the ring, one step per device) or
+      strategy: "ring" (K/V shards passed round the ring, one step per device),
         "all_gather" (every device gathers the whole K/V once, `jax.lax.all_gather`, and
         runs one call: what Llama 3 training uses; K/V memory per device is the whole
-        sequence's). Which is faster depends on the interconnect and lengths: not yet
-        measured, so the ring is the default.
+        sequence's) or "all_to_all" (Ulysses: `jax.lax.all_to_all` trades the sequence
+        split for a head split, each device attends its Hq / N heads over the whole
+        sequence, and the outputs trade back; Hq and Hkv must be multiples of N). Which is
+        fastest depends on the interconnect and lengths: not yet measured, so the ring is
+        the default.
       scale, return_lse, backend, kernel_options: as in `pf.attention`.
     Returns:
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
@@ -103,8 +106,9 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
     if layout == "zig-zag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"a zig-zag shard holds two equal chunks: shard lengths "
                          f"{q.shape[1]} and {k.shape[1]} must be even")
-    if strategy not in ("ring", "all_gather"):
-        raise ValueError(f"strategy must be 'ring' or 'all_gather', got {strategy!r}")
+    if strategy not in ("ring", "all_gather", "all_to_all"):
+        raise ValueError(f"strategy must be 'ring', 'all_gather' or 'all_to_all', got "
+                         f"{strategy!r}")
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
@@ -120,6 +124,10 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
             score_mod=_at_global_positions(score_mod, q_position, kv_position, True),
             scale=scale, return_lse=True, backend=backend, kernel_options=kernel_options)
         return (out, lse) if return_lse else out
+    if strategy == "all_to_all":
+        return _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod,
+                           dict(scale=scale, backend=backend, kernel_options=kernel_options),
+                           return_lse)
     # Each step sends this device's K/V shard to the next device and receives the
     # previous one's: at step s, device i holds the shard of device (i - s) mod N. The
     # BlockMask of every step is built first: a step whose BlockMask lists no block is
@@ -156,4 +164,29 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
                                 lambda k, v: jax.lax.ppermute((k, v), axis_name, to_next),
                                 lambda k, v: (k, v), k, v)
     out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options,
+                return_lse):
+    """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (the sequence in device
+    order, mapped back to positions through the layout; heads offset to global ones),
+    one call, and the outputs trade back."""
+    if q.shape[2] % devices or k.shape[2] % devices:
+        raise ValueError(f"strategy 'all_to_all' splits the heads over {devices} devices: "
+                         f"Hq {q.shape[2]} and Hkv {k.shape[2]} must be multiples of it")
+    length, local_heads = k.shape[1], q.shape[2] // devices
+    q, k, v = (jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True) for x in (q, k, v))
+
+    def position(gathered):
+        return _positions(gathered // length, length, devices, layout)(gathered % length)
+    head_offset = (index * local_heads).astype(jnp.int32)
+    out, lse = attention(
+        q, k, v, return_lse=True, **options,
+        mask_mod=_at_global_positions(mask_mod, position, position, False,
+                                      lambda h: h + head_offset),
+        score_mod=_at_global_positions(score_mod, position, position, True,
+                                       lambda h: h + head_offset))
+    out = jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)
+    lse = jax.lax.all_to_all(lse, axis_name, 2, 1, tiled=True)
     return (out, lse) if return_lse else out

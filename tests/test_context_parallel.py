@@ -269,3 +269,42 @@ def test_all_gather_strategy_equals_one_device(mesh, case, layout):
         q, k, v)
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zig-zag"])
+@pytest.mark.parametrize("case", ["documents", "alibi"])
+def test_all_to_all_strategy_equals_one_device(mesh, case, layout):
+    """strategy="all_to_all" (Ulysses): heads split over the devices, each attending the
+    whole sequence; ALiBi's per-head slopes check that the mods see global heads."""
+    q, k, v, d_out = _inputs(6)
+    q = jnp.concatenate([q, q[:, :, ::-1]], axis=2)  # Hq 8, Hkv 4: multiples of 4 devices
+    k, v = (jnp.concatenate([x, x[:, :, ::-1]], axis=2) for x in (k, v))
+    d_out = jnp.concatenate([d_out, d_out], axis=2)
+    mask_mod, score_mod = ((CASES["documents"][0], None) if case == "documents" else
+                           (masks.causal_mask, pf.scores.alibi(pf.scores.alibi_slopes(8))))
+    order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
+             else jnp.arange(S))
+    restore = jnp.argsort(order)
+    swapped = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+        layout=layout, strategy="all_to_all", backend="xla"))
+
+    def sharded(q, k, v):
+        out, lse = swapped(q[:, order], k[:, order], v[:, order])
+        return out[:, restore], lse[:, :, restore]
+
+    def single(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+                            backend="xla")
+    (out, lse), (expected, expected_lse) = sharded(q, k, v), single(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
+    got = jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
+        q, k, v)
+    for name, a, b in zip("qkv", got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    with pytest.raises(ValueError, match="multiples of it"):
+        _sharded(mesh, lambda q, k, v: pf.ring_attention(
+            q, k, v, axis_name="cp", strategy="all_to_all", return_lse=True))(*_inputs()[:3])
