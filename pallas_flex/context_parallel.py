@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from pallas_flex.api import _attention_block_mask, attention, merge_attention_states
 
-__all__ = ["ring_attention", "zigzag_order"]
+__all__ = ["context_parallel_attention", "zigzag_order"]
 
 
 def _positions(index, length, devices, layout):
@@ -55,7 +55,7 @@ def zigzag_order(seq_len, devices):
     return chunks[jnp.asarray(order)].reshape(-1)
 
 
-def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=None,
+def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=None,
                    return_lse=False, layout="contiguous", strategy="ring", backend=None,
                    kernel_options=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
@@ -93,7 +93,7 @@ def ring_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=N
       >>> mesh = jax.make_mesh((4,), ("cp",))
       >>> shard = jax.sharding.PartitionSpec(None, "cp")
       >>> step = jax.shard_map(
-      ...     lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
+      ...     lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
       ...                                       mask_mod=pf.masks.causal_mask),
       ...     mesh=mesh, in_specs=shard, out_specs=shard, check_vma=False)
       >>> out = jax.jit(step)(q, k, v)   # equals pf.attention(q, k, v, mask_mod=...)

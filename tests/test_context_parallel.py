@@ -1,4 +1,4 @@
-"""Context parallelism (`pf.ring_attention`) on four host devices: outputs, lse and
+"""Context parallelism (`pf.context_parallel_attention`) on four host devices: outputs, lse and
 gradients (q, k, v and a captured learnable array) equal single-device attention for the
 masks whose blocks cross shard boundaries, with the mods seeing global positions."""
 
@@ -74,7 +74,7 @@ def test_ring_equals_one_device(mesh, case, backend):
                             return_lse=True, backend=backend)
 
     def ring(q, k, v):
-        return pf.ring_attention(q, k, v, axis_name="cp", mask_mod=mask_mod,
+        return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=mask_mod,
                                  score_mod=score_mod, return_lse=True, backend=backend)
     ring = _sharded(mesh, ring)
     (out, lse), (expected, expected_lse) = ring(q, k, v), single(q, k, v)
@@ -99,7 +99,7 @@ def test_zigzag_layout_equals_one_device_at_original_positions(mesh, case):
     restore = jnp.argsort(order)
     np.testing.assert_array_equal(order[:S // 8], np.arange(S // 8))  # device 0: chunk 0 ...
     np.testing.assert_array_equal(order[S // 8:S // 4], np.arange(7 * S // 8, S))  # and 7
-    ring = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+    ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, return_lse=True, layout="zig-zag",
         backend="xla"))
 
@@ -122,10 +122,10 @@ def test_zigzag_layout_equals_one_device_at_original_positions(mesh, case):
 
 def test_bad_layouts_are_value_errors(mesh):
     with pytest.raises(ValueError, match="layout must be"):
-        _sharded(mesh, lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
+        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
                                                          layout="striped"))(*_inputs()[:3])
     with pytest.raises(ValueError, match="strategy must be"):
-        _sharded(mesh, lambda q, k, v: pf.ring_attention(q, k, v, axis_name="cp",
+        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
                                                          strategy="ulysses"))(*_inputs()[:3])
     with pytest.raises(ValueError, match="not a multiple of 8"):
         pf.context_parallel.zigzag_order(100, DEVICES)
@@ -142,7 +142,7 @@ def test_a_captured_learnable_array_gets_its_gradient(mesh):
             slopes), return_lse=True, backend="xla")
 
     def ring(q, k, v, slopes):
-        return pf.ring_attention(q, k, v, axis_name="cp", mask_mod=masks.causal_mask,
+        return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=masks.causal_mask,
                                  score_mod=pf.scores.alibi(slopes), return_lse=True,
                                  backend="xla")
     ring = _sharded(mesh, ring, slopes)
@@ -165,7 +165,7 @@ def test_a_row_masked_on_every_shard_is_zero_with_finite_gradients(mesh):
     def mask_mod(b, h, q_idx, kv_idx):
         return (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0) & (q_idx >= kv_idx)
 
-    ring = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+    ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, return_lse=True, backend="xla"))
     out, lse = ring(q, k, v)
     assert not np.any(np.asarray(out[:, :7])) and np.all(np.isneginf(lse[:, :, :7]))
@@ -176,7 +176,7 @@ def test_a_row_masked_on_every_shard_is_zero_with_finite_gradients(mesh):
 
 def test_shards_must_be_4d(mesh):
     with pytest.raises(ValueError, match="4-D shards"):
-        _sharded(mesh, lambda q, k, v: (pf.ring_attention(q[0], k, v, axis_name="cp"),
+        _sharded(mesh, lambda q, k, v: (pf.context_parallel_attention(q[0], k, v, axis_name="cp"),
                                         jnp.zeros((B, HQ, S // DEVICES))))(*_inputs()[:3])
 
 
@@ -227,7 +227,7 @@ def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, 
     monkeypatch.setattr(jax.lax, "ppermute", counting("transfers", jax.lax.ppermute))
     mask_mod, score_mod = CASES[case]
     q, k, v, _ = _inputs(4)
-    ring = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+    ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
         backend="xla"))
     out, _ = ring(q, k, v)
@@ -249,7 +249,7 @@ def test_all_gather_strategy_equals_one_device(mesh, case, layout):
     order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
              else jnp.arange(S))
     restore = jnp.argsort(order)
-    gathered = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+    gathered = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
         layout=layout, strategy="all_gather", backend="xla"))
 
@@ -285,7 +285,7 @@ def test_all_to_all_strategy_equals_one_device(mesh, case, layout):
     order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
              else jnp.arange(S))
     restore = jnp.argsort(order)
-    swapped = _sharded(mesh, lambda q, k, v: pf.ring_attention(
+    swapped = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
         layout=layout, strategy="all_to_all", backend="xla"))
 
@@ -306,5 +306,5 @@ def test_all_to_all_strategy_equals_one_device(mesh, case, layout):
     for name, a, b in zip("qkv", got, want):
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
     with pytest.raises(ValueError, match="multiples of it"):
-        _sharded(mesh, lambda q, k, v: pf.ring_attention(
+        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
             q, k, v, axis_name="cp", strategy="all_to_all", return_lse=True))(*_inputs()[:3])
