@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 
@@ -312,17 +313,34 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
-              return_lse=False, backend=None, kernel_options=None):
+              return_lse=False, backend=None, kernel_options=None, context_parallel=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
 
+    context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
+    q, k, v the shards of a sequence split over that mesh axis: runs
+    `pf.context_parallel_attention` (mods at global positions; no prebuilt block_mask).
+
     Example:
       >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
       ...                    score_mod=pf.masks.alibi(num_heads))
     """
+    if context_parallel is not None:
+        from pallas_flex import context_parallel as parallel  # it builds on this module
+
+        if not isinstance(context_parallel, parallel.ContextParallel):
+            raise ValueError("context_parallel must be a pf.ContextParallel, got "
+                             f"{type(context_parallel).__name__}")
+        if block_mask is not None:
+            raise ValueError("context_parallel builds each shard pair's BlockMask from "
+                             "mask_mod: pass mask_mod, not block_mask")
+        return parallel.context_parallel_attention(
+            q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
+            return_lse=return_lse, backend=backend, kernel_options=kernel_options,
+            **dataclasses.asdict(context_parallel))
     block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options)

@@ -10,12 +10,25 @@ custom VJPs, and ppermutes the other way round for the K/V gradients.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_flex.api import _attention_block_mask, attention, merge_attention_states
 
-__all__ = ["context_parallel_attention", "zigzag_order"]
+__all__ = ["ContextParallel", "context_parallel_attention", "zigzag_order"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextParallel:
+    """`pf.attention(..., context_parallel=pf.ContextParallel("cp"))`: the sequence is
+    split over mesh axis `axis_name` (inside `jax.shard_map`); `layout` and `strategy` as
+    in `context_parallel_attention`."""
+
+    axis_name: str
+    layout: str = "contiguous"
+    strategy: str = "ring"
 
 
 def _positions(index, length, devices, layout):

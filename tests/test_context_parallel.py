@@ -308,3 +308,24 @@ def test_all_to_all_strategy_equals_one_device(mesh, case, layout):
     with pytest.raises(ValueError, match="multiples of it"):
         _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
             q, k, v, axis_name="cp", strategy="all_to_all", return_lse=True))(*_inputs()[:3])
+
+
+def test_attention_takes_a_context_parallel_option(mesh):
+    """pf.attention(..., context_parallel=pf.ContextParallel(...)) is the same program as
+    pf.context_parallel_attention; a prebuilt BlockMask or another value is a ValueError."""
+    q, k, v, _ = _inputs(7)
+    order = pf.context_parallel.zigzag_order(S, DEVICES)
+    option = pf.ContextParallel("cp", layout="zig-zag", strategy="all_gather")
+    through_attention = _sharded(mesh, lambda q, k, v: pf.attention(
+        q, k, v, mask_mod=masks.causal_mask, return_lse=True, backend="xla",
+        context_parallel=option))
+    direct = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+        q, k, v, axis_name="cp", mask_mod=masks.causal_mask, return_lse=True, backend="xla",
+        layout="zig-zag", strategy="all_gather"))
+    shards = (q[:, order], k[:, order], v[:, order])
+    np.testing.assert_array_equal(through_attention(*shards)[0], direct(*shards)[0])
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, S, S)
+    with pytest.raises(ValueError, match="not block_mask"):
+        pf.attention(q, k, v, block_mask=block_mask, context_parallel=option)
+    with pytest.raises(ValueError, match="must be a pf.ContextParallel"):
+        pf.attention(q, k, v, context_parallel="cp")
