@@ -379,16 +379,18 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     # parts already share; stacking two outputs for it would copy both on this, the
     # cascade's, path).
     lse_a, lse_b = lse_a.astype(jnp.float32), lse_b.astype(jnp.float32)
-    # log(exp(a) + exp(b)) written so that rows with no keys in either part (-inf, -inf)
-    # give -inf with zero gradients: jnp.logaddexp's derivative there is NaN, which a
-    # zero cotangent does not cancel (context parallelism merges such rows every step).
+    # log(exp(a) + exp(b)) and the parts' weights from one shift, so that rows with no
+    # keys in either part (-inf, -inf) give -inf with zero gradients: jnp.logaddexp's
+    # derivative there is NaN, which a zero cotangent does not cancel (context
+    # parallelism merges such rows every step).
     largest = jnp.maximum(lse_a, lse_b)
     shift = jnp.where(jnp.isfinite(largest), largest, 0.0)
-    total = jnp.exp(lse_a - shift) + jnp.exp(lse_b - shift)
+    exp_a, exp_b = jnp.exp(lse_a - shift), jnp.exp(lse_b - shift)
+    total = exp_a + exp_b
     some = total > 0
-    lse = jnp.where(some, shift + jnp.log(jnp.where(some, total, 1.0)), -jnp.inf)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    weight_a = jnp.swapaxes(jnp.exp(lse_a - safe), 1, 2)[..., None]
-    weight_b = jnp.swapaxes(jnp.exp(lse_b - safe), 1, 2)[..., None]
+    total = jnp.where(some, total, 1.0)
+    lse = jnp.where(some, shift + jnp.log(total), -jnp.inf)
+    weight_a = jnp.swapaxes(exp_a / total, 1, 2)[..., None]
+    weight_b = jnp.swapaxes(exp_b / total, 1, 2)[..., None]
     out = out_a.astype(jnp.float32) * weight_a + out_b.astype(jnp.float32) * weight_b
     return out.astype(out_a.dtype), lse
