@@ -15,7 +15,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_flex.api import _attention_block_mask, attention, merge_attention_states
+from pallas_flex.api import (
+    _attention_block_mask, attention, flex_attention, merge_attention_states)
 
 __all__ = ["ContextParallel", "context_parallel_attention", "zigzag_order"]
 
@@ -45,6 +46,12 @@ def _positions(index, length, devices, layout):
     return lambda local: jnp.where(local < half, local + first, local - half + second)
 
 
+def _gathered_positions(length, devices, layout):
+    """Global position of each row of shards gathered in device order (row g is device
+    g // length's local row g % length)."""
+    return lambda g: _positions(g // length, length, devices, layout)(g % length)
+
+
 def _at_global_positions(mod, q_position, kv_position, is_score, head=lambda h: h):
     """`mod` evaluated at global positions (and heads: `head`), from traced shard offsets
     the kernels read as captured arrays, so one program serves every device and step."""
@@ -68,9 +75,9 @@ def zigzag_order(seq_len, devices):
     return chunks[jnp.asarray(order)].reshape(-1)
 
 
-def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None, scale=None,
-                   return_lse=False, layout="contiguous", strategy="ring", backend=None,
-                   kernel_options=None):
+def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None,
+                               scale=None, return_lse=False, layout="contiguous",
+                               strategy="ring", backend=None, kernel_options=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -107,7 +114,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       >>> shard = jax.sharding.PartitionSpec(None, "cp")
       >>> step = jax.shard_map(
       ...     lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
-      ...                                       mask_mod=pf.masks.causal_mask),
+      ...                                                   mask_mod=pf.masks.causal_mask),
       ...     mesh=mesh, in_specs=shard, out_specs=shard, check_vma=False)
       >>> out = jax.jit(step)(q, k, v)   # equals pf.attention(q, k, v, mask_mod=...)
     """
@@ -125,22 +132,17 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
+    options = dict(scale=scale, backend=backend, kernel_options=kernel_options)
     if strategy == "all_gather":
-        # The gathered K/V rows are in device order: row g is device g // L's local row.
-        length = k.shape[1]
         k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
-
-        def kv_position(gathered):
-            return _positions(gathered // length, length, devices, layout)(gathered % length)
-        out, lse = attention(
-            q, k, v, mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False),
-            score_mod=_at_global_positions(score_mod, q_position, kv_position, True),
-            scale=scale, return_lse=True, backend=backend, kernel_options=kernel_options)
+        out, lse = _one_call(q, k, v, mask_mod, score_mod, q_position,
+                             _gathered_positions(k.shape[1] // devices, devices, layout),
+                             lambda h: h, options)
         return (out, lse) if return_lse else out
     if strategy == "all_to_all":
-        return _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod,
-                           dict(scale=scale, backend=backend, kernel_options=kernel_options),
-                           return_lse)
+        out, lse = _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod,
+                               score_mod, options)
+        return (out, lse) if return_lse else out
     # Each step sends this device's K/V shard to the next device and receives the
     # previous one's: at step s, device i holds the shard of device (i - s) mod N. The
     # BlockMask of every step is built first: a step whose BlockMask lists no block is
@@ -157,49 +159,44 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
             jnp.sum(block_mask.kv_num_blocks) + jnp.sum(block_mask.full_kv_num_blocks) > 0)
         steps.append((block_mask, busy,
                       _at_global_positions(score_mod, q_position, kv_position, True)))
+    # Devices that need each step's shard, summed over the axis in one collective.
+    needed = jax.lax.psum(jnp.stack([busy for _, busy, _ in steps]).astype(jnp.int32),
+                          axis_name)
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
-        def compute(q, k, v, block_mask=block_mask, shifted_score_mod=shifted_score_mod):
-            return attention(q, k, v, block_mask=block_mask, score_mod=shifted_score_mod,
-                             scale=scale, return_lse=True, backend=backend,
-                             kernel_options=kernel_options)
-
-        def skip(q, k, v):
-            return (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype),
-                    jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32))
-        part, part_lse = jax.lax.cond(busy, compute, skip, q, k, v)
-        out, lse = merge_attention_states(out, lse, part, part_lse)
+        def merge_step(out, lse, k, v, block_mask=block_mask, score_mod=shifted_score_mod):
+            part, part_lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True,
+                                            **options)
+            return merge_attention_states(out, lse, part, part_lse)
+        out, lse = jax.lax.cond(busy, merge_step, lambda out, lse, k, v: (out, lse),
+                                out, lse, k, v)
         if step + 1 < devices:
-            later = jax.lax.psum(sum(b.astype(jnp.int32) for _, b, _ in steps[step + 1:]),
-                                 axis_name)
-            k, v = jax.lax.cond(later > 0,
+            k, v = jax.lax.cond(jnp.sum(needed[step + 1:]) > 0,
                                 lambda k, v: jax.lax.ppermute((k, v), axis_name, to_next),
                                 lambda k, v: (k, v), k, v)
     out = out.astype(q.dtype)
     return (out, lse) if return_lse else out
 
 
-def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options,
-                return_lse):
+def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, options):
+    """(out, lse) of one `attention` call with the mods at global positions and heads."""
+    return attention(
+        q, k, v, return_lse=True, **options,
+        mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False, head),
+        score_mod=_at_global_positions(score_mod, q_position, kv_position, True, head))
+
+
+def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options):
     """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (the sequence in device
-    order, mapped back to positions through the layout; heads offset to global ones),
-    one call, and the outputs trade back."""
+    order; heads offset to global ones), one call, and the outputs trade back."""
     if q.shape[2] % devices or k.shape[2] % devices:
         raise ValueError(f"strategy 'all_to_all' splits the heads over {devices} devices: "
                          f"Hq {q.shape[2]} and Hkv {k.shape[2]} must be multiples of it")
-    length, local_heads = k.shape[1], q.shape[2] // devices
+    position = _gathered_positions(k.shape[1], devices, layout)
+    head_offset = (index * (q.shape[2] // devices)).astype(jnp.int32)
     q, k, v = (jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True) for x in (q, k, v))
-
-    def position(gathered):
-        return _positions(gathered // length, length, devices, layout)(gathered % length)
-    head_offset = (index * local_heads).astype(jnp.int32)
-    out, lse = attention(
-        q, k, v, return_lse=True, **options,
-        mask_mod=_at_global_positions(mask_mod, position, position, False,
-                                      lambda h: h + head_offset),
-        score_mod=_at_global_positions(score_mod, position, position, True,
-                                       lambda h: h + head_offset))
-    out = jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True)
-    lse = jax.lax.all_to_all(lse, axis_name, 2, 1, tiled=True)
-    return (out, lse) if return_lse else out
+    out, lse = _one_call(q, k, v, mask_mod, score_mod, position, position,
+                         lambda h: h + head_offset, options)
+    return (jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True),
+            jax.lax.all_to_all(lse, axis_name, 2, 1, tiled=True))

@@ -62,71 +62,60 @@ def _sharded(mesh, fn, *replicated):
         out_specs=(shard, P(None, None, "cp")), check_vma=False))
 
 
+def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla", **options):
+    """context_parallel_attention(**options) over the four devices (inputs laid out for
+    the layout, outputs put back in order) against pf.attention on one device: outputs
+    and lse to 2e-5, dq, dk, dv to 1e-4."""
+    q, k, v, d_out = inputs
+    order = (pf.context_parallel.zigzag_order(S, DEVICES)
+             if options.get("layout") == "zig-zag" else jnp.arange(S))
+    restore = jnp.argsort(order)
+    parallel = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+        backend=backend, **options))
+
+    def sharded(q, k, v):
+        out, lse = parallel(q[:, order], k[:, order], v[:, order])
+        return out[:, restore], lse[:, :, restore]
+
+    def single(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
+                            backend=backend)
+    (out, lse), (expected, expected_lse) = sharded(q, k, v), single(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
+
+    def gradients(attend):
+        return jax.grad(lambda q, k, v: jnp.sum(attend(q, k, v)[0] * d_out),
+                        argnums=(0, 1, 2))(q, k, v)
+    for name, a, b in zip("qkv", gradients(sharded), gradients(single)):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+
+
 # Every case on the XLA path; the Pallas kernels (interpret mode: slow) on two masks.
 @pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [
     ("causal", "interpret"), ("documents", "interpret")])
 def test_ring_equals_one_device(mesh, case, backend):
-    mask_mod, score_mod = CASES[case]
-    q, k, v, d_out = _inputs()
-
-    def single(q, k, v):
-        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
-                            return_lse=True, backend=backend)
-
-    def ring(q, k, v):
-        return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=mask_mod,
-                                 score_mod=score_mod, return_lse=True, backend=backend)
-    ring = _sharded(mesh, ring)
-    (out, lse), (expected, expected_lse) = ring(q, k, v), single(q, k, v)
-    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
-
-    def loss(attend):
-        return lambda q, k, v: jnp.sum(attend(q, k, v)[0] * d_out)
-    got = jax.grad(loss(ring), argnums=(0, 1, 2))(q, k, v)
-    want = jax.grad(loss(single), argnums=(0, 1, 2))(q, k, v)
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    _assert_equals_one_device(mesh, _inputs(), *CASES[case], backend=backend)
 
 
 @pytest.mark.parametrize("case", ["causal", "documents"])
 def test_zigzag_layout_equals_one_device_at_original_positions(mesh, case):
     """Inputs laid out zig-zag (device i: chunks i and 7 - i of 8): the mods still see
     original positions, and the outputs put back in order equal single-device ones."""
-    mask_mod, _ = CASES[case]
-    q, k, v, d_out = _inputs(3)
     order = pf.context_parallel.zigzag_order(S, DEVICES)
-    restore = jnp.argsort(order)
     np.testing.assert_array_equal(order[:S // 8], np.arange(S // 8))  # device 0: chunk 0 ...
     np.testing.assert_array_equal(order[S // 8:S // 4], np.arange(7 * S // 8, S))  # and 7
-    ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, return_lse=True, layout="zig-zag",
-        backend="xla"))
-
-    def zigzag(q, k, v):
-        out, lse = ring(q[:, order], k[:, order], v[:, order])
-        return out[:, restore], lse[:, :, restore]
-
-    def single(q, k, v):
-        return pf.attention(q, k, v, mask_mod=mask_mod, return_lse=True, backend="xla")
-    (out, lse), (expected, expected_lse) = zigzag(q, k, v), single(q, k, v)
-    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
-    got = jax.grad(lambda q, k, v: jnp.sum(zigzag(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    _assert_equals_one_device(mesh, _inputs(3), CASES[case][0], None, layout="zig-zag")
 
 
 def test_bad_layouts_are_value_errors(mesh):
     with pytest.raises(ValueError, match="layout must be"):
-        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
-                                                         layout="striped"))(*_inputs()[:3])
+        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+            q, k, v, axis_name="cp", layout="striped"))(*_inputs()[:3])
     with pytest.raises(ValueError, match="strategy must be"):
-        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
-                                                         strategy="ulysses"))(*_inputs()[:3])
+        _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+            q, k, v, axis_name="cp", strategy="ulysses"))(*_inputs()[:3])
     with pytest.raises(ValueError, match="not a multiple of 8"):
         pf.context_parallel.zigzag_order(100, DEVICES)
 
@@ -143,8 +132,8 @@ def test_a_captured_learnable_array_gets_its_gradient(mesh):
 
     def ring(q, k, v, slopes):
         return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=masks.causal_mask,
-                                 score_mod=pf.scores.alibi(slopes), return_lse=True,
-                                 backend="xla")
+                                             score_mod=pf.scores.alibi(slopes), return_lse=True,
+                                             backend="xla")
     ring = _sharded(mesh, ring, slopes)
 
     def loss(attend):
@@ -222,8 +211,8 @@ def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, 
             jax.debug.callback(lambda: counts.__setitem__(name, counts[name] + 1))
             return function(*args, **kwargs)
         return wrapped
-    monkeypatch.setattr(context_parallel, "attention",
-                        counting("computed", context_parallel.attention))
+    monkeypatch.setattr(context_parallel, "flex_attention",
+                        counting("computed", context_parallel.flex_attention))
     monkeypatch.setattr(jax.lax, "ppermute", counting("transfers", jax.lax.ppermute))
     mask_mod, score_mod = CASES[case]
     q, k, v, _ = _inputs(4)
@@ -244,31 +233,8 @@ def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, 
 def test_all_gather_strategy_equals_one_device(mesh, case, layout):
     """strategy="all_gather": K/V gathered once (in device order, positions mapped back
     through the layout), one call per device; outputs and gradients as on one device."""
-    mask_mod, score_mod = CASES[case]
-    q, k, v, d_out = _inputs(5)
-    order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
-             else jnp.arange(S))
-    restore = jnp.argsort(order)
-    gathered = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-        layout=layout, strategy="all_gather", backend="xla"))
-
-    def sharded(q, k, v):
-        out, lse = gathered(q[:, order], k[:, order], v[:, order])
-        return out[:, restore], lse[:, :, restore]
-
-    def single(q, k, v):
-        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-                            backend="xla")
-    (out, lse), (expected, expected_lse) = sharded(q, k, v), single(q, k, v)
-    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
-    got = jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    _assert_equals_one_device(mesh, _inputs(5), *CASES[case], layout=layout,
+                              strategy="all_gather")
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zig-zag"])
@@ -282,29 +248,8 @@ def test_all_to_all_strategy_equals_one_device(mesh, case, layout):
     d_out = jnp.concatenate([d_out, d_out], axis=2)
     mask_mod, score_mod = ((CASES["documents"][0], None) if case == "documents" else
                            (masks.causal_mask, pf.scores.alibi(pf.scores.alibi_slopes(8))))
-    order = (pf.context_parallel.zigzag_order(S, DEVICES) if layout == "zig-zag"
-             else jnp.arange(S))
-    restore = jnp.argsort(order)
-    swapped = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-        layout=layout, strategy="all_to_all", backend="xla"))
-
-    def sharded(q, k, v):
-        out, lse = swapped(q[:, order], k[:, order], v[:, order])
-        return out[:, restore], lse[:, :, restore]
-
-    def single(q, k, v):
-        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-                            backend="xla")
-    (out, lse), (expected, expected_lse) = sharded(q, k, v), single(q, k, v)
-    np.testing.assert_allclose(out, expected, atol=2e-5, rtol=2e-5)
-    np.testing.assert_allclose(lse, expected_lse, atol=2e-5, rtol=2e-5)
-    got = jax.grad(lambda q, k, v: jnp.sum(sharded(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    want = jax.grad(lambda q, k, v: jnp.sum(single(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
-        q, k, v)
-    for name, a, b in zip("qkv", got, want):
-        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
+    _assert_equals_one_device(mesh, (q, k, v, d_out), mask_mod, score_mod, layout=layout,
+                              strategy="all_to_all")
     with pytest.raises(ValueError, match="multiples of it"):
         _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
             q, k, v, axis_name="cp", strategy="all_to_all", return_lse=True))(*_inputs()[:3])
