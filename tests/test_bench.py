@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import pallas_flex as pf
 from pallas_flex.bench import cases, cli, jax_suites, report
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -44,8 +45,9 @@ def test_analytic_densities_match_the_mods(shape, variant):
 
 
 def test_alibi_slopes_are_the_standard_ones():
-    np.testing.assert_allclose(cases.alibi_slopes(8), [2.0 ** -(h + 1) for h in range(8)])
-    assert len(cases.alibi_slopes(12)) == 12
+    """The suites' ALiBi slopes are pf.scores.alibi_slopes (one definition for both)."""
+    np.testing.assert_allclose(pf.scores.alibi_slopes(8), [2.0 ** -(h + 1) for h in range(8)])
+    assert len(pf.scores.alibi_slopes(12)) == 12
 
 
 def test_gpu_names():

@@ -97,20 +97,6 @@ def document_ids(seq_len: int, documents: int) -> np.ndarray:
     return np.searchsorted(ends, np.arange(seq_len), side="right").astype(np.int32)
 
 
-def alibi_slopes(num_heads: int) -> np.ndarray:
-    """float32 [H]: the standard ALiBi slopes (Press et al.'s `get_slopes`)."""
-    def power_of_two(n):
-        return [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
-
-    def slopes(n):
-        if n & (n - 1) == 0:
-            return power_of_two(n)
-        closest = 2 ** math.floor(math.log2(n))
-        return power_of_two(closest) + slopes(2 * closest)[0::2][:n - closest]
-
-    return np.asarray(slopes(num_heads), np.float32)
-
-
 def normal(shape: tuple, stream: int) -> np.ndarray:
     """float32 standard normal from (INPUT_SEED, stream): the same numbers everywhere."""
     return np.random.default_rng([INPUT_SEED, stream]).standard_normal(shape, np.float32)

@@ -28,8 +28,10 @@ def mods(variant: cases.Variant, shape: cases.Shape, arrays=jnp.asarray, tanh=jn
     """(mask_mod, score_mod) of a variant, as a user writes them; queries sit at the end of
     the keys (decode: the one query at Skv - 1). `arrays`/`tanh` make torch's twin."""
     offset = shape.seq_len - shape.queries
-    ids = arrays(cases.document_ids(shape.seq_len, variant.documents))
-    slopes = arrays(cases.alibi_slopes(shape.q_heads))
+    if variant.mask == "document":
+        ids = arrays(cases.document_ids(shape.seq_len, variant.documents))
+    if variant.score == "alibi":
+        slopes = arrays(np.asarray(pf.scores.alibi_slopes(shape.q_heads)))
     masks = {
         "none": None,
         "causal": lambda b, h, q, kv: q + offset >= kv,
@@ -222,7 +224,7 @@ def score_mods(options):
         row = {"case": shape.name, "params": {
             **dataclasses.asdict(shape), "flops": cases.flops(cases.VARIANTS[1], shape, "fwd")}}
         for column, score_mod in {
-                "causal": None, "alibi": pf.scores.alibi(cases.alibi_slopes(shape.q_heads)),
+                "causal": None, "alibi": pf.scores.alibi(pf.scores.alibi_slopes(shape.q_heads)),
                 "relative_position": pf.scores.relative_position(0.01),
                 "t5_bias": pf.scores.t5_relative_bias(table, bidirectional=False),
                 "bias_lookup": bias,
