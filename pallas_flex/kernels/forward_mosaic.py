@@ -22,7 +22,7 @@ those as one vector per tile). Reads at other indices (T5 buckets) are per-eleme
 kernel does and this one does not.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
-matmuls are plain dots on the shared-memory tiles (`_scores`, `_accumulate`), and all
+matmuls are plain dots on the shared-memory tiles (`mosaic_tiles.matmul`), and all
 the rest (TMA copies, barriers, the three warpgroups) is simulated.
 """
 
@@ -40,15 +40,15 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
+from pallas_flex.kernels.mosaic_tiles import (
+    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, matmul, reads_index, tile_applier,
+    to_tile)
 from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.kernels.tile_mods import (
-    CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument,
-    split_captured_refs)
+from pallas_flex.kernels.tile_mods import captured_inputs, split_captured_refs
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
 # K/V tile in shared memory, whose tiling transform groups PAGE_ROWS_MULTIPLE (8) rows.
-ROWS_PER_WARPGROUP = 64
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # Issue the copies of pages smaller than a tile from the memory warpgroup's four warps
 # (each arriving on the tile's barrier from its own lanes) instead of from the whole
@@ -76,46 +76,6 @@ _GRID_AXES = ("heads", "q_seq", "batch")
 # float64 at B1 H4 S2048 D128 causal stayed the bf16 rounding's (7.6e-3 with either form),
 # and tests/kernels/test_forward_mosaic.py bounds it with scores driven into saturation.
 # The kernel takes 16-bit inputs only; float32 runs on the Triton kernel (exact tanh).
-# Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
-# ("Register bitwidth ... must be divisible by 8"): xor with True says the same.
-_PRIMITIVE_OVERRIDES = {
-    "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
-}
-
-
-def _scores(q_smem, k_smem, interpret, after_issue=None):
-    """q·kᵀ [64, 128] float32 for one compute warpgroup's query rows and a K tile;
-    `after_issue` runs while the wgmma is in flight."""
-    if interpret:
-        if after_issue is not None:
-            after_issue()
-        return lax.dot_general(q_smem[...], k_smem[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-
-    def multiply(accumulator_ref):
-        plgpu.wgmma(accumulator_ref, q_smem, k_smem.transpose((1, 0)))
-        if after_issue is not None:
-            after_issue()
-        return accumulator_ref[...]
-
-    return pl.run_scoped(multiply, plgpu.ACC((ROWS_PER_WARPGROUP, BLOCK), jnp.float32))
-
-
-def _accumulate(accumulator, p, v_smem, interpret, after_issue=None):
-    """accumulator + p·v; `after_issue` runs while the wgmma is in flight."""
-    if interpret:
-        if after_issue is not None:
-            after_issue()
-        return accumulator + jnp.dot(p, v_smem[...], preferred_element_type=jnp.float32)
-
-    def multiply(accumulator_ref):
-        plgpu.wgmma(accumulator_ref, p, v_smem)
-        if after_issue is not None:
-            after_issue()
-
-    return pl.run_state(multiply)(plgpu.ACC.init(accumulator))
-
-
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
@@ -173,16 +133,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         # Indices are vectors in the layouts of a tile's rows and columns (a mod's index
         # arithmetic, and ALiBi's int->float conversions, then run once per row or
-        # column); `_broadcast_on_tile` spreads them over the tile where they meet.
+        # column); `mosaic_tiles.to_tile` spreads them over the tile where they meet.
         # Only built where a mod reads them: an unused index vector leaves Mosaic GPU's
         # layout inference without a solution.
         q_idx = None
-        if (_reads_index(mask_program, mask_reads, "q_idx")
-                or _reads_index(score_program, score_reads, "q_idx")):
-            q_idx = q_start + plgpu.broadcasted_iota(jnp.int32, (ROWS_PER_WARPGROUP,), 0,
-                                                     layout=row_layout)
+        if (reads_index(mask_program, mask_reads, "q_idx")
+                or reads_index(score_program, score_reads, "q_idx")):
+            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0)
             if q_len % BLOCK:  # mods see in-range indices; padded rows are sliced off
-                q_idx = jnp.minimum(q_idx, q_len - 1)
+                q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 0)
         # Keys past a ragged tail sit in partial blocks only (BlockMask never lists a
         # block reaching past the keys as full): those mask them. On a paged cache the
         # row's own length bounds its keys (the caller clipped the BlockMask to it, so
@@ -196,8 +155,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         # What a tile of each loop (masked or not) needs: the kv_idx vector (only where
         # it is used, as for q_idx) and the tile's first key (also for slice reads).
-        score_kv = _reads_index(score_program, score_reads, "kv_idx")
-        mask_kv = _reads_index(mask_program, mask_reads, "kv_idx") or masks_key_tail
+        score_kv = reads_index(score_program, score_reads, "kv_idx")
+        mask_kv = reads_index(mask_program, mask_reads, "kv_idx") or masks_key_tail
         kv_needs = {
             masked: (score_kv or (masked and mask_kv),
                      score_kv or slices_at_kv(score_reads)
@@ -233,10 +192,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             accumulator, running_max, running_sum = carry
             slot = lax.rem(step, jnp.int32(num_stages))
             # Then the other warpgroup's q·kᵀ goes next.
-            if early_hand_over:
-                raw = _scores(qo_smem, k_smem.at[slot], interpret, after_issue=schedule_turn)
-            else:
-                raw = _scores(qo_smem, k_smem.at[slot], interpret)
+            raw = matmul(qo_smem, k_smem.at[slot], shape=tile, interpret=interpret,
+                         transpose_b=True,
+                         after_issue=schedule_turn if early_hand_over else None)
+            if not early_hand_over:
                 schedule_turn()
             plgpu.barrier_arrive(k_consumed.at[slot])
 
@@ -245,34 +204,35 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if needs_kv_start:
                 kv_start = kv_block_of(step) * BLOCK
             if needs_kv_vector:
-                kv_position = kv_start + plgpu.broadcasted_iota(
-                    jnp.int32, (BLOCK,), 0, layout=plgpu.Layout.WGMMA.reduce(0))
-                kv_idx = (jnp.minimum(kv_position, kv_len - 1) if clamps_key_tail
-                          else kv_position)
+                kv_position = index_vector(kv_start, BLOCK, 1)
+                kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
+                          if clamps_key_tail else kv_position)
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
             if score_program is None:
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
-                (logits,) = _evaluate(score_program, score_reads, score_refs,
-                                      (raw * scale, batch, head, q_idx, kv_idx), 3,
-                                      q_start, kv_start, interpret)
-                logits = _to_shape(logits, tile).astype(jnp.float32)
+                (logits,) = evaluate(score_program, score_reads, score_refs,
+                                     (raw * scale, batch, head, q_idx, kv_idx), tile=tile,
+                                     q_axis=0, q_start=q_start, kv_start=kv_start,
+                                     interpret=interpret)
+                logits = to_tile(logits, tile).astype(jnp.float32)
                 logit_scale = online_softmax.LOG2_E
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
-                (keep,) = _evaluate(mask_program, mask_reads, mask_refs,
-                                    (batch, head, q_idx, kv_idx), 2, q_start, kv_start,
-                                    interpret)
+                (keep,) = evaluate(mask_program, mask_reads, mask_refs,
+                                   (batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
+                                   q_start=q_start, kv_start=kv_start, interpret=interpret)
                 if masks_key_tail:
-                    keep = _broadcast_on_tile([keep, kv_position < key_limit])
-                    keep = keep[0] & keep[1]
-                if jnp.shape(keep) == ():  # a mask that reads no index (noop_mask)
+                    keep = tile_applier(tile)(
+                        jnp.logical_and, [keep, Vector(kv_position.value < key_limit, 1)])
+                if not isinstance(keep, Vector) and jnp.shape(keep) == ():
+                    # a mask that reads no index (noop_mask)
                     logits = logits + jnp.where(keep, 0.0, -jnp.inf)
                 else:
-                    logits = jnp.where(_to_shape(keep, tile), logits, -jnp.inf)
+                    logits = jnp.where(to_tile(keep, tile), logits, -jnp.inf)
 
             new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
             # A row that has seen only masked scores keeps max -inf: subtract 0 instead,
@@ -301,8 +261,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 def _():
                     plgpu.barrier_wait(k_barriers.at[lax.rem(next_step, jnp.int32(num_stages))])
 
-            accumulator = _accumulate(accumulator, p, v_smem.at[slot], interpret,
-                                      after_issue=wait_for_next_keys)
+            accumulator = matmul(p, v_smem.at[slot], shape=accumulator.shape,
+                                 interpret=interpret, accumulator=accumulator,
+                                 after_issue=wait_for_next_keys)
             plgpu.barrier_arrive(v_consumed.at[slot])
             return accumulator, new_max, running_sum
 
@@ -420,71 +381,6 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
             pl.when(warp == index % WARPS_PER_WARPGROUP)(functools.partial(copy, index))
 
     plgpu.warp_map(per_warp)
-
-
-def _reads_index(program, reads, name):
-    """Whether the kernel must build `name`'s index vector for `program`: it reads it
-    other than as the index of one of its contiguous `reads`."""
-    if program is None:
-        return False
-    position = {"q_idx": 2, "kv_idx": 3}[name] + (program.kind == "score")
-    return reads_argument(program.jaxpr, position, reads)
-
-
-def _to_shape(x, shape):
-    """x (a scalar, a [64] row-index vector, a [128] column-index vector or a tile)
-    as an array of `shape` (x's own, or the tile's)."""
-    if jnp.shape(x) == shape:
-        return x
-    if jnp.shape(x) == ():
-        return jnp.broadcast_to(x, shape)
-    row_vector = jnp.shape(x) == (ROWS_PER_WARPGROUP,)
-    return lax.broadcast_in_dim(x, shape, [0] if row_vector else [1])
-
-
-def _broadcast_on_tile(operands):
-    """Operands of one operation brought to one shape: their common vector shape, or
-    the [64, 128] tile where a row vector meets a column vector or a tile."""
-    shapes = {jnp.shape(x) for x in operands} - {()}
-    if not shapes:
-        return operands
-    shape = shapes.pop() if len(shapes) == 1 else (ROWS_PER_WARPGROUP, BLOCK)
-    return [_to_shape(x, shape) for x in operands]
-
-
-def _evaluate(program, reads, refs, args, first_index_arg, q_start, kv_start, interpret):
-    """Runs a mod on the kernel's index vectors and score tile. q_idx and kv_idx lie
-    below the lengths (clamped into them), at most 2**24: an int difference of them
-    converted to float32 is converted per vector instead (see evaluate_jaxpr_on_tiles).
-    Its contiguous `reads` at q_idx / kv_idx load the slice from row q_start (64
-    rows) or kv_start (128) of the captured array, edge-padded by the wrapper."""
-    consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
-              for position, (ref, c) in enumerate(zip(refs, program.consts))]
-
-    def slice_reader(axis, kind):
-        def read(captured, indices):
-            index = [None if i is None else jnp.clip(i, 0, size - 1)
-                     for i, size in zip(indices, captured.shape)]
-            if kind == "q":
-                index[axis] = pl.ds(q_start, ROWS_PER_WARPGROUP)
-                layout = plgpu.Layout.WGMMA.reduce(1)
-            else:
-                index[axis] = pl.ds(kv_start, BLOCK)
-                layout = plgpu.Layout.WGMMA.reduce(0)
-            if interpret:
-                return captured.ref[tuple(index)]
-            # From GMEM: Mosaic GPU has no "optimized" (vectorized) transfer for it.
-            return plgpu.load(captured.ref.at[tuple(index)], layout=layout,
-                              optimized=False)
-        return read
-
-    readers = {key: (slice_reader(axis, kind), axis)
-               for key, (_, axis, kind) in reads.items()}
-    return evaluate_jaxpr_on_tiles(
-        program.jaxpr, consts, args, program.name,
-        small_index_args=(first_index_arg, first_index_arg + 1),
-        primitive_overrides=_PRIMITIVE_OVERRIDES, broadcast=_broadcast_on_tile,
-        captured_reads=readers)
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,

@@ -98,9 +98,11 @@ def broadcast_numpy_style(operands):
     return [jnp.broadcast_to(x, shape) if jnp.shape(x) != shape else x for x in operands]
 
 
-def _elementwise(equation, operands, broadcast=broadcast_numpy_style):
-    """Binds a scalar primitive on operands broadcast to their common tile shape."""
-    return equation.primitive.bind(*broadcast(operands), **equation.params)
+def _bound(equation):
+    """The equation's primitive as a function of its operands (with its parameters)."""
+    def bind(*operands):
+        return equation.primitive.bind(*operands, **equation.params)
+    return bind
 
 
 def _read_captured(value, name: str, primitive: str):
@@ -126,7 +128,8 @@ def _is_float32_conversion(equation) -> bool:
 
 def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                             small_index_args=(), primitive_overrides=None,
-                            broadcast=broadcast_numpy_style, captured_reads=None):
+                            broadcast=broadcast_numpy_style, captured_reads=None,
+                            apply=None):
     """Runs scalar `jaxpr` on tile-shaped `args`; `consts` are CapturedRefs or arrays.
 
     small_index_args: positions of int args whose values lie in [0, 2**24), which the
@@ -139,14 +142,20 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
 
     primitive_overrides: {primitive name: function of the broadcast operands} replacing
     a primitive's own rule (the Mosaic GPU kernel's `not` on bool tiles).
-    broadcast: how operands of different shapes meet (the Mosaic GPU kernel's index
-    vectors are 1-D, in register layouts that broadcast along one tile axis each).
+    broadcast: how operands of different shapes meet (numpy's rules by default).
+    apply: `apply(function, operands)` runs every operation instead of
+    `function(*broadcast(operands))`: the Mosaic GPU kernels' index vectors are 1-D,
+    tagged with the tile axis they run along (`mosaic_tiles.Vector`), and their
+    operations keep the tag.
     captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis)} replacing those
     reads of captured arrays by `read(captured_ref, indices)`, whose `indices[axis]` is
     None (the Mosaic GPU kernel loads reads at q_idx or kv_idx as contiguous slices).
     """
     primitive_overrides = primitive_overrides or {}
     captured_reads = captured_reads or {}
+    if apply is None:
+        def apply(function, operands):
+            return function(*broadcast(operands))
     # Dead equations are skipped: with reads replaced, the index arithmetic that fed them
     # is dead, and the caller may not have built indices that only dead code reads.
     live = live_equations(jaxpr, captured_reads)
@@ -180,9 +189,9 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             first, second = index_differences[equation.invars[0]]
             # The int difference computed for this var stays unused unless something
             # else reads it, and then the compiler drops it.
-            first, second = broadcast([_elementwise(equation, [first], broadcast),
-                                       _elementwise(equation, [second], broadcast)])
-            outputs = [first - second]
+            convert = _bound(equation)
+            outputs = [apply(lambda a, b: a - b,
+                             [apply(convert, [first]), apply(convert, [second])])]
         elif primitive in _CALL_PARAMS:
             inner = equation.params[_CALL_PARAMS[primitive]]
             inner_jaxpr = getattr(inner, "jaxpr", inner)
@@ -192,7 +201,7 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             outputs = evaluate_jaxpr_on_tiles(inner_jaxpr, list(inner_consts), operands, name,
                                               small_index_args=inner_small,
                                               primitive_overrides=primitive_overrides,
-                                              broadcast=broadcast)
+                                              broadcast=broadcast, apply=apply)
         elif (primitive == "dynamic_slice" and isinstance(operands[0], CapturedRef)
               and id(equation) in captured_reads):
             outputs = [captured_reads[id(equation)][0](operands[0], operands[1:])]
@@ -213,10 +222,7 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                     f"mod {name!r} builds an array with {primitive!r}; mods must compute "
                     "one scalar from scalars (precompute arrays outside and index them)"
                 )
-            if primitive in primitive_overrides:
-                outputs = primitive_overrides[primitive](*broadcast(operands))
-            else:
-                outputs = _elementwise(equation, operands, broadcast)
+            outputs = apply(primitive_overrides.get(primitive, _bound(equation)), operands)
             if not equation.primitive.multiple_results:
                 outputs = [outputs]
         for var, value in zip(equation.outvars, outputs):
