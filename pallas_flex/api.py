@@ -14,7 +14,6 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex import dispatch
 from pallas_flex.kernels import device
-from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask
@@ -201,10 +200,11 @@ def _fused_attention_backward(config, residuals, cotangents):
         d_lse = None
     # The "xla" backend has no GPU kernels: its backward runs the same kernels through
     # Pallas's interpreter (still O(S) memory, just not fast).
-    d_q, d_k, d_v, const_grads = flex_attention_backward(
-        q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-        options=options, interpret=backend != "pallas",
-        wanted_const_grads=wanted.flags)
+    choice = dispatch.choose_backward(q, k, v, block_mask, score_program, backend=backend,
+                                      options=options, wanted_const_grads=wanted.flags)
+    d_q, d_k, d_v, const_grads = dispatch.run_backward(
+        choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
+        options=options, interpret=backend != "pallas", wanted_const_grads=wanted.flags)
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:
@@ -288,7 +288,7 @@ def explain(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=No
     Example:
       >>> print(pf.explain(q, k, v, mask_mod=pf.masks.causal_mask))
       forward: mosaic_forward (the Mosaic GPU forward takes it (Hopper, ...))
-      backward: triton_backward (the Triton backward kernel)
+      backward: mosaic_backward (the Mosaic GPU backward takes it (Hopper, ...))
     """
     block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     block_mask, score_program, (backend, _, options) = _prepare(

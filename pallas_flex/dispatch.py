@@ -15,9 +15,17 @@ order the rules are tried:
 | otherwise (forward_kernel "mosaic" then raises a ValueError)    | triton_forward  |
 
 ("reference" never reaches a kernel: the dense oracle in `pallas_flex.api`.) The
-backward of `pallas_flex.attention` is the Triton backward kernel on "pallas", the same
-kernel in Pallas's interpreter on "interpret" and "xla". The ragged op
-(`paged.paged_attention`) has one kernel of its own.
+backward of `pallas_flex.attention` (`choose_backward`), in the same way:
+
+| rule                                                           | kernel           |
+|----------------------------------------------------------------|------------------|
+| backward_kernel "triton"                                       | triton_backward  |
+| backend "xla", or "interpret" with backward_kernel "auto"      | triton_backward (interpreted) |
+| gradients of arrays the score_mod captured are wanted          | triton_backward  |
+| the Mosaic GPU forward would take the call                     | mosaic_backward  |
+| otherwise (backward_kernel "mosaic" then raises a ValueError)  | triton_backward  |
+
+The ragged op (`paged.paged_attention`) has one kernel of its own.
 
 The Mosaic GPU forward (`kernels/forward_mosaic.py`) is written for Hopper: compute
 capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 128},
@@ -32,7 +40,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from pallas_flex.kernels import device, forward_mosaic, mosaic_eligibility
+from pallas_flex.kernels import backward_mosaic, device, forward_mosaic, mosaic_eligibility
+from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
@@ -40,6 +49,7 @@ from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.kernels.xla_blockwise import blockwise_attention
 
 FORWARD_KERNELS = ("xla_blockwise", "decode", "triton_forward", "mosaic_forward")
+BACKWARD_KERNELS = ("triton_backward", "mosaic_backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +136,52 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
                                   **paging)
 
 
+def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
+                    options: KernelOptions, wanted_const_grads=None) -> Choice:
+    """The backward kernel of a call (see the module docstring's second table).
+    wanted_const_grads: per captured array of the score_mod, whether its gradient is
+    wanted (None: none are). A ValueError when kernel_options name the Mosaic backward
+    and it does not take the call."""
+    named = options.backward_kernel == "mosaic"
+    if options.backward_kernel == "triton":
+        return Choice("triton_backward", "kernel_options['backward_kernel'] is 'triton'")
+    interpret = backend != "pallas"
+    if backend == "xla" or (interpret and not named):
+        return Choice("triton_backward", f'backend "{backend}" runs the Triton backward in '
+                                         "Pallas's interpreter")
+    reason = None
+    if score_program is not None and any(
+            wanted and jnp.issubdtype(const.dtype, jnp.floating)
+            for wanted, const in zip(wanted_const_grads or (), score_program.consts)):
+        reason = "gradients of arrays the score_mod captured (the Triton backward sums them)"
+    if reason is None:
+        reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program,
+                                           options=options, interpret=interpret)
+    if reason is None:
+        return Choice("mosaic_backward", "the Mosaic GPU backward takes it (Hopper, "
+                                         "warp-specialized, wgmma)")
+    if named:
+        raise ValueError(f"kernel_options['backward_kernel'] is 'mosaic', but the Mosaic GPU "
+                         f"backward kernel does not take this call: {reason}")
+    return Choice("triton_backward", f"the Mosaic GPU backward does not take {reason}")
+
+
+def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                 *, scale: float, options: KernelOptions, interpret: bool,
+                 wanted_const_grads=None):
+    """(dq, dk, dv, d_score_consts) of the kernel `choice` names (d_score_consts as
+    `backward.flex_attention_backward` returns them)."""
+    if choice.kernel == "mosaic_backward":
+        d_q, d_k, d_v = backward_mosaic.flex_attention_backward_mosaic(
+            q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
+            interpret=interpret, masked_first=options.backward_masked_first)
+        consts = score_program.consts if score_program is not None else ()
+        return d_q, d_k, d_v, [None] * len(consts)
+    return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                                   scale=scale, options=options, interpret=interpret,
+                                   wanted_const_grads=wanted_const_grads)
+
+
 def explain_choice(q, k, v, block_mask, score_program, *, backend: str,
                    options: KernelOptions, paged: bool = False) -> str:
     """A short report: the forward kernel and why, and the backward kernel."""
@@ -135,8 +191,8 @@ def explain_choice(q, k, v, block_mask, score_program, *, backend: str,
                             options=options, paged=paged)
     if paged:
         backward = "none (paged attention is inference only)"
-    elif backend == "pallas":
-        backward = "triton_backward (the Triton backward kernel)"
     else:
-        backward = "triton_backward in Pallas's interpreter"
+        backward_choice = choose_backward(q, k, v, block_mask, score_program,
+                                          backend=backend, options=options)
+        backward = f"{backward_choice.kernel} ({backward_choice.reason})"
     return f"forward: {choice.kernel} ({choice.reason})\nbackward: {backward}"

@@ -52,6 +52,11 @@ class KernelOptions:
       it does not cover the call (with backend="interpret", its interpret mode);
       "triton": the Triton kernel. Giving any of block_q, block_kv, num_warps or
       num_stages (the Triton kernel's settings) without forward_kernel selects "triton".
+    backward_kernel: which backward kernel runs on the GPU, the same way: "auto" (the
+      Mosaic GPU backward, `kernels/backward_mosaic.py`, where it covers the call: the
+      forward's set, without gradients of captured arrays), "mosaic" (a ValueError
+      saying why where it does not) or "triton". Giving any of the Triton backward's
+      tiles, warps or stages without backward_kernel selects "triton".
     """
 
     block_q: int = 128
@@ -75,6 +80,7 @@ class KernelOptions:
     paged_num_stages: int = 0
     backward_masked_first: bool = True
     forward_kernel: str = "auto"
+    backward_kernel: str = "auto"
     backward_deterministic: bool = False
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
@@ -113,12 +119,17 @@ _HOPPER_FORWARD = {
 
 
 FORWARD_KERNELS = ("auto", "mosaic", "triton")
+BACKWARD_KERNELS = FORWARD_KERNELS
 # The most table entries along the axes a per-element read varies over that the backward
 # sums in per-program register rows (a one-hot reduction, deterministic) rather than with
 # atomics (see kernels/backward.py).
 DETERMINISTIC_MAX_ENTRIES = 64
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages"})
+TRITON_BACKWARD_FIELDS = frozenset({
+    "backward_block_q", "backward_block_kv", "backward_dkdv_block_q",
+    "backward_dkdv_block_kv", "backward_num_warps", "backward_num_stages",
+    "backward_dkdv_num_warps", "backward_dkdv_num_stages"})
 
 
 # Float32 changes to the Hopper table, by padded head dim (H100, B2 H16 S4096 causal
@@ -188,9 +199,10 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
-    if kernel_options.get("forward_kernel", "auto") not in FORWARD_KERNELS:
-        raise ValueError(f"kernel_options['forward_kernel'] must be one of {FORWARD_KERNELS}, "
-                         f"got {kernel_options['forward_kernel']!r}")
+    for name in ("forward_kernel", "backward_kernel"):
+        if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
+            raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "
+                             f"got {kernel_options[name]!r}")
     for name in ("backward_masked_first", "backward_deterministic"):
         if not isinstance(kernel_options.get(name, True), bool):
             raise ValueError(f"kernel_options[{name!r}] must be a bool, got "
@@ -204,6 +216,9 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
     # Tile settings are the Triton kernel's: a user who tunes them wants that kernel.
     if "forward_kernel" not in kernel_options and TRITON_FORWARD_FIELDS & set(kernel_options):
         options = options.replace(forward_kernel="triton")
+    if "backward_kernel" not in kernel_options and (
+            TRITON_BACKWARD_FIELDS | TRITON_FORWARD_FIELDS) & set(kernel_options):
+        options = options.replace(backward_kernel="triton")
     # Tiles given for the forward only also bound the backward's (tests pass small
     # tiles to exercise many blocks on short sequences).
     for name in ("block_q", "block_kv"):

@@ -41,10 +41,10 @@ from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, matmul, reads_index, tile_applier,
-    to_tile)
+    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, matmul, padded_for_slices,
+    reads_index, tile_applier, to_tile)
 from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.kernels.tile_mods import captured_inputs, split_captured_refs
+from pallas_flex.kernels.tile_mods import split_captured_refs
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
@@ -399,21 +399,6 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program)
 
 
-def _padded_for_slices(program, reads, num_q_blocks, num_kv_blocks):
-    """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
-    the read's axis to the padded lengths: a slice read past the array's end then sees its
-    last entry, which is what the clamped index of the scalar semantics reads."""
-    arrays = captured_inputs(program)
-    for position, axis, kind in reads.values():
-        length = (num_q_blocks if kind == "q" else num_kv_blocks) * BLOCK
-        array = arrays[position]
-        if array.shape[axis] < length:
-            widths = [(0, 0)] * array.ndim
-            widths[axis] = (0, length - array.shape[axis])
-            arrays[position] = jnp.pad(array, widths, mode="edge")
-    return arrays
-
-
 def _vmappable(launch):
     """`launch` with a batching rule of its own.
 
@@ -480,8 +465,9 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
     padded_q_len = q.shape[1]
     num_stages = num_stages or _STAGES[head_dim]
     mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
-    captured = (_padded_for_slices(mask_program, mask_reads, num_q_blocks, num_kv_blocks)
-                + _padded_for_slices(score_program, score_reads, num_q_blocks, num_kv_blocks))
+    padded_lengths = (num_q_blocks * BLOCK, num_kv_blocks * BLOCK)
+    captured = (padded_for_slices(mask_program, mask_reads, *padded_lengths)
+                + padded_for_slices(score_program, score_reads, *padded_lengths))
     tables = tuple(t.astype(jnp.int32) for t in tables)
     # Each TMA copy into a K/V tile arrives once on its barrier.
     arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1

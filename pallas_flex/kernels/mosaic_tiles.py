@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels.tile_mods import (
-    CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles, reads_argument)
+    CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument)
 
 ROWS_PER_WARPGROUP = 64
 # Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
@@ -126,6 +126,29 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
         apply=tile_applier(tile))
 
 
+def padded_for_slices(program, reads, q_length: int, kv_length: int):
+    """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
+    the read's axis to the kernel's padded q_length / kv_length: a slice read past the
+    array's end then sees its last entry, which is what the clamped index of the scalar
+    semantics reads."""
+    arrays = captured_inputs(program)
+    for position, axis, kind in reads.values():
+        length = q_length if kind == "q" else kv_length
+        array = arrays[position]
+        if array.shape[axis] < length:
+            widths = [(0, 0)] * array.ndim
+            widths[axis] = (0, length - array.shape[axis])
+            arrays[position] = jnp.pad(array, widths, mode="edge")
+    return arrays
+
+
+def load_vector(ref, axis: int, interpret: bool):
+    """A [n] float32 vector from shared memory, in the layout of tile axis `axis`."""
+    if interpret:
+        return ref[...]
+    return plgpu.load(ref, (), layout=vector_layout(axis))
+
+
 def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
            after_issue=None):
     """accumulator (or zeros) + a · b as a float32 [shape] tile, by wgmma: `a` a shared
@@ -154,5 +177,5 @@ def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
     return pl.run_state(issue)(plgpu.ACC.init(accumulator))
 
 
-__all__ = ["Vector", "evaluate", "index_vector", "matmul", "reads_index", "to_tile",
-           "tile_applier", "vector_layout", "ROWS_PER_WARPGROUP"]
+__all__ = ["Vector", "evaluate", "index_vector", "load_vector", "matmul", "padded_for_slices",
+           "reads_index", "to_tile", "tile_applier", "vector_layout", "ROWS_PER_WARPGROUP"]

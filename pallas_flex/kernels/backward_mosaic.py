@@ -1,0 +1,482 @@
+"""Block-sparse FlexAttention backward for Hopper: two Pallas Mosaic GPU kernels.
+
+The math is the Triton backward's (`backward.py`): P recomputed per tile from the saved
+lse, delta = rowsum(dO * O) - dlse, dS = P * (dP - delta) times the score_mod's
+derivative (`jax.vjp` of the mod on the tile), dQ = dS K, dK = dS^T Q, dV = P^T dO.
+Each kernel is warp-specialized as the forward (`forward_mosaic.py`): a memory
+warpgroup streams the tiles a BlockMask row (or column) lists into shared memory with
+TMA, `num_stages` ahead of use, and two compute warpgroups run wgmma and the
+elementwise work on their own 64 rows.
+
+* The dK/dV kernel: one program per (KV head, 128-key block, batch); each compute
+  warpgroup owns 64 keys, keeps K and V in shared memory and dK, dV in float32
+  registers. It walks the BlockMask's transposed tables (the query blocks of its key
+  block: full ones without the mask_mod, then partial ones) for every query head of the
+  KV head's GQA group, in 64-row query tiles: S^T = K Q^T and dP^T = V dO^T [64, 64],
+  then dV += P^T dO and dK += dS^T Q. The group's heads are summed in registers, so GQA
+  needs no [B, S, Hq, D] output and no reduction after it. Tiles put keys on the rows:
+  the mods see kv_idx along the rows and q_idx along the columns
+  (`mosaic_tiles.Vector`).
+* The dQ kernel: one program per (query head, 128-row query block, batch), each
+  compute warpgroup 64 query rows, walking the KV tables as the forward: S = Q K^T and
+  dP = dO V^T [64, 128], dQ += dS K.
+
+Every gradient is written by exactly one program, in a fixed order: the result is
+bitwise reproducible run to run. What it covers is the forward kernel's set
+(`mosaic_eligibility.unsupported_reason`) without gradients of captured arrays
+(`pallas_flex.dispatch.choose_backward` sends those to the Triton backward, which
+accumulates them).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.backward import _prepare
+from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
+from pallas_flex.kernels.mosaic_tiles import (
+    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, load_vector, matmul,
+    padded_for_slices, reads_index, tile_applier, to_tile)
+from pallas_flex.kernels.tile_mods import split_captured_refs
+
+COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
+# Query rows of one dK/dV step: two [64, 64] float32 tiles (S^T, dP^T) next to the
+# [64, D] dK and dV accumulators fit the compute warpgroups' registers at D 128, where
+# 128 query rows would not.
+Q_TILE = 64
+TILES_PER_BLOCK = BLOCK // Q_TILE
+# Tiles in flight per program by head dim, within the shared memory left next to each
+# kernel's resident tiles (dQ: Q and dO, then K and V per stage; dK/dV: K and V, then
+# Q and dO per stage).
+_DQ_STAGES = {64: 4, 128: 2}
+_DKV_STAGES = {64: 4, 128: 3}
+_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+
+def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
+                      q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret):
+    """(base-2 logits of a tile, the score_mod's VJP or None)."""
+    if score_program is None:
+        return raw * (scale * online_softmax.LOG2_E), None
+
+    def modded(score):
+        (result,) = evaluate(score_program, score_reads, score_refs,
+                             (score, batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
+                             q_start=q_start, kv_start=kv_start, interpret=interpret)
+        return to_tile(result, tile).astype(jnp.float32)
+
+    scores, score_vjp = jax.vjp(modded, raw * scale)
+    return scores * online_softmax.LOG2_E, score_vjp
+
+
+def _apply_mask(logits, *, mask_program, mask_reads, mask_refs, batch, head, q_idx, kv_idx,
+                extra_keep, tile, q_axis, q_start, kv_start, interpret):
+    """logits with -inf where the mask_mod (and `extra_keep`, a Vector or None) is False."""
+    (keep,) = evaluate(mask_program, mask_reads, mask_refs, (batch, head, q_idx, kv_idx),
+                       tile=tile, q_axis=q_axis, q_start=q_start, kv_start=kv_start,
+                       interpret=interpret)
+    if extra_keep is not None:
+        keep = tile_applier(tile)(jnp.logical_and, [keep, extra_keep])
+    if not isinstance(keep, Vector) and jnp.shape(keep) == ():  # reads no index
+        return logits + jnp.where(keep, 0.0, -jnp.inf)
+    return jnp.where(to_tile(keep, tile), logits, -jnp.inf)
+
+
+def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
+                 full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
+                 score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
+                 broadcast_heads, mask_reads, score_reads, masked_first, interpret):
+    mask_refs, score_refs, (dk_ref, dv_ref, scratch) = split_captured_refs(
+        refs, mask_program, score_program)
+    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+    kv_barriers, ready, consumed = barriers
+    head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
+    dtype = q_ref.dtype
+    kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    kv_block = lax.axis_index("kv_seq")  # block 0 has the longest causal column: first
+    table_batch = 0 if broadcast_batch else batch
+    last_listed = full_indices_ref.shape[-1] - 1
+    walks = [(full_num_ref, full_indices_ref, False),
+             (partial_num_ref, partial_indices_ref, True)]
+    if masked_first:
+        walks.reverse()
+
+    def walk(visit, carry):
+        """visit(step, head, q_start, masked, carry) on every 64-row query tile of the
+        key block's column, for each query head of the group; step counts them all."""
+        def member_walk(member, state):
+            head = kv_head * group + member
+            table = (table_batch, 0 if broadcast_heads else head, kv_block)
+            for num_ref, indices_ref, masked in walks:
+                def visit_tile(tile_number, state, indices_ref=indices_ref, masked=masked):
+                    step, carry = state
+                    listed = jnp.minimum(lax.div(tile_number, TILES_PER_BLOCK), last_listed)
+                    q_start = (indices_ref[table + (listed,)] * BLOCK
+                               + lax.rem(tile_number, TILES_PER_BLOCK) * Q_TILE)
+                    return step + 1, visit(step, head, q_start, masked, carry)
+                state = lax.fori_loop(0, num_ref[table] * TILES_PER_BLOCK, visit_tile, state)
+            return state
+        if group == 1:
+            return member_walk(0, (jnp.int32(0), carry))
+        return lax.fori_loop(0, group, member_walk, (jnp.int32(0), carry))
+
+    warpgroup = lax.axis_index("warpgroup")
+
+    @pl.when(warpgroup < COMPUTE_WARPGROUPS)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
+        kv_start = kv_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
+        rows = (batch, pl.ds(kv_start, ROWS_PER_WARPGROUP), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_barriers.at[warpgroup])
+        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_barriers.at[warpgroup])
+        plgpu.barrier_wait(kv_barriers.at[warpgroup])
+
+        tile = (ROWS_PER_WARPGROUP, Q_TILE)
+        kv_idx = None
+        if (reads_index(mask_program, mask_reads, "kv_idx")
+                or reads_index(score_program, score_reads, "kv_idx")):
+            kv_idx = index_vector(kv_start, ROWS_PER_WARPGROUP, 0)
+            if kv_len % BLOCK:  # padded key rows' gradients are sliced off
+                kv_idx = Vector(jnp.minimum(kv_idx.value, kv_len - 1), 0)
+        needs_q_idx = (reads_index(mask_program, mask_reads, "q_idx")
+                       or reads_index(score_program, score_reads, "q_idx"))
+        mods = dict(tile=tile, q_axis=1, kv_start=kv_start, interpret=interpret)
+
+        def visit(step, head, q_start, masked, carry):
+            d_k, d_v = carry
+            slot = lax.rem(step, jnp.int32(num_stages))
+            plgpu.barrier_wait(ready.at[slot])
+            scores_t = matmul(k_smem, q_smem.at[slot], shape=tile, interpret=interpret,
+                              transpose_b=True)
+            d_probabilities_t = matmul(v_smem, do_smem.at[slot], shape=tile,
+                                       interpret=interpret, transpose_b=True)
+            q_idx = None
+            if needs_q_idx:
+                q_idx = index_vector(q_start, Q_TILE, 1)
+                if q_len % BLOCK:
+                    q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 1)
+            logits, score_vjp = _scores_to_logits(
+                scores_t, score_program=score_program, score_reads=score_reads,
+                score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                kv_idx=kv_idx, q_start=q_start, **mods)
+            if masked:
+                logits = _apply_mask(logits, mask_program=mask_program, mask_reads=mask_reads,
+                                     mask_refs=mask_refs, batch=batch, head=head, q_idx=q_idx,
+                                     kv_idx=kv_idx, extra_keep=None, q_start=q_start, **mods)
+            # lse_log2 is +inf on rows that attend to nothing and on padded rows: P = 0.
+            lse_log2 = load_vector(lse_smem.at[slot], 1, interpret)
+            delta = load_vector(delta_smem.at[slot], 1, interpret)
+            probabilities_t = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [1]))
+            d_v = matmul(probabilities_t.astype(dtype), do_smem.at[slot], shape=d_v.shape,
+                         interpret=interpret, accumulator=d_v)
+            d_scores_t = probabilities_t * (d_probabilities_t
+                                            - lax.broadcast_in_dim(delta, tile, [1]))
+            if score_vjp is not None:
+                (d_scores_t,) = score_vjp(d_scores_t)
+            d_k = matmul(d_scores_t.astype(dtype), q_smem.at[slot], shape=d_k.shape,
+                         interpret=interpret, accumulator=d_k)
+            plgpu.barrier_arrive(consumed.at[slot])
+            return d_k, d_v
+
+        zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
+        carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
+                 plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
+        _, (d_k, d_v) = walk(visit, carry)
+        k_smem[...] = (d_k * scale).astype(dtype)
+        v_smem[...] = d_v.astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
+        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(warpgroup == COMPUTE_WARPGROUPS)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+
+        def fetch(step, head, q_start, masked, carry):
+            slot = lax.rem(step, jnp.int32(num_stages))
+
+            @pl.when(step >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            rows = (batch, pl.ds(q_start, Q_TILE), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], ready.at[slot])
+            plgpu.copy_gmem_to_smem(d_out_ref.at[rows], do_smem.at[slot], ready.at[slot])
+            vector = (batch, head, pl.ds(q_start, Q_TILE))
+            plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], ready.at[slot])
+            plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], ready.at[slot])
+            return carry
+
+        num_steps, _ = walk(fetch, ())
+        _drain((consumed,), num_steps, num_stages)
+
+
+def _drain(consumed, num_steps, num_stages):
+    """Waits for the last `num_stages` steps' releases, so that every phase of the release
+    barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware only
+    idles the memory warpgroup until the compute warpgroups finish)."""
+    @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
+    def _(step):
+        for barrier in consumed:
+            plgpu.barrier_wait(barrier.at[lax.rem(step, jnp.int32(num_stages))])
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
+               full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
+               score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
+               broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
+               interpret):
+    mask_refs, score_refs, (dq_ref, scratch) = split_captured_refs(
+        refs, mask_program, score_program)
+    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = scratch
+    row_barriers, k_ready, v_ready, k_consumed, v_consumed = barriers
+    head_dim = q_ref.shape[3]
+    dtype = q_ref.dtype
+    q_block = num_q_blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first
+    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
+    table = (0 if broadcast_batch else batch, 0 if broadcast_heads else head, q_block)
+    last_listed = full_indices_ref.shape[-1] - 1
+    first_num, first_indices, second_indices = (
+        (partial_num_ref, partial_indices_ref, full_indices_ref) if masked_first
+        else (full_num_ref, full_indices_ref, partial_indices_ref))
+    num_first = first_num[table]
+    num_steps = full_num_ref[table] + partial_num_ref[table]
+
+    def kv_block_of(step):
+        first = first_indices[table + (jnp.minimum(step, last_listed),)]
+        second = second_indices[table + (jnp.clip(step - num_first, 0, last_listed),)]
+        return jnp.where(step < num_first, first, second)
+
+    warpgroup = lax.axis_index("warpgroup")
+
+    @pl.when(warpgroup < COMPUTE_WARPGROUPS)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_smem, do_smem = q_smem2.at[warpgroup], do_smem2.at[warpgroup]
+        q_start = q_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
+        rows = (batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head)
+        vector = (batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP))
+        barrier = row_barriers.at[warpgroup]
+        plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, barrier)
+        plgpu.copy_gmem_to_smem(d_out_ref.at[rows], do_smem, barrier)
+        plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem2.at[warpgroup], barrier)
+        plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem2.at[warpgroup], barrier)
+        plgpu.barrier_wait(barrier)
+        tile = (ROWS_PER_WARPGROUP, BLOCK)
+        # Row vectors, spread over each tile where used (as tiles they would hold 64
+        # registers a thread each for the whole walk).
+        lse_log2 = load_vector(lse_smem2.at[warpgroup], 0, interpret)
+        delta = load_vector(delta_smem2.at[warpgroup], 0, interpret)
+
+        q_idx = None
+        if (reads_index(mask_program, mask_reads, "q_idx")
+                or reads_index(score_program, score_reads, "q_idx")):
+            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0)
+            if q_len % BLOCK:
+                q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 0)
+        # Keys past a ragged tail sit in partial blocks only: those mask them (their
+        # rows of K and V are zeros, but P there is not).
+        clamps_key_tail = kv_len % BLOCK != 0
+        needs_kv_idx = (reads_index(mask_program, mask_reads, "kv_idx")
+                        or reads_index(score_program, score_reads, "kv_idx"))
+        mods = dict(tile=tile, q_axis=0, q_start=q_start, interpret=interpret)
+
+        def visit(step, d_q, masked):
+            slot = lax.rem(step, jnp.int32(num_stages))
+            plgpu.barrier_wait(k_ready.at[slot])
+            scores = matmul(q_smem, k_smem.at[slot], shape=tile, interpret=interpret,
+                            transpose_b=True)
+            plgpu.barrier_wait(v_ready.at[slot])
+            d_probabilities = matmul(do_smem, v_smem.at[slot], shape=tile,
+                                     interpret=interpret, transpose_b=True)
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            kv_start = kv_block_of(step) * BLOCK
+            kv_idx = kv_position = None
+            if needs_kv_idx or (masked and clamps_key_tail):
+                kv_position = index_vector(kv_start, BLOCK, 1)
+                kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
+                          if clamps_key_tail else kv_position)
+            logits, score_vjp = _scores_to_logits(
+                scores, score_program=score_program, score_reads=score_reads,
+                score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                kv_idx=kv_idx, kv_start=kv_start, **mods)
+            if masked:
+                key_tail = (Vector(kv_position.value < kv_len, 1) if clamps_key_tail
+                            else None)
+                logits = _apply_mask(logits, mask_program=mask_program, mask_reads=mask_reads,
+                                     mask_refs=mask_refs, batch=batch, head=head, q_idx=q_idx,
+                                     kv_idx=kv_idx, extra_keep=key_tail, kv_start=kv_start,
+                                     **mods)
+            probabilities = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [0]))
+            d_scores = probabilities * (d_probabilities
+                                        - lax.broadcast_in_dim(delta, tile, [0]))
+            if score_vjp is not None:
+                (d_scores,) = score_vjp(d_scores)
+            d_q = matmul(d_scores.astype(dtype), k_smem.at[slot], shape=d_q.shape,
+                         interpret=interpret, accumulator=d_q)
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            return d_q
+
+        d_q = plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32),
+                                plgpu.Layout.WGMMA)
+        d_q = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first), d_q)
+        d_q = lax.fori_loop(num_first, num_steps,
+                            functools.partial(visit, masked=not masked_first), d_q)
+        q_smem[...] = (d_q * scale).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(warpgroup == COMPUTE_WARPGROUPS)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(40, action="decrease")
+        kv_head = lax.div(head, jnp.int32(group))
+
+        @pl.loop(0, num_steps)
+        def _fetch(step):
+            slot = lax.rem(step, jnp.int32(num_stages))
+            rows = (batch, pl.ds(kv_block_of(step) * BLOCK, BLOCK), kv_head)
+
+            @pl.when(step >= num_stages)
+            def _():
+                plgpu.barrier_wait(k_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+
+            @pl.when(step >= num_stages)
+            def _():
+                plgpu.barrier_wait(v_consumed.at[slot])
+
+            plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+
+        _drain((k_consumed, v_consumed), num_steps, num_stages)
+
+
+def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
+                                   score_program, *, scale: float, interpret: bool,
+                                   masked_first: bool = True):
+    """(dq, dk, dv) of FlexAttention, as `backward.flex_attention_backward` without
+    gradients of captured arrays; only for calls the Mosaic GPU forward takes."""
+    launch = _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale)
+    tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+              block_mask.kv_num_blocks, block_mask.kv_indices,
+              block_mask.full_q_num_blocks, block_mask.full_q_indices,
+              block_mask.q_num_blocks, block_mask.q_indices)
+    run = _vmappable(functools.partial(
+        _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
+        masked_first=masked_first))
+    d_q, d_k, d_v = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
+                        launch.delta, tuple(t.astype(jnp.int32) for t in tables),
+                        block_mask.mask_mod, score_program)
+    return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]]
+
+
+def _vmappable(launch):
+    """`launch` batched by running it once per element (`lax.map`): Pallas would batch a
+    Mosaic GPU kernel by batching its body, which the compiled kernel cannot run."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*args):
+        return launch(*args)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, *args):
+        leaves, treedef = jax.tree.flatten(args)
+        flags = jax.tree.leaves(in_batched)
+
+        def one(batched_leaves):
+            remaining = iter(batched_leaves)
+            element = [next(remaining) if batched else leaf
+                       for leaf, batched in zip(leaves, flags)]
+            return run(*jax.tree.unflatten(treedef, element))
+
+        outs = lax.map(one, [leaf for leaf, batched in zip(leaves, flags) if batched])
+        return outs, (True, True, True)
+
+    return run
+
+
+def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
+            kv_len, scale, interpret, masked_first):
+    """The two kernels on block-padded operands (`backward._prepare`)."""
+    batch, padded_q_len, q_heads, head_dim = q.shape
+    padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
+    num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
+    group = q_heads // kv_heads
+    mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
+    captured = (padded_for_slices(mask_program, mask_reads, padded_q_len, padded_kv_len)
+                + padded_for_slices(score_program, score_reads, padded_q_len, padded_kv_len))
+    kv_tables, q_tables = tables[:4], tables[4:]
+    settings = dict(mask_program=mask_program, score_program=score_program, scale=scale,
+                    group=group, q_len=q_len, kv_len=kv_len,
+                    broadcast_batch=tables[0].shape[0] == 1,
+                    broadcast_heads=tables[0].shape[1] == 1, mask_reads=mask_reads,
+                    score_reads=score_reads, masked_first=masked_first, interpret=interpret)
+    operands = (q, k, v, d_out, lse_log2, delta)
+
+    def smem(shape, dtype=q.dtype, transforms=_TRANSFORMS):
+        return plgpu.SMEM(shape, dtype, transforms=transforms)
+
+    def vectors(*shape):
+        return plgpu.SMEM(shape, jnp.float32)
+
+    def call(kernel, kernel_tables, out_type, grid, scratch, num_smem):
+        def entry(*refs):
+            def scoped(*buffers):
+                kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
+            pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
+
+        names = tuple(grid)
+        return plgpu.kernel(
+            entry, out_type=out_type, grid=tuple(grid[name] for name in names),
+            grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
+            compiler_params=plgpu.CompilerParams(approx_math=True),
+            interpret=plgpu.InterpretGPUParams() if interpret else None,
+        )(*operands, *kernel_tables, *captured)
+
+    dkv_stages = _DKV_STAGES[head_dim]
+    dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, **settings)
+    d_k, d_v = call(
+        dkv, q_tables,
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
+        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
+         smem((dkv_stages, Q_TILE, head_dim)), smem((dkv_stages, Q_TILE, value_dim)),
+         vectors(dkv_stages, Q_TILE), vectors(dkv_stages, Q_TILE),
+         plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
+         plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dkv_stages)),
+        num_smem=6)
+
+    dq_stages = _DQ_STAGES[head_dim]
+    dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
+                           **settings)
+    d_q = call(
+        dq, kv_tables, jax.ShapeDtypeStruct(q.shape, q.dtype),
+        {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
+        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
+         vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
+         vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
+         smem((dq_stages, BLOCK, head_dim)), smem((dq_stages, BLOCK, value_dim)),
+         plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WARPGROUPS),
+         plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
+        num_smem=6)
+    return d_q, d_k, d_v

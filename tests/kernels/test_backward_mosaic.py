@@ -1,0 +1,192 @@
+"""The Mosaic GPU backward kernels (`kernels/backward_mosaic.py`).
+
+On CPU they run in Mosaic GPU's interpret mode (`backward_kernel="mosaic"` with
+backend="interpret": the matmuls are plain dots, everything else is the kernels' own
+code); on the GPU (marker `gpu`) the same cases run the compiled kernels. Gradients are
+compared with autodiff of the float64 dense reference, by the rule of
+tests/test_backward.py (RMSE no worse than the dense 16-bit XLA computation's).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import dispatch, masks
+from pallas_flex.kernels.config import resolve_options
+from tests.conftest import dense_low_precision, random_qkv
+from tests.kernels.test_forward_mosaic import SHAPES, SLICED, SUPPORTED, _mods
+from tests.test_attention import LAYOUTS
+from tests.test_backward import _assert_gradient_close, _cotangent, _golden_gradients
+
+MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
+
+
+def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5):
+    q_heads, kv_heads = LAYOUTS[layout]
+    batch = 2
+    q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
+    mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
+    d_out = _cotangent((batch, q_len, q_heads, dim), seed + 1).astype(dtype)
+
+    def ours(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            kernel_options=MOSAIC)
+
+    grads = jax.vjp(ours, q, k, v)[1](d_out)
+    expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
+    _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
+                           q, k, v)
+    for name, grad, golden_grad, baseline, primal in zip(
+            "qkv", grads, expected, dense_vjp(d_out), (q, k, v)):
+        assert grad.shape == primal.shape and grad.dtype == primal.dtype
+        _assert_gradient_close(grad, golden_grad, baseline, name=f"d{name}")
+    return grads
+
+
+def _cases(variants, shape_offset=0):
+    for index, variant in enumerate(variants):
+        dtype, layout, q_len, kv_len, dim = SHAPES[(index + shape_offset) % len(SHAPES)]
+        yield pytest.param(variant, dtype, layout, q_len, kv_len, dim,
+                           id=f"{variant}-{jnp.dtype(dtype).name}-{layout}-{q_len}x{kv_len}-d{dim}")
+
+
+@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
+                         list(_cases(SUPPORTED)) + list(_cases(SLICED, 1)))
+def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
+    _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
+                         list(_cases(SUPPORTED)) + list(_cases(SLICED, 1)))
+def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
+    _check_gradients(variant, dtype, layout, 4 * q_len, 4 * kv_len, dim, "pallas")
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_fully_masked_rows_have_zero_gradients(backend):
+    """Rows 0-127 see nothing (their BlockMask row lists no block); in the second block
+    even rows see nothing, odd rows only key 0. No NaN anywhere; the empty rows' dq is 0,
+    and keys no row attends to get dk = dv = 0."""
+    q, k, v = random_qkv(1, 1, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 128) & (q_idx % 2 == 1) & (kv_idx == 0)
+
+    def loss(q, k, v):
+        return jnp.sum(pf.attention(q, k, v, mask_mod=mask_mod, backend=backend,
+                                    kernel_options=MOSAIC).astype(jnp.float32))
+
+    d_q, d_k, d_v = (np.asarray(g.astype(jnp.float32))
+                     for g in jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    assert np.isfinite(d_q).all() and np.isfinite(d_k).all() and np.isfinite(d_v).all()
+    assert np.all(d_q == 0.0)  # one key per row: the output is v[0], whatever q is
+    assert np.all(d_k[:, 1:] == 0.0) and np.all(d_v[:, 1:] == 0.0)
+    np.testing.assert_allclose(d_v[:, 0], 64.0)  # 64 rows, each with weight 1 on key 0
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_lse_gradient_and_explicit_scale(backend):
+    """A loss on the lse too (delta gets dlse folded in), with a scale of its own."""
+    q, k, v = random_qkv(2, 1, 200, 256, 4, 2, 128, 128, jnp.float16)
+
+    def loss(q, k, v, backend, options):
+        out, lse = pf.attention(q, k, v, mask_mod=masks.causal_mask, scale=0.3,
+                                return_lse=True, backend=backend, kernel_options=options)
+        return jnp.sum(out.astype(jnp.float32) * jnp.sin(jnp.arange(128.0))) + jnp.sum(
+            jnp.where(jnp.isfinite(lse), lse, 0.0) * 0.1)
+
+    grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, backend, MOSAIC)
+    expected = jax.grad(loss, argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)), "reference", None)
+    for got, want in zip(grads, expected):
+        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
+        assert np.max(np.abs(got - want)) <= 2e-2 * np.max(np.abs(want))
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_vmap_of_grad(backend):
+    """Under jax.vmap the kernels run once per element (their own batching rule)."""
+    q, k, v = random_qkv(4, 1, 130, 256, 2, 1, 64, 64, jnp.bfloat16)
+    stacked = [jnp.stack([x, (0.5 * x).astype(x.dtype)]) for x in (q, k, v)]
+
+    def loss(q, k, v, backend, options):
+        return jnp.sum(pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                                    score_mod=masks.alibi(2), backend=backend,
+                                    kernel_options=options).astype(jnp.float32)
+                       * jnp.cos(jnp.arange(64.0)))
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    grads = jax.vmap(grad, in_axes=(0, 0, 0, None, None))(*stacked, backend, MOSAIC)
+    expected = jax.vmap(grad, in_axes=(0, 0, 0, None, None))(
+        *[x.astype(jnp.float32) for x in stacked], "reference", None)
+    for got, want in zip(grads, expected):
+        got, want = np.asarray(got.astype(jnp.float32)), np.asarray(want)
+        assert np.max(np.abs(got - want)) <= 3e-2 * np.max(np.abs(want))
+
+
+def _choice(score_mod=None, wanted=None, dtype=jnp.bfloat16, dim=64, backend="pallas",
+            **options):
+    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, dim, dim, dtype)
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
+    from pallas_flex.masks.mod_program import SCORE, make_mod_program
+    program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+    return dispatch.choose_backward(q, k, v, block_mask, program, backend=backend,
+                                    options=resolve_options(options or None, dim),
+                                    wanted_const_grads=wanted)
+
+
+def test_the_dispatcher_keeps_captured_array_gradients_on_the_triton_backward():
+    slopes = jnp.asarray([0.5, 0.25])
+    choice = _choice(masks.alibi(slopes), wanted=(True,), backend="interpret",
+                     backward_kernel="auto", forward_kernel="mosaic")
+    assert choice.kernel == "triton_backward"
+    with pytest.raises(ValueError, match="gradients of arrays the score_mod captured"):
+        _choice(masks.alibi(slopes), wanted=(True,), backend="interpret",
+                backward_kernel="mosaic")
+    # Constant slopes (not differentiated) run on the Mosaic backward.
+    assert _choice(masks.alibi(slopes), wanted=(False,), backend="interpret",
+                   backward_kernel="mosaic").kernel == "mosaic_backward"
+
+
+def test_the_dispatcher_rules():
+    # Interpret mode runs the Triton backward unless the Mosaic one is named.
+    assert _choice(backend="interpret").kernel == "triton_backward"
+    assert _choice(backend="interpret", backward_kernel="mosaic").kernel == "mosaic_backward"
+    assert _choice(backend="xla", backward_kernel="auto").kernel == "triton_backward"
+    assert _choice(backend="interpret", backward_kernel="triton").kernel == "triton_backward"
+    with pytest.raises(ValueError, match="dtype float32"):
+        _choice(backend="interpret", dtype=jnp.float32, backward_kernel="mosaic")
+    # Tuning the Triton backward's tiles selects it.
+    assert resolve_options({"backward_block_q": 64}, 64).backward_kernel == "triton"
+    assert resolve_options({"backward_block_q": 64, "backward_kernel": "auto"},
+                           64).backward_kernel == "auto"
+    with pytest.raises(ValueError, match="backward_kernel"):
+        resolve_options({"backward_kernel": "cuda"}, 64)
+
+
+@pytest.mark.gpu
+def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly():
+    """With default options a covered call's backward lowers to Mosaic GPU kernels; two
+    runs give the same bits; the Triton backward agrees."""
+    q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, 128, 128, jnp.bfloat16)
+    d_out = _cotangent(q.shape, 9).astype(q.dtype)
+
+    def grads(options):
+        def ours(q, k, v):
+            return pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                                score_mod=masks.tanh_softcap(20.0), kernel_options=options)
+        return jax.jit(lambda q, k, v: jax.vjp(ours, q, k, v)[1](d_out))(q, k, v)
+
+    text = jax.jit(lambda q, k, v: jax.vjp(
+        lambda q, k, v: pf.attention(q, k, v, mask_mod=masks.causal_mask), q, k, v)[1](
+            d_out)).lower(q, k, v).as_text()
+    assert text.count("mosaic_gpu") >= 3  # the forward and the two backward kernels
+    first, second = grads(None), grads(None)
+    triton = grads({"backward_kernel": "triton"})
+    for a, b, c in zip(first, second, triton):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        a, c = np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32))
+        assert np.max(np.abs(a - c)) <= 2e-2 * np.max(np.abs(c))
