@@ -42,8 +42,8 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import _prepare
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, load_vector, matmul,
-    padded_for_slices, reads_index, tile_applier, to_tile)
+    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, issue, load_vector,
+    padded_for_slices, reads_index, result, tile_applier, to_tile, with_accumulators)
 from pallas_flex.kernels.tile_mods import split_captured_refs
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
@@ -147,20 +147,31 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             kv_idx = index_vector(kv_start, ROWS_PER_WARPGROUP, 0)
             if kv_len % BLOCK:  # padded key rows' gradients are sliced off
                 kv_idx = Vector(jnp.minimum(kv_idx.value, kv_len - 1), 0)
-        needs_q_idx = (reads_index(mask_program, mask_reads, "q_idx")
-                       or reads_index(score_program, score_reads, "q_idx"))
+        # Per-step index vectors are built only in the steps that read them: an unused
+        # one leaves Mosaic GPU's layout inference without a solution.
+        needs_q_idx = {
+            masked: (reads_index(score_program, score_reads, "q_idx")
+                     or (masked and reads_index(mask_program, mask_reads, "q_idx")))
+            for masked in (False, True)}
         mods = dict(tile=tile, q_axis=1, kv_start=kv_start, interpret=interpret)
 
         def visit(step, head, q_start, masked, carry):
-            d_k, d_v = carry
             slot = lax.rem(step, jnp.int32(num_stages))
             plgpu.barrier_wait(ready.at[slot])
-            scores_t = matmul(k_smem, q_smem.at[slot], shape=tile, interpret=interpret,
-                              transpose_b=True)
-            d_probabilities_t = matmul(v_smem, do_smem.at[slot], shape=tile,
-                                       interpret=interpret, transpose_b=True)
+            q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
+            return with_accumulators(
+                functools.partial(step_matmuls, q_tile, do_tile, slot, head, q_start, masked),
+                carry, (tile, tile), interpret=interpret)
+
+        def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh):
+            """S^T and dP^T issued together; P^T computed while dP^T runs, then dV's
+            wgmma issued; dS^T while dV runs; then dK's."""
+            (d_k, d_v), (scores_ref, d_probabilities_ref) = carried, fresh
+            issue(scores_ref, k_smem, q_tile, transpose_b=True, interpret=interpret)
+            issue(d_probabilities_ref, v_smem, do_tile, transpose_b=True, interpret=interpret)
+            scores_t = result(scores_ref, in_flight_after=1, interpret=interpret)
             q_idx = None
-            if needs_q_idx:
+            if needs_q_idx[masked]:
                 q_idx = index_vector(q_start, Q_TILE, 1)
                 if q_len % BLOCK:
                     q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 1)
@@ -176,21 +187,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             lse_log2 = load_vector(lse_smem.at[slot], 1, interpret)
             delta = load_vector(delta_smem.at[slot], 1, interpret)
             probabilities_t = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [1]))
-            d_v = matmul(probabilities_t.astype(dtype), do_smem.at[slot], shape=d_v.shape,
-                         interpret=interpret, accumulator=d_v)
+            issue(d_v, probabilities_t.astype(dtype), do_tile, interpret=interpret)
+            d_probabilities_t = result(d_probabilities_ref, in_flight_after=1,
+                                       interpret=interpret)
             d_scores_t = probabilities_t * (d_probabilities_t
                                             - lax.broadcast_in_dim(delta, tile, [1]))
             if score_vjp is not None:
                 (d_scores_t,) = score_vjp(d_scores_t)
-            d_k = matmul(d_scores_t.astype(dtype), q_smem.at[slot], shape=d_k.shape,
-                         interpret=interpret, accumulator=d_k)
+            issue(d_k, d_scores_t.astype(dtype), q_tile, interpret=interpret)
+            # The slot is released once dK's wgmma has read it: reading the accumulators
+            # at the end of `with_accumulators` waits for every wgmma of the step.
+            result(d_k, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
-            return d_k, d_v
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
-        _, (d_k, d_v) = walk(visit, carry)
+        _, (d_k, d_v) = walk(visit, list(carry))
         k_smem[...] = (d_k * scale).astype(dtype)
         v_smem[...] = d_v.astype(dtype)
         plgpu.commit_smem()
@@ -290,22 +303,33 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         # Keys past a ragged tail sit in partial blocks only: those mask them (their
         # rows of K and V are zeros, but P there is not).
         clamps_key_tail = kv_len % BLOCK != 0
-        needs_kv_idx = (reads_index(mask_program, mask_reads, "kv_idx")
-                        or reads_index(score_program, score_reads, "kv_idx"))
+        # Per-step index vectors are built only in the steps that read them: an unused
+        # one leaves Mosaic GPU's layout inference without a solution.
+        needs_kv_idx = {
+            masked: (reads_index(score_program, score_reads, "kv_idx")
+                     or (masked and (clamps_key_tail
+                                     or reads_index(mask_program, mask_reads, "kv_idx"))))
+            for masked in (False, True)}
         mods = dict(tile=tile, q_axis=0, q_start=q_start, interpret=interpret)
 
         def visit(step, d_q, masked):
             slot = lax.rem(step, jnp.int32(num_stages))
+            (d_q,) = with_accumulators(functools.partial(step_matmuls, step, slot, masked),
+                                       [d_q], (tile, tile), interpret=interpret)
+            return d_q
+
+        def step_matmuls(step, slot, masked, carried, fresh):
+            """S and dP issued together; P computed while dP runs; then dQ's wgmma."""
+            (d_q,), (scores_ref, d_probabilities_ref) = carried, fresh
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             plgpu.barrier_wait(k_ready.at[slot])
-            scores = matmul(q_smem, k_smem.at[slot], shape=tile, interpret=interpret,
-                            transpose_b=True)
+            issue(scores_ref, q_smem, k_tile, transpose_b=True, interpret=interpret)
             plgpu.barrier_wait(v_ready.at[slot])
-            d_probabilities = matmul(do_smem, v_smem.at[slot], shape=tile,
-                                     interpret=interpret, transpose_b=True)
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            issue(d_probabilities_ref, do_smem, v_tile, transpose_b=True, interpret=interpret)
+            scores = result(scores_ref, in_flight_after=1, interpret=interpret)
             kv_start = kv_block_of(step) * BLOCK
             kv_idx = kv_position = None
-            if needs_kv_idx or (masked and clamps_key_tail):
+            if needs_kv_idx[masked]:
                 kv_position = index_vector(kv_start, BLOCK, 1)
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
@@ -321,14 +345,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                                      kv_idx=kv_idx, extra_keep=key_tail, kv_start=kv_start,
                                      **mods)
             probabilities = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [0]))
+            d_probabilities = result(d_probabilities_ref, in_flight_after=0,
+                                     interpret=interpret)
+            plgpu.barrier_arrive(v_consumed.at[slot])
             d_scores = probabilities * (d_probabilities
                                         - lax.broadcast_in_dim(delta, tile, [0]))
             if score_vjp is not None:
                 (d_scores,) = score_vjp(d_scores)
-            d_q = matmul(d_scores.astype(dtype), k_smem.at[slot], shape=d_q.shape,
-                         interpret=interpret, accumulator=d_q)
+            issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
+            result(d_q, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
-            return d_q
 
         d_q = plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32),
                                 plgpu.Layout.WGMMA)

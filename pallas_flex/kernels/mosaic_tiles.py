@@ -146,7 +146,7 @@ def load_vector(ref, axis: int, interpret: bool):
     """A [n] float32 vector from shared memory, in the layout of tile axis `axis`."""
     if interpret:
         return ref[...]
-    return plgpu.load(ref, (), layout=vector_layout(axis))
+    return plgpu.load(ref, layout=vector_layout(axis))
 
 
 def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
@@ -177,5 +177,54 @@ def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
     return pl.run_state(issue)(plgpu.ACC.init(accumulator))
 
 
-__all__ = ["Vector", "evaluate", "index_vector", "load_vector", "matmul", "padded_for_slices",
-           "reads_index", "to_tile", "tile_applier", "vector_layout", "ROWS_PER_WARPGROUP"]
+class _InterpretedAccumulator:
+    """Stands in for a wgmma accumulator in interpret mode: a value, updated by dots."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def with_accumulators(body, carried, fresh_shapes, *, interpret):
+    """Runs body(carried_accumulators, fresh_accumulators) and returns the carried
+    accumulators' final values: `carried` float32 tiles (a loop's dK, dV), fresh ones
+    zero tiles of `fresh_shapes` that live in `body` only (S, dP). `body` issues wgmmas
+    into them with `issue` and reads them with `result`, so that several matmuls are in
+    flight while the elementwise work of the first result runs."""
+    if interpret:
+        carried = [_InterpretedAccumulator(value) for value in carried]
+        fresh = [_InterpretedAccumulator(jnp.zeros(shape, jnp.float32))
+                 for shape in fresh_shapes]
+        body(carried, fresh)
+        return [accumulator.value for accumulator in carried]
+
+    def stateful(carried_refs):
+        def scoped(*fresh_refs):
+            body(list(carried_refs), list(fresh_refs))
+        pl.run_scoped(scoped, *[plgpu.ACC(shape, jnp.float32) for shape in fresh_shapes])
+
+    return list(pl.run_state(stateful)(tuple(plgpu.ACC.init(value) for value in carried)))
+
+
+def issue(accumulator, a, b_smem, *, transpose_b=False, interpret):
+    """accumulator += a · b (a: shared memory ref or 16-bit register tile; b: shared
+    memory, [K, N] or [N, K] with transpose_b), asynchronously on the GPU."""
+    if interpret:
+        left = a[...] if not isinstance(a, jax.Array) else a
+        accumulator.value = accumulator.value + lax.dot_general(
+            left, b_smem[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
+            preferred_element_type=jnp.float32)
+        return
+    plgpu.wgmma(accumulator, a, b_smem.transpose((1, 0)) if transpose_b else b_smem)
+
+
+def result(accumulator, *, in_flight_after: int, interpret):
+    """The accumulator's value once at most `in_flight_after` of the wgmmas issued so
+    far (in issue order) are still running."""
+    if interpret:
+        return accumulator.value
+    return plgpu.wgmma_accumulator_load(accumulator, wait_n=in_flight_after)
+
+
+__all__ = ["Vector", "evaluate", "index_vector", "issue", "load_vector", "matmul",
+           "padded_for_slices", "reads_index", "result", "to_tile", "tile_applier",
+           "vector_layout", "with_accumulators", "ROWS_PER_WARPGROUP"]
