@@ -158,6 +158,8 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
         reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program,
                                            options=options, interpret=interpret)
     if reason is None:
+        reason = mosaic_eligibility.backward_unsupported_reason(score_program)
+    if reason is None:
         return Choice("mosaic_backward", "the Mosaic GPU backward takes it (Hopper, "
                                          "warp-specialized, wgmma)")
     if named:

@@ -2,7 +2,8 @@
 
 The math is the Triton backward's (`backward.py`): P recomputed per tile from the saved
 lse, delta = rowsum(dO * O) - dlse, dS = P * (dP - delta) times the score_mod's
-derivative (`jax.vjp` of the mod on the tile), dQ = dS K, dK = dS^T Q, dV = P^T dO.
+derivative (the mod and its derivative traced together on scalars by
+`mod_program.with_score_derivative`, then run on the tile like the mod), dQ = dS K, dK = dS^T Q, dV = P^T dO.
 Each kernel is warp-specialized as the forward (`forward_mosaic.py`): a memory
 warpgroup streams the tiles a BlockMask row (or column) lists into shared memory with
 TMA, `num_stages` ahead of use, and two compute warpgroups run wgmma and the
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.extend import core as jex_core
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import _prepare
@@ -45,6 +47,7 @@ from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, issue, load_vector,
     padded_for_slices, reads_index, result, tile_applier, to_tile, with_accumulators)
 from pallas_flex.kernels.tile_mods import split_captured_refs
+from pallas_flex.masks.mod_program import with_score_derivative
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # Query rows of one dK/dV step: two [64, 64] float32 tiles (S^T, dP^T) next to the
@@ -62,18 +65,18 @@ _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
                       q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret):
-    """(base-2 logits of a tile, the score_mod's VJP or None)."""
+    """(base-2 logits of a tile, d score_mod / d score or None where it is 1).
+    score_program computes the mod and its derivative (`with_score_derivative`)."""
     if score_program is None:
         return raw * (scale * online_softmax.LOG2_E), None
-
-    def modded(score):
-        (result,) = evaluate(score_program, score_reads, score_refs,
-                             (score, batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
-                             q_start=q_start, kv_start=kv_start, interpret=interpret)
-        return to_tile(result, tile).astype(jnp.float32)
-
-    scores, score_vjp = jax.vjp(modded, raw * scale)
-    return scores * online_softmax.LOG2_E, score_vjp
+    scores, derivative = evaluate(
+        score_program, score_reads, score_refs, (raw * scale, batch, head, q_idx, kv_idx),
+        tile=tile, q_axis=q_axis, q_start=q_start, kv_start=kv_start, interpret=interpret)
+    logits = to_tile(scores, tile).astype(jnp.float32) * online_softmax.LOG2_E
+    derivative_output = score_program.jaxpr.outvars[1]
+    if isinstance(derivative_output, jex_core.Literal) and derivative_output.val == 1.0:
+        return logits, None  # a bias: dS passes through
+    return logits, to_tile(derivative, tile)
 
 
 def _apply_mask(logits, *, mask_program, mask_reads, mask_refs, batch, head, q_idx, kv_idx,
@@ -175,7 +178,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 q_idx = index_vector(q_start, Q_TILE, 1)
                 if q_len % BLOCK:
                     q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 1)
-            logits, score_vjp = _scores_to_logits(
+            logits, score_derivative = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, q_start=q_start, **mods)
@@ -192,8 +195,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                        interpret=interpret)
             d_scores_t = probabilities_t * (d_probabilities_t
                                             - lax.broadcast_in_dim(delta, tile, [1]))
-            if score_vjp is not None:
-                (d_scores_t,) = score_vjp(d_scores_t)
+            if score_derivative is not None:
+                d_scores_t = d_scores_t * score_derivative
             issue(d_k, d_scores_t.astype(dtype), q_tile, interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
             # at the end of `with_accumulators` waits for every wgmma of the step.
@@ -333,7 +336,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                 kv_position = index_vector(kv_start, BLOCK, 1)
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
-            logits, score_vjp = _scores_to_logits(
+            logits, score_derivative = _scores_to_logits(
                 scores, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, kv_start=kv_start, **mods)
@@ -350,8 +353,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.barrier_arrive(v_consumed.at[slot])
             d_scores = probabilities * (d_probabilities
                                         - lax.broadcast_in_dim(delta, tile, [0]))
-            if score_vjp is not None:
-                (d_scores,) = score_vjp(d_scores)
+            if score_derivative is not None:
+                d_scores = d_scores * score_derivative
             issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
             result(d_q, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
@@ -443,6 +446,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
     group = q_heads // kv_heads
+    if score_program is not None:
+        score_program = with_score_derivative(score_program)
     mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
     captured = (padded_for_slices(mask_program, mask_reads, padded_q_len, padded_kv_len)
                 + padded_for_slices(score_program, score_reads, padded_q_len, padded_kv_len))

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels import device
+from pallas_flex.masks.mod_program import with_score_derivative
 from pallas_flex.kernels.tile_mods import EXACT_FLOAT32_INTEGERS, captured_read_sites
 
 BLOCK = 128  # the kernel's BlockMask block on both axes
@@ -32,7 +33,7 @@ _ELEMENTWISE = {
     "add", "sub", "mul", "div", "rem", "max", "min", "neg", "abs", "sign", "and", "or",
     "xor", "not", "eq", "ne", "lt", "le", "gt", "ge", "select_n", "convert_element_type",
     "exp", "exp2", "log", "log2", "tanh", "integer_pow", "square", "sqrt", "rsqrt",
-    "clamp", "round", "erf",
+    "clamp", "round", "erf", "one_minus_square", "add_any",
 }
 _STRUCTURAL = {"dynamic_slice", "squeeze", "reshape", "expand_dims", "broadcast_in_dim",
                "pjit", "jit", "closed_call", "custom_jvp_call", "remat", "checkpoint"}
@@ -121,6 +122,14 @@ def _mod_unsupported_reason(program):
         return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
                 "computed from q_idx or kv_idx (a per-element gather)")
     return None
+
+
+def backward_unsupported_reason(score_program):
+    """None if the Mosaic GPU backward can run the score_mod's derivative (traced with
+    `mod_program.with_score_derivative`), else why not."""
+    if score_program is None:
+        return None
+    return _mod_unsupported_reason(with_score_derivative(score_program))
 
 
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,

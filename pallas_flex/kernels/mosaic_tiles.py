@@ -27,10 +27,25 @@ from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument)
 
 ROWS_PER_WARPGROUP = 64
+
+def _integer_pow(x, *, y):
+    """x ** y for Mosaic GPU, whose rule takes y >= 2 and y = -1 only (the derivative of
+    a division is x ** -2)."""
+    if y >= 2:
+        return lax.integer_pow(x, y)
+    if y == 1:
+        return x
+    if y == 0:
+        return jnp.ones_like(x)
+    return 1.0 / _integer_pow(x, y=-y)
+
+
 # Mosaic GPU's `not` on a bool tile converts 1-bit registers, which it cannot
 # ("Register bitwidth ... must be divisible by 8"): xor with True says the same.
 PRIMITIVE_OVERRIDES = {
     "not": lambda x: x ^ True if x.dtype == jnp.bool_ else ~x,
+    "integer_pow": _integer_pow,
+    "add_any": lambda x, y: x + y,  # a derivative's sum of two contributions
 }
 
 

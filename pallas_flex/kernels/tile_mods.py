@@ -140,8 +140,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     tile (int->float conversion runs at a quarter of the FMA rate on Hopper, like exp2,
     and doubled the softmax's per-element cost on ALiBi).
 
-    primitive_overrides: {primitive name: function of the broadcast operands} replacing
-    a primitive's own rule (the Mosaic GPU kernel's `not` on bool tiles).
+    primitive_overrides: {primitive name: function(*operands, **the equation's params)}
+    replacing a primitive's own rule (the Mosaic GPU kernels' `not` on bool tiles).
     broadcast: how operands of different shapes meet (numpy's rules by default).
     apply: `apply(function, operands)` runs every operation instead of
     `function(*broadcast(operands))`: the Mosaic GPU kernels' index vectors are 1-D,
@@ -222,7 +222,10 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
                     f"mod {name!r} builds an array with {primitive!r}; mods must compute "
                     "one scalar from scalars (precompute arrays outside and index them)"
                 )
-            outputs = apply(primitive_overrides.get(primitive, _bound(equation)), operands)
+            override = primitive_overrides.get(primitive)
+            function = (_bound(equation) if override is None
+                        else lambda *xs, override=override: override(*xs, **equation.params))
+            outputs = apply(function, operands)
             if not equation.primitive.multiple_results:
                 outputs = [outputs]
         for var, value in zip(equation.outvars, outputs):

@@ -176,6 +176,53 @@ def make_mod_program(function, kind: str, argument_name: str | None = None) -> M
     return ModProgram(kind, _JaxprStructure(closed_jaxpr.jaxpr), consts, name)
 
 
+def with_score_derivative(program: ModProgram) -> ModProgram:
+    """A score program computing `(score_mod(score, ...), d score_mod / d score)`: the
+    mod and its derivative traced together (`jax.jvp` on scalars), so that the backward
+    kernels evaluate them in one pass over a tile (a soft-cap's tanh once, shared by
+    both) with the same tile interpreter as the mod itself. Same consts, same order."""
+    return _with_score_derivative(program._structure, tuple(
+        (tuple(jnp.shape(c)), jnp.result_type(c)) for c in program.consts),
+        program.name).with_consts(program.consts)
+
+
+class _DerivativeTemplate:
+    def __init__(self, structure, name):
+        self.structure, self.name = structure, name
+
+    def with_consts(self, consts):
+        return ModProgram(SCORE, self.structure, consts, self.name)
+
+
+import functools  # noqa: E402  (kept next to its one use)
+
+
+@functools.lru_cache(maxsize=256)
+def _with_score_derivative(structure, const_types, name):
+    count = len(const_types)
+
+    def value_and_derivative(*args):
+        consts, (score, b, h, q_idx, kv_idx) = args[:count], args[count:]
+
+        def mod(s):
+            (result,) = jax.core.eval_jaxpr(structure.jaxpr, consts, s, b, h, q_idx, kv_idx)
+            return result.astype(jnp.float32)
+
+        return jax.jvp(mod, (score,), (jnp.ones_like(score),))
+
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    closed = jax.make_jaxpr(value_and_derivative)(
+        *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in const_types],
+        jax.ShapeDtypeStruct((), jnp.float32), index, index, index, index)
+    if closed.consts:  # constants of the derivative itself: none for jnp code
+        raise ValueError(f"score_mod {name!r}: its derivative closes over constants")
+    # The first `count` inputs become constvars: jaxprs mark them by attaching values
+    # (placeholders here; kernels take a program's own `consts`).
+    placeholders = [np.zeros(shape, dtype) for shape, dtype in const_types]
+    jaxpr = jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr
+    return _DerivativeTemplate(_JaxprStructure(jaxpr), name + "_with_derivative")
+
+
 def vmap_mask(program: ModProgram) -> Callable[..., Any]:
     """mask(b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
     over_kv = jax.vmap(program, in_axes=(None, None, None, 0))
