@@ -14,6 +14,7 @@ shape.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -192,9 +193,6 @@ class _DerivativeTemplate:
 
     def with_consts(self, consts):
         return ModProgram(SCORE, self.structure, consts, self.name)
-
-
-import functools  # noqa: E402  (kept next to its one use)
 
 
 @functools.lru_cache(maxsize=256)
