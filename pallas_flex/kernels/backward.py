@@ -442,7 +442,9 @@ class _Launch:
     kernel_settings: dict  # keyword arguments of _dq_program and _dkdv_program
 
 
-def _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
+def prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
+    """The padded operands, delta and lse_log2 of a backward (`_Launch`); the Mosaic GPU
+    backward starts from them too."""
     num_q_blocks, num_kv_blocks = block_mask.num_blocks
     mask_block_q, mask_block_kv = block_mask.block_size
     # delta = rowsum(dO * O) - dlse: the lse output's own gradient folds in here.
@@ -670,7 +672,8 @@ def flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_p
     """
     q_len, head_dim = q.shape[1], q.shape[3]
     kv_len, value_dim = k.shape[1], v.shape[3]
-    launch = _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale)
+    launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                              scale)
     d_q, grads, d_k, d_v = _backward_launches(launch, options=options, interpret=interpret,
                                               wanted_const_grads=wanted_const_grads)
     d_q = d_q[:, :q_len, :, :head_dim]

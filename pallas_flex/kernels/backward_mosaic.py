@@ -41,11 +41,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels import online_softmax
-from pallas_flex.kernels.backward import _prepare
+from pallas_flex.kernels.backward import prepare_operands
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, issue, load_vector,
-    padded_for_slices, reads_index, result, tile_applier, to_tile, with_accumulators)
+    ROWS_PER_WARPGROUP, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
+    map_each_element, padded_for_slices, reads_index, result, to_tile, with_accumulators)
 from pallas_flex.kernels.tile_mods import split_captured_refs
 from pallas_flex.masks.mod_program import with_score_derivative
 
@@ -77,19 +77,6 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     if isinstance(derivative_output, jex_core.Literal) and derivative_output.val == 1.0:
         return logits, None  # a bias: dS passes through
     return logits, to_tile(derivative, tile)
-
-
-def _apply_mask(logits, *, mask_program, mask_reads, mask_refs, batch, head, q_idx, kv_idx,
-                extra_keep, tile, q_axis, q_start, kv_start, interpret):
-    """logits with -inf where the mask_mod (and `extra_keep`, a Vector or None) is False."""
-    (keep,) = evaluate(mask_program, mask_reads, mask_refs, (batch, head, q_idx, kv_idx),
-                       tile=tile, q_axis=q_axis, q_start=q_start, kv_start=kv_start,
-                       interpret=interpret)
-    if extra_keep is not None:
-        keep = tile_applier(tile)(jnp.logical_and, [keep, extra_keep])
-    if not isinstance(keep, Vector) and jnp.shape(keep) == ():  # reads no index
-        return logits + jnp.where(keep, 0.0, -jnp.inf)
-    return jnp.where(to_tile(keep, tile), logits, -jnp.inf)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
@@ -147,9 +134,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         kv_idx = None
         if (reads_index(mask_program, mask_reads, "kv_idx")
                 or reads_index(score_program, score_reads, "kv_idx")):
-            kv_idx = index_vector(kv_start, ROWS_PER_WARPGROUP, 0)
-            if kv_len % BLOCK:  # padded key rows' gradients are sliced off
-                kv_idx = Vector(jnp.minimum(kv_idx.value, kv_len - 1), 0)
+            # Padded key rows' gradients are sliced off.
+            kv_idx = index_vector(kv_start, ROWS_PER_WARPGROUP, 0,
+                                  below=kv_len if kv_len % BLOCK else None)
         # Per-step index vectors are built only in the steps that read them: an unused
         # one leaves Mosaic GPU's layout inference without a solution.
         needs_q_idx = {
@@ -175,17 +162,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             scores_t = result(scores_ref, in_flight_after=1, interpret=interpret)
             q_idx = None
             if needs_q_idx[masked]:
-                q_idx = index_vector(q_start, Q_TILE, 1)
-                if q_len % BLOCK:
-                    q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 1)
+                q_idx = index_vector(q_start, Q_TILE, 1,
+                                     below=q_len if q_len % BLOCK else None)
             logits, score_derivative = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, q_start=q_start, **mods)
             if masked:
-                logits = _apply_mask(logits, mask_program=mask_program, mask_reads=mask_reads,
-                                     mask_refs=mask_refs, batch=batch, head=head, q_idx=q_idx,
-                                     kv_idx=kv_idx, extra_keep=None, q_start=q_start, **mods)
+                logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
+                                    (batch, head, q_idx, kv_idx), q_start=q_start, **mods)
             # lse_log2 is +inf on rows that attend to nothing and on padded rows: P = 0.
             lse_log2 = load_vector(lse_smem.at[slot], 1, interpret)
             delta = load_vector(delta_smem.at[slot], 1, interpret)
@@ -300,9 +285,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         q_idx = None
         if (reads_index(mask_program, mask_reads, "q_idx")
                 or reads_index(score_program, score_reads, "q_idx")):
-            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0)
-            if q_len % BLOCK:
-                q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 0)
+            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0,
+                                 below=q_len if q_len % BLOCK else None)
         # Keys past a ragged tail sit in partial blocks only: those mask them (their
         # rows of K and V are zeros, but P there is not).
         clamps_key_tail = kv_len % BLOCK != 0
@@ -334,6 +318,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             kv_idx = kv_position = None
             if needs_kv_idx[masked]:
                 kv_position = index_vector(kv_start, BLOCK, 1)
+                # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
             logits, score_derivative = _scores_to_logits(
@@ -343,10 +328,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             if masked:
                 key_tail = (Vector(kv_position.value < kv_len, 1) if clamps_key_tail
                             else None)
-                logits = _apply_mask(logits, mask_program=mask_program, mask_reads=mask_reads,
-                                     mask_refs=mask_refs, batch=batch, head=head, q_idx=q_idx,
-                                     kv_idx=kv_idx, extra_keep=key_tail, kv_start=kv_start,
-                                     **mods)
+                logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
+                                    (batch, head, q_idx, kv_idx), extra_keep=key_tail,
+                                    kv_start=kv_start, **mods)
             probabilities = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [0]))
             d_probabilities = result(d_probabilities_ref, in_flight_after=0,
                                      interpret=interpret)
@@ -400,7 +384,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    masked_first: bool = True):
     """(dq, dk, dv) of FlexAttention, as `backward.flex_attention_backward` without
     gradients of captured arrays; only for calls the Mosaic GPU forward takes."""
-    launch = _prepare(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale)
+    launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                              scale)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
@@ -415,33 +400,20 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
 
 
 def _vmappable(launch):
-    """`launch` batched by running it once per element (`lax.map`): Pallas would batch a
-    Mosaic GPU kernel by batching its body, which the compiled kernel cannot run."""
+    """`launch` batched by running it once per element (`mosaic_tiles.map_each_element`)."""
 
     @jax.custom_batching.custom_vmap
     def run(*args):
         return launch(*args)
 
-    @run.def_vmap
-    def rule(axis_size, in_batched, *args):
-        leaves, treedef = jax.tree.flatten(args)
-        flags = jax.tree.leaves(in_batched)
-
-        def one(batched_leaves):
-            remaining = iter(batched_leaves)
-            element = [next(remaining) if batched else leaf
-                       for leaf, batched in zip(leaves, flags)]
-            return run(*jax.tree.unflatten(treedef, element))
-
-        outs = lax.map(one, [leaf for leaf, batched in zip(leaves, flags) if batched])
-        return outs, (True, True, True)
-
+    run.def_vmap(lambda axis_size, in_batched, *args:
+                 map_each_element(run, axis_size, in_batched, args))
     return run
 
 
 def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
             kv_len, scale, interpret, masked_first):
-    """The two kernels on block-padded operands (`backward._prepare`)."""
+    """The two kernels on block-padded operands (`backward.prepare_operands`)."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK

@@ -41,8 +41,8 @@ from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, evaluate, index_vector, matmul, padded_for_slices,
-    reads_index, tile_applier, to_tile)
+    ROWS_PER_WARPGROUP, Vector, apply_mask, evaluate, index_vector, map_each_element, matmul,
+    padded_for_slices, reads_index, to_tile)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import split_captured_refs
 
@@ -139,9 +139,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         q_idx = None
         if (reads_index(mask_program, mask_reads, "q_idx")
                 or reads_index(score_program, score_reads, "q_idx")):
-            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0)
-            if q_len % BLOCK:  # mods see in-range indices; padded rows are sliced off
-                q_idx = Vector(jnp.minimum(q_idx.value, q_len - 1), 0)
+            # Mods see in-range indices; padded rows are sliced off.
+            q_idx = index_vector(q_start, ROWS_PER_WARPGROUP, 0,
+                                 below=q_len if q_len % BLOCK else None)
         # Keys past a ragged tail sit in partial blocks only (BlockMask never lists a
         # block reaching past the keys as full): those mask them. On a paged cache the
         # row's own length bounds its keys (the caller clipped the BlockMask to it, so
@@ -205,6 +205,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 kv_start = kv_block_of(step) * BLOCK
             if needs_kv_vector:
                 kv_position = index_vector(kv_start, BLOCK, 1)
+                # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
@@ -222,17 +223,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
-                (keep,) = evaluate(mask_program, mask_reads, mask_refs,
-                                   (batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
-                                   q_start=q_start, kv_start=kv_start, interpret=interpret)
-                if masks_key_tail:
-                    keep = tile_applier(tile)(
-                        jnp.logical_and, [keep, Vector(kv_position.value < key_limit, 1)])
-                if not isinstance(keep, Vector) and jnp.shape(keep) == ():
-                    # a mask that reads no index (noop_mask)
-                    logits = logits + jnp.where(keep, 0.0, -jnp.inf)
-                else:
-                    logits = jnp.where(to_tile(keep, tile), logits, -jnp.inf)
+                key_tail = (Vector(kv_position.value < key_limit, 1) if masks_key_tail
+                            else None)
+                logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
+                                    (batch, head, q_idx, kv_idx), extra_keep=key_tail,
+                                    tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
+                                    interpret=interpret)
 
             new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
             # A row that has seen only masked scores keeps max -inf: subtract 0 instead,
@@ -415,8 +411,6 @@ def _vmappable(launch):
     @run.def_vmap
     def rule(axis_size, in_batched, q, k, v, tables, paging, mask_program, score_program):
         args = (q, k, v, tables, paging, mask_program, score_program)
-        leaves, treedef = jax.tree.flatten(args)
-        flags = jax.tree.leaves(in_batched)
         # Pages have no batch axis to fold into: paged calls map.
         only_qkv = not paging and not any(jax.tree.leaves(in_batched[3:]))
         reads_batch = mask_program.uses_batch or (score_program is not None
@@ -435,14 +429,7 @@ def _vmappable(launch):
             return ((out.reshape((axis_size, batch) + out.shape[1:]),
                      lse.reshape((axis_size, batch) + lse.shape[1:])), (True, True))
 
-        def one(batched_leaves):
-            remaining = iter(batched_leaves)
-            element = [next(remaining) if batched else leaf
-                       for leaf, batched in zip(leaves, flags)]
-            return run(*jax.tree.unflatten(treedef, element))
-
-        outs = lax.map(one, [leaf for leaf, batched in zip(leaves, flags) if batched])
-        return outs, (True, True)
+        return map_each_element(run, axis_size, in_batched, args)
 
     return run
 

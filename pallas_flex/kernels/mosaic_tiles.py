@@ -61,10 +61,13 @@ def vector_layout(axis: int):
     return plgpu.Layout.WGMMA.reduce(1 - axis)
 
 
-def index_vector(start, length: int, axis: int) -> Vector:
-    """start, start + 1, ... along tile axis `axis`."""
+def index_vector(start, length: int, axis: int, below=None) -> Vector:
+    """start, start + 1, ... along tile axis `axis`, clamped to `below - 1` when given
+    (mods see in-range indices on a ragged tail; those rows or columns are masked or
+    sliced off)."""
     iota = plgpu.broadcasted_iota(jnp.int32, (length,), 0, layout=vector_layout(axis))
-    return Vector(start + iota, axis)
+    indices = start + iota
+    return Vector(indices if below is None else jnp.minimum(indices, below - 1), axis)
 
 
 def to_tile(x, shape):
@@ -93,6 +96,36 @@ def tile_applier(shape):
             return Vector(function(*values), axis)
         return function(*[to_tile(x, shape) for x in operands])
     return apply
+
+
+def apply_mask(logits, program, reads, refs, args, *, extra_keep=None, tile, q_axis, q_start,
+               kv_start, interpret):
+    """logits with -inf where the mask_mod (args: b, h, q_idx, kv_idx), and `extra_keep`
+    (a Vector or None) where given, is False."""
+    (keep,) = evaluate(program, reads, refs, args, tile=tile, q_axis=q_axis, q_start=q_start,
+                       kv_start=kv_start, interpret=interpret)
+    if extra_keep is not None:
+        keep = tile_applier(tile)(jnp.logical_and, [keep, extra_keep])
+    if not isinstance(keep, Vector) and jnp.shape(keep) == ():  # reads no index (noop_mask)
+        return logits + jnp.where(keep, 0.0, -jnp.inf)
+    return jnp.where(to_tile(keep, tile), logits, -jnp.inf)
+
+
+def map_each_element(run, axis_size, in_batched, args):
+    """`run(*args)` under jax.vmap as a `custom_vmap` rule that runs it once per element
+    (`lax.map`): Pallas would batch a Mosaic GPU kernel by batching its body, which the
+    compiled kernel cannot run. Returns (outputs, out_batched)."""
+    del axis_size
+    leaves, treedef = jax.tree.flatten(args)
+    flags = jax.tree.leaves(in_batched)
+
+    def one(batched_leaves):
+        remaining = iter(batched_leaves)
+        element = [next(remaining) if batched else leaf for leaf, batched in zip(leaves, flags)]
+        return run(*jax.tree.unflatten(treedef, element))
+
+    outs = lax.map(one, [leaf for leaf, batched in zip(leaves, flags) if batched])
+    return outs, jax.tree.map(lambda _: True, outs)
 
 
 def reads_index(program, reads, name: str) -> bool:
@@ -240,6 +273,6 @@ def result(accumulator, *, in_flight_after: int, interpret):
     return plgpu.wgmma_accumulator_load(accumulator, wait_n=in_flight_after)
 
 
-__all__ = ["Vector", "evaluate", "index_vector", "issue", "load_vector", "matmul",
+__all__ = ["Vector", "apply_mask", "evaluate", "map_each_element", "index_vector", "issue", "load_vector", "matmul",
            "padded_for_slices", "reads_index", "result", "to_tile", "tile_applier",
            "vector_layout", "with_accumulators", "ROWS_PER_WARPGROUP"]

@@ -182,17 +182,9 @@ def with_score_derivative(program: ModProgram) -> ModProgram:
     mod and its derivative traced together (`jax.jvp` on scalars), so that the backward
     kernels evaluate them in one pass over a tile (a soft-cap's tanh once, shared by
     both) with the same tile interpreter as the mod itself. Same consts, same order."""
-    return _with_score_derivative(program._structure, tuple(
-        (tuple(jnp.shape(c)), jnp.result_type(c)) for c in program.consts),
-        program.name).with_consts(program.consts)
-
-
-class _DerivativeTemplate:
-    def __init__(self, structure, name):
-        self.structure, self.name = structure, name
-
-    def with_consts(self, consts):
-        return ModProgram(SCORE, self.structure, consts, self.name)
+    structure = _with_score_derivative(program._structure, tuple(
+        (tuple(jnp.shape(c)), jnp.result_type(c)) for c in program.consts), program.name)
+    return ModProgram(SCORE, structure, program.consts, program.name + "_with_derivative")
 
 
 @functools.lru_cache(maxsize=256)
@@ -217,8 +209,7 @@ def _with_score_derivative(structure, const_types, name):
     # The first `count` inputs become constvars: jaxprs mark them by attaching values
     # (placeholders here; kernels take a program's own `consts`).
     placeholders = [np.zeros(shape, dtype) for shape, dtype in const_types]
-    jaxpr = jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr
-    return _DerivativeTemplate(_JaxprStructure(jaxpr), name + "_with_derivative")
+    return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
 
 
 def vmap_mask(program: ModProgram) -> Callable[..., Any]:

@@ -15,6 +15,7 @@ import pytest
 import pallas_flex as pf
 from pallas_flex import dispatch, masks
 from pallas_flex.kernels.config import resolve_options
+from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
 from tests.kernels.test_forward_mosaic import SHAPES, SLICED, SUPPORTED, _mods
 from tests.test_attention import LAYOUTS
@@ -131,7 +132,6 @@ def _choice(score_mod=None, wanted=None, dtype=jnp.bfloat16, dim=64, backend="pa
             **options):
     q, k, v = random_qkv(0, 1, 256, 256, 2, 2, dim, dim, dtype)
     block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
-    from pallas_flex.masks.mod_program import SCORE, make_mod_program
     program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
     return dispatch.choose_backward(q, k, v, block_mask, program, backend=backend,
                                     options=resolve_options(options or None, dim),
