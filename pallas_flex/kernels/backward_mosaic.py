@@ -44,8 +44,9 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import prepare_operands
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
-    map_each_element, padded_for_slices, reads_index, result, to_tile, with_accumulators)
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
+    map_each_element, materialize, padded_for_slices, reads_index, result, scaled_tile,
+    split_vector, to_tile, with_accumulators)
 from pallas_flex.kernels.tile_mods import split_captured_refs
 from pallas_flex.masks.mod_program import with_score_derivative
 
@@ -65,18 +66,26 @@ _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
                       q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret):
-    """(base-2 logits of a tile, d score_mod / d score or None where it is 1).
+    """(base-2 logits of a tile, d score_mod / d score or None where it is 1, the mod's
+    base-2 term that depends on the query only, left out of the logits, or None: the
+    caller subtracts it from the lse instead, once per query, as the forward added it).
     score_program computes the mod and its derivative (`with_score_derivative`)."""
     if score_program is None:
-        return raw * (scale * online_softmax.LOG2_E), None
+        return raw * (scale * online_softmax.LOG2_E), None, None
     scores, derivative = evaluate(
-        score_program, score_reads, score_refs, (raw * scale, batch, head, q_idx, kv_idx),
-        tile=tile, q_axis=q_axis, q_start=q_start, kv_start=kv_start, interpret=interpret)
-    logits = to_tile(scores, tile).astype(jnp.float32) * online_softmax.LOG2_E
+        score_program, score_reads, score_refs,
+        (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
+        q_start=q_start, kv_start=kv_start, interpret=interpret, keep_affine=True)
+    scores, query_term = split_vector(scores, q_axis)
+    if query_term is not None:
+        query_term = query_term.value * online_softmax.LOG2_E
+    scores, factor = scaled_tile(scores, tile)
+    logits = scores.astype(jnp.float32) * (factor * online_softmax.LOG2_E)
+    derivative = materialize(derivative, tile)
     derivative_output = score_program.jaxpr.outvars[1]
     if isinstance(derivative_output, jex_core.Literal) and derivative_output.val == 1.0:
-        return logits, None  # a bias: dS passes through
-    return logits, to_tile(derivative, tile)
+        return logits, None, query_term  # a bias: dS passes through
+    return logits, to_tile(derivative, tile), query_term
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
@@ -164,7 +173,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             if needs_q_idx[masked]:
                 q_idx = index_vector(q_start, Q_TILE, 1,
                                      below=q_len if q_len % BLOCK else None)
-            logits, score_derivative = _scores_to_logits(
+            logits, score_derivative, query_term = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, q_start=q_start, **mods)
@@ -173,6 +182,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                     (batch, head, q_idx, kv_idx), q_start=q_start, **mods)
             # lse_log2 is +inf on rows that attend to nothing and on padded rows: P = 0.
             lse_log2 = load_vector(lse_smem.at[slot], 1, interpret)
+            if query_term is not None:
+                lse_log2 = lse_log2 - query_term
             delta = load_vector(delta_smem.at[slot], 1, interpret)
             probabilities_t = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [1]))
             issue(d_v, probabilities_t.astype(dtype), do_tile, interpret=interpret)
@@ -321,7 +332,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                 # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
-            logits, score_derivative = _scores_to_logits(
+            logits, score_derivative, query_term = _scores_to_logits(
                 scores, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, kv_start=kv_start, **mods)
@@ -331,7 +342,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                 logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
                                     (batch, head, q_idx, kv_idx), extra_keep=key_tail,
                                     kv_start=kv_start, **mods)
-            probabilities = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [0]))
+            row_lse = lse_log2 if query_term is None else lse_log2 - query_term
+            probabilities = jnp.exp2(logits - lax.broadcast_in_dim(row_lse, tile, [0]))
             d_probabilities = result(d_probabilities_ref, in_flight_after=0,
                                      interpret=interpret)
             plgpu.barrier_arrive(v_consumed.at[slot])

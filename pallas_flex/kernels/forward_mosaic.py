@@ -41,8 +41,8 @@ from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, evaluate, index_vector, map_each_element, matmul,
-    padded_for_slices, reads_index, to_tile)
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
+    matmul, padded_for_slices, reads_index, scaled_tile, split_vector)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import split_captured_refs
 
@@ -131,6 +131,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32), row_layout)
         accumulator = plgpu.layout_cast(
             jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        # The score_mod's term that depends on the query only (ALiBi's -slope * q_idx):
+        # left out of the scores (the softmax is the same without it) and added to the
+        # row's lse at the end. Zeros where the mod has none; None without a mod.
+        row_term = None if score_program is None else plgpu.layout_cast(
+            jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32), row_layout)
         # Indices are vectors in the layouts of a tile's rows and columns (a mod's index
         # arithmetic, and ALiBi's int->float conversions, then run once per row or
         # column); `mosaic_tiles.to_tile` spreads them over the tile where they meet.
@@ -189,7 +194,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     plgpu.commit_smem()  # before the wgmma reads the tile
 
         def visit(step, carry, masked):
-            accumulator, running_max, running_sum = carry
+            accumulator, running_max, running_sum, row_term = carry
             slot = lax.rem(step, jnp.int32(num_stages))
             # Then the other warpgroup's q·kᵀ goes next.
             raw = matmul(qo_smem, k_smem.at[slot], shape=tile, interpret=interpret,
@@ -214,12 +219,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if score_program is None:
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
-                (logits,) = evaluate(score_program, score_reads, score_refs,
-                                     (raw * scale, batch, head, q_idx, kv_idx), tile=tile,
-                                     q_axis=0, q_start=q_start, kv_start=kv_start,
-                                     interpret=interpret)
-                logits = to_tile(logits, tile).astype(jnp.float32)
-                logit_scale = online_softmax.LOG2_E
+                # The scale and the mod's own constant factors (a soft-cap's cap) fold
+                # into one multiplication or into the exponent (`Affine`).
+                (modded,) = evaluate(score_program, score_reads, score_refs,
+                                     (Affine(raw, scale), batch, head, q_idx, kv_idx),
+                                     tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
+                                     interpret=interpret, keep_affine=True)
+                modded, query_term = split_vector(modded, 0)
+                if query_term is not None:
+                    row_term = query_term.value
+                logits, factor = scaled_tile(modded, tile)
+                logits = logits.astype(jnp.float32)
+                logit_scale = factor * online_softmax.LOG2_E
             if logit_scale <= 0:
                 logits, logit_scale = logits * logit_scale, 1.0
             if masked:
@@ -261,21 +272,22 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                  interpret=interpret, accumulator=accumulator,
                                  after_issue=wait_for_next_keys)
             plgpu.barrier_arrive(v_consumed.at[slot])
-            return accumulator, new_max, running_sum
+            return accumulator, new_max, running_sum, row_term
 
-        carry = (accumulator, running_max, running_sum)
+        carry = (accumulator, running_max, running_sum, row_term)
         carry = lax.fori_loop(0, num_full, functools.partial(visit, masked=False), carry)
         carry = lax.fori_loop(num_full, num_steps, functools.partial(visit, masked=True), carry)
-        accumulator, running_max, running_sum = carry
+        accumulator, running_max, running_sum, row_term = carry
         pl.when(warpgroup == 0)(schedule_turn)
 
         has_mass = running_sum > 0.0
         inverse_sum = 1.0 / jnp.where(has_mass, running_sum, 1.0)
         out = accumulator * lax.broadcast_in_dim(inverse_sum, accumulator.shape, [0])
         safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
-        lse_smem[...] = jnp.where(
-            has_mass, (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0)))
-            * online_softmax.LN_2, -jnp.inf)
+        lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
+        if row_term is not None:
+            lse = lse + row_term
+        lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
         qo_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem,

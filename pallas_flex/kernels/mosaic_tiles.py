@@ -19,6 +19,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -79,12 +80,218 @@ def to_tile(x, shape):
     return jnp.broadcast_to(x, shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Affine:
+    """`factor * tile + vectors + offset`, float32, kept apart until an operation needs
+    the sum as one array (`materialize`).
+
+    A mod's linear arithmetic then costs per element only what its result needs: the
+    forward's soft-cap `cap * tanh(score / cap)` multiplies each score once before the
+    tanh (scale / cap folded into one factor, no division) and leaves `cap` as a factor
+    the kernel folds into the softmax's exponent; ALiBi's `score + slope * (kv - q)`
+    scales the two index vectors, not the tile, and adds them to the scores in one FMA
+    and one add. A division by a scalar runs as a multiplication by its reciprocal
+    (within an ulp of float32 division, which Mosaic GPU lowers as the IEEE sequence
+    per element). tile: a float32 tile or None; vectors: at most one Vector per tile
+    axis; factor and offset: Python floats (compile-time constants) or 0-d values."""
+    tile: object = None
+    factor: object = 1.0
+    vectors: tuple = ()
+    offset: object = 0.0
+
+
+_LINEAR_PRIMITIVES = {"add", "add_any", "sub", "mul", "div", "neg"}
+
+
+def _is_scalar(x) -> bool:
+    return not isinstance(x, (Vector, Affine)) and jnp.ndim(x) == 0
+
+
+def _constant(x):
+    """x as a Python float when it is a compile-time constant, else None."""
+    if isinstance(x, (int, float)):
+        return float(x)
+    if isinstance(x, jax.core.Tracer) or jnp.ndim(x) != 0:
+        return None
+    return float(x)
+
+
+def _is_constant(x) -> bool:
+    return isinstance(x, (int, float, np.ndarray, np.generic))
+
+
+def _scalar_product(a, b):
+    """a * b for scalars, folded at trace time when both are constants."""
+    constant_a, constant_b = _constant(a), _constant(b)
+    if constant_a is not None and constant_b is not None:
+        return constant_a * constant_b
+    if constant_a == 0.0 or constant_b == 0.0:  # an Affine's absent term stays absent
+        return 0.0
+    if _is_one(a):
+        return b
+    if _is_one(b):
+        return a
+    return a * b
+
+
+def _reciprocal(x):
+    constant = _constant(x)
+    return 1.0 / constant if constant is not None else 1.0 / x
+
+
+def _as_affine(x) -> Affine:
+    if isinstance(x, Affine):
+        return x
+    if isinstance(x, Vector):
+        return Affine(vectors=(x,))
+    if jnp.ndim(x) == 0:
+        return Affine(offset=x)
+    return Affine(tile=x)
+
+
+def _is_float32(x) -> bool:
+    if isinstance(x, Affine):
+        return True
+    value = x.value if isinstance(x, Vector) else x
+    return not isinstance(value, (int, bool)) and jnp.result_type(value) == jnp.float32
+
+
+def _vector_axes(operands):
+    return {x.axis for x in operands if isinstance(x, Vector)}
+
+
+def _stays_affine(primitive, operands) -> bool:
+    """Whether an operation keeps (or starts) an unevaluated Affine: sums of scores and
+    vectors of both axes, and scalings of a tile by a scalar."""
+    if primitive not in _LINEAR_PRIMITIVES or not all(_is_float32(x) for x in operands):
+        return False
+    any_affine = any(isinstance(x, Affine) for x in operands)
+    if primitive == "neg":
+        return any_affine
+    if primitive in ("add", "add_any", "sub"):
+        return any_affine or len(_vector_axes(operands)) == 2
+    first, second = operands
+    if primitive == "div":
+        return _is_scalar(second) and not _is_scalar(first) and not isinstance(first, Vector)
+    return (_is_scalar(first) != _is_scalar(second)
+            and not any(isinstance(x, Vector) for x in operands))
+
+
+def _scale(a: Affine, factor) -> Affine:
+    return Affine(
+        tile=a.tile,
+        factor=_scalar_product(a.factor, factor) if a.tile is not None else 1.0,
+        vectors=tuple(Vector(v.value * factor, v.axis) for v in a.vectors),
+        offset=_scalar_product(a.offset, factor))
+
+
+def _sum(a: Affine, b: Affine, shape) -> Affine:
+    if a.tile is not None and b.tile is not None:
+        tile, factor = _scaled_tile(a) + _scaled_tile(b), 1.0
+    elif a.tile is not None:
+        tile, factor = a.tile, a.factor
+    else:
+        tile, factor = b.tile, b.factor
+    vectors = {}
+    for vector in a.vectors + b.vectors:
+        if vector.axis in vectors:
+            vector = Vector(vectors[vector.axis].value + vector.value, vector.axis)
+        vectors[vector.axis] = vector
+    offset = a.offset if _constant(b.offset) == 0.0 else (
+        b.offset if _constant(a.offset) == 0.0 else a.offset + b.offset)
+    return Affine(tile, factor, tuple(vectors[axis] for axis in sorted(vectors)), offset)
+
+
+def _linear(primitive, operands, shape):
+    if primitive == "neg":
+        return _scale(_as_affine(operands[0]), -1.0)
+    if primitive in ("add", "add_any"):
+        return _sum(_as_affine(operands[0]), _as_affine(operands[1]), shape)
+    if primitive == "sub":
+        return _sum(_as_affine(operands[0]), _scale(_as_affine(operands[1]), -1.0), shape)
+    if primitive == "div":
+        return _scale(_as_affine(operands[0]), _reciprocal(operands[1]))
+    scalar, other = operands if _is_scalar(operands[0]) else operands[::-1]
+    return _scale(_as_affine(other), scalar)
+
+
+def _is_one(x) -> bool:
+    """Whether x is a constant that rounds to 1 in float32 (1 / 30 * 30 does)."""
+    constant = _constant(x)
+    return constant is not None and np.float32(constant) == 1.0
+
+
+def _scaled_tile(a: Affine):
+    return a.tile if _is_one(a.factor) else a.tile * a.factor
+
+
+def materialize(x, shape):
+    """x as a scalar, a Vector or a tile of `shape`: an Affine's sum evaluated (a tile
+    with FMAs where it has one, a Vector when it has one vector only), anything else as
+    it is."""
+    if not isinstance(x, Affine):
+        return x
+    vectors = list(x.vectors)
+    offset = x.offset
+    if vectors and _constant(offset) != 0.0:  # added once per vector entry, not per element
+        vectors[0] = Vector(vectors[0].value + offset, vectors[0].axis)
+        offset = 0.0
+    if x.tile is None and len(vectors) == 1:
+        return vectors[0]
+    if x.tile is None and not vectors:
+        return offset
+    total = _scaled_tile(x) if x.tile is not None else None
+    for vector in vectors:
+        total = to_tile(vector, shape) if total is None else total + to_tile(vector, shape)
+    if _constant(offset) != 0.0:
+        total = total + offset
+    return total
+
+
+def split_vector(x, axis: int):
+    """(x less its term along tile axis `axis`, that term as a Vector or None). A term
+    that depends on the query only (ALiBi's -slope * q_idx) is a per-row constant: the
+    softmax does not change with it, so the kernels add it to the row's lse once instead
+    of to every score."""
+    if not isinstance(x, Affine):
+        return x, None
+    kept = tuple(v for v in x.vectors if v.axis != axis)
+    if len(kept) == len(x.vectors):
+        return x, None
+    (term,) = [v for v in x.vectors if v.axis == axis]
+    return Affine(x.tile, x.factor, kept, x.offset), term
+
+
+def scaled_tile(x, shape):
+    """(tile, factor) with x = factor * tile, factor a Python float (1.0 unless x is an
+    Affine of a tile times a constant): the kernels fold the factor into the exponent."""
+    if (isinstance(x, Affine) and x.tile is not None and not x.vectors
+            and _constant(x.offset) == 0.0 and _constant(x.factor) is not None):
+        return x.tile, _constant(x.factor)
+    return to_tile(materialize(x, shape), shape), 1.0
+
+
 def tile_applier(shape):
-    """`apply` for `evaluate_jaxpr_on_tiles` on a tile of `shape`: operations on scalars
-    and vectors of one axis stay scalars or vectors (of that axis); anything else runs on
+    """`apply` for `evaluate_jaxpr_on_tiles` on a tile of `shape`: sums and scalings of
+    float32 scores and vectors stay unevaluated Affines; other operations on scalars and
+    vectors of one axis stay scalars or vectors (of that axis); anything else runs on
     the tile."""
-    def apply(function, operands):
-        axes = {x.axis for x in operands if isinstance(x, Vector)}
+    def apply(function, operands, primitive=None):
+        if all(_is_constant(x) for x in operands):
+            # Arithmetic on literals (a derivative's 1 / cap) folds at trace time.
+            with jax.ensure_compile_time_eval():
+                outputs = function(*operands)
+            if isinstance(outputs, (list, tuple)):
+                return [np.asarray(output) for output in outputs]
+            return np.asarray(outputs)
+        if _stays_affine(primitive, operands):
+            return _linear(primitive, operands, shape)
+        if (primitive == "convert_element_type" and isinstance(operands[0], Affine)
+                and jax.eval_shape(function, jax.ShapeDtypeStruct((), jnp.float32)).dtype
+                == jnp.float32):
+            return operands[0]  # float32 to float32
+        operands = [materialize(x, shape) for x in operands]
+        axes = _vector_axes(operands)
         has_tile = any(not isinstance(x, Vector) and jnp.ndim(x) > 0 for x in operands)
         if not axes and not has_tile:
             return function(*operands)
@@ -137,14 +344,17 @@ def reads_index(program, reads, name: str) -> bool:
     return reads_argument(program.jaxpr, position, reads)
 
 
-def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, interpret):
+def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, interpret,
+             keep_affine=False):
     """Runs a mod on a kernel's index vectors and score tile ([64, columns]; queries
     along `q_axis`). args: (score,) b, h, q_idx, kv_idx, the indices clamped into the
     lengths, at most 2**24: an int difference of them converted to float32 is converted
     per vector instead (see evaluate_jaxpr_on_tiles). Its contiguous `reads` at q_idx /
     kv_idx load the slice from row q_start or kv_start of the captured array (as many
     rows as the tile has along that axis), edge-padded by the caller. Returns the mod's
-    outputs as scalars, Vectors or tiles."""
+    outputs as scalars, Vectors or tiles, or, with keep_affine, as they came out
+    (Affines too: `scaled_tile` takes those apart). The score arg may be an Affine (the
+    kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one)."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
     first_index_arg = 2 + (program.kind == "score")
@@ -167,11 +377,12 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
     readers = {key: (slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
-    return evaluate_jaxpr_on_tiles(
+    outputs = evaluate_jaxpr_on_tiles(
         program.jaxpr, consts, args, program.name,
         small_index_args=(first_index_arg, first_index_arg + 1),
         primitive_overrides=PRIMITIVE_OVERRIDES, captured_reads=readers,
         apply=tile_applier(tile))
+    return outputs if keep_affine else [materialize(x, tile) for x in outputs]
 
 
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
@@ -273,6 +484,6 @@ def result(accumulator, *, in_flight_after: int, interpret):
     return plgpu.wgmma_accumulator_load(accumulator, wait_n=in_flight_after)
 
 
-__all__ = ["Vector", "apply_mask", "evaluate", "map_each_element", "index_vector", "issue", "load_vector", "matmul",
+__all__ = ["Affine", "Vector", "materialize", "scaled_tile", "split_vector", "apply_mask", "evaluate", "map_each_element", "index_vector", "issue", "load_vector", "matmul",
            "padded_for_slices", "reads_index", "result", "to_tile", "tile_applier",
            "vector_layout", "with_accumulators", "ROWS_PER_WARPGROUP"]

@@ -86,9 +86,11 @@ class CapturedRef:
 
 
 def _as_array(value, aval):
+    """A literal as a numpy value: concrete at trace time, so that the Mosaic GPU tile
+    evaluation can fold constants (`mosaic_tiles.Affine`)."""
     if isinstance(value, CapturedRef):
         return value
-    return jnp.asarray(value, dtype=aval.dtype)
+    return np.asarray(value, dtype=aval.dtype)
 
 
 def broadcast_numpy_style(operands):
@@ -143,10 +145,11 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     primitive_overrides: {primitive name: function(*operands, **the equation's params)}
     replacing a primitive's own rule (the Mosaic GPU kernels' `not` on bool tiles).
     broadcast: how operands of different shapes meet (numpy's rules by default).
-    apply: `apply(function, operands)` runs every operation instead of
-    `function(*broadcast(operands))`: the Mosaic GPU kernels' index vectors are 1-D,
-    tagged with the tile axis they run along (`mosaic_tiles.Vector`), and their
-    operations keep the tag.
+    apply: `apply(function, operands, primitive)` runs every operation (`primitive`: the
+    jaxpr primitive's name) instead of `function(*broadcast(operands))`: the Mosaic GPU
+    kernels' index vectors are 1-D, tagged with the tile axis they run along
+    (`mosaic_tiles.Vector`), their operations keep the tag, and sums and scalings stay
+    unevaluated until an operation needs them (`mosaic_tiles.Affine`).
     captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis)} replacing those
     reads of captured arrays by `read(captured_ref, indices)`, whose `indices[axis]` is
     None (the Mosaic GPU kernel loads reads at q_idx or kv_idx as contiguous slices).
@@ -154,7 +157,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     primitive_overrides = primitive_overrides or {}
     captured_reads = captured_reads or {}
     if apply is None:
-        def apply(function, operands):
+        def apply(function, operands, primitive=None):
+            del primitive
             return function(*broadcast(operands))
     # Dead equations are skipped: with reads replaced, the index arithmetic that fed them
     # is dead, and the caller may not have built indices that only dead code reads.
@@ -191,7 +195,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             # else reads it, and then the compiler drops it.
             convert = _bound(equation)
             outputs = [apply(lambda a, b: a - b,
-                             [apply(convert, [first]), apply(convert, [second])])]
+                             [apply(convert, [first], "convert_element_type"),
+                              apply(convert, [second], "convert_element_type")], "sub")]
         elif primitive in _CALL_PARAMS:
             inner = equation.params[_CALL_PARAMS[primitive]]
             inner_jaxpr = getattr(inner, "jaxpr", inner)
@@ -225,7 +230,7 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             override = primitive_overrides.get(primitive)
             function = (_bound(equation) if override is None
                         else lambda *xs, override=override: override(*xs, **equation.params))
-            outputs = apply(function, operands)
+            outputs = apply(function, operands, primitive)
             if not equation.primitive.multiple_results:
                 outputs = [outputs]
         for var, value in zip(equation.outvars, outputs):

@@ -100,3 +100,85 @@ def test_rewrite_reaches_into_nested_calls():
     np.testing.assert_array_equal(
         np.asarray(_tile_score(program, score, q_idx, kv_idx, 2 ** 24)),
         -(np.asarray(kv_idx) - np.asarray(q_idx)).astype(np.float32))
+
+
+# The Mosaic GPU kernels' tile evaluation keeps sums and scalings unevaluated
+# (`mosaic_tiles.Affine`); on plain arrays it must give the scalar mod's values, and
+# fold only what it may (a constant factor of a bare tile).
+_AFFINE_MODS = {
+    "softcap": (masks.tanh_softcap(30.0), 30.0),
+    "softcap_array_cap": (masks.tanh_softcap(jnp.float32(20.0)), 20.0),  # concrete here
+    "alibi": (masks.alibi(4), 1.0),
+    "relative": (masks.relative_position(0.01), 1.0),
+    "divisions_and_negation": (lambda s, b, h, q, kv: -(s - 3.0) / 7.0
+                               + (q - kv).astype(jnp.float32) / 3.0, 1.0),
+    "select_of_scalings": (lambda s, b, h, q, kv: jnp.where(
+        q >= kv, s * 2.0 - 1.0, s / 2.0 + kv.astype(jnp.float32)), 1.0),
+    "product_of_tiles": (lambda s, b, h, q, kv: s * s / 100.0 + 1.0 - s, 1.0),
+    "vectors_only": (lambda s, b, h, q, kv: (kv - q).astype(jnp.float32) * 0.5 + 2.0, 1.0),
+    "query_vector": (lambda s, b, h, q, kv: s + q.astype(jnp.float32) * 0.1, 1.0),
+    "negative_factor": (lambda s, b, h, q, kv: s * -2.0, -2.0 * 0.125),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_AFFINE_MODS))
+@pytest.mark.parametrize("with_derivative", [False, True])
+def test_mosaic_affine_evaluation_matches_the_scalar_mod(name, with_derivative):
+    from pallas_flex.kernels import mosaic_tiles
+    from pallas_flex.masks.mod_program import with_score_derivative
+
+    mod, folded_factor = _AFFINE_MODS[name]
+    scale, b, h, q_start, kv_start = 0.125, 0, 2, 5, 40
+    raw = jnp.asarray(np.random.default_rng(0).normal(size=(BLOCK_Q, BLOCK_KV)) * 10,
+                      jnp.float32)
+    q_positions = q_start + np.arange(BLOCK_Q)
+    kv_positions = kv_start + np.arange(BLOCK_KV)
+
+    def per_element(function):
+        return jax.vmap(jax.vmap(function, (0, None, 0)), (0, 0, None))(
+            raw * scale, jnp.asarray(q_positions), jnp.asarray(kv_positions))
+
+    program = make_mod_program(mod, SCORE)
+    if with_derivative:
+        program = with_score_derivative(program)
+    refs = [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in program.consts]
+    args = (mosaic_tiles.Affine(raw, scale), jnp.int32(b), jnp.int32(h),
+            mosaic_tiles.Vector(jnp.asarray(q_positions, jnp.int32), 0),
+            mosaic_tiles.Vector(jnp.asarray(kv_positions, jnp.int32), 1))
+    outputs = mosaic_tiles.evaluate(program, {}, refs, args, tile=(BLOCK_Q, BLOCK_KV),
+                                    q_axis=0, q_start=q_start, kv_start=kv_start,
+                                    interpret=True, keep_affine=True)
+    tile, factor = mosaic_tiles.scaled_tile(outputs[0], (BLOCK_Q, BLOCK_KV))
+    assert factor == pytest.approx(folded_factor if name != "negative_factor" else -0.25)
+    expected = per_element(lambda s, q, kv: mod(s, b, h, q, kv))
+    np.testing.assert_allclose(tile * factor, expected, rtol=2e-6, atol=2e-6)
+    if with_derivative:
+        derivative = mosaic_tiles.to_tile(
+            mosaic_tiles.materialize(outputs[1], (BLOCK_Q, BLOCK_KV)), (BLOCK_Q, BLOCK_KV))
+        expected = per_element(lambda s, q, kv: jax.grad(lambda s: mod(s, b, h, q, kv))(s))
+        np.testing.assert_allclose(derivative, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_mosaic_affine_division_by_a_constant_is_a_multiplication():
+    """A soft-cap's score / cap costs one multiplication per element (folded with the
+    softmax scale) and no division: Mosaic GPU lowers a float32 division per element as
+    the IEEE sequence."""
+    from pallas_flex.kernels import mosaic_tiles
+
+    program = make_mod_program(masks.tanh_softcap(30.0), SCORE)
+    shape = (BLOCK_Q, BLOCK_KV)
+
+    def run(raw):
+        args = (mosaic_tiles.Affine(raw, 0.125), jnp.int32(0), jnp.int32(0),
+                mosaic_tiles.Vector(jnp.arange(BLOCK_Q, dtype=jnp.int32), 0),
+                mosaic_tiles.Vector(jnp.arange(BLOCK_KV, dtype=jnp.int32), 1))
+        (out,) = mosaic_tiles.evaluate(program, {}, [], args, tile=shape, q_axis=0,
+                                       q_start=0, kv_start=0, interpret=True,
+                                       keep_affine=True)
+        return mosaic_tiles.scaled_tile(out, shape)[0]
+
+    jaxpr = jax.make_jaxpr(run)(jnp.zeros(shape, jnp.float32))
+    tile_ops = [eqn.primitive.name for eqn in jaxpr.eqns
+                if eqn.outvars[0].aval.shape == shape]
+    assert "div" not in tile_ops
+    assert tile_ops.count("mul") == 1 and tile_ops.count("tanh") == 1
