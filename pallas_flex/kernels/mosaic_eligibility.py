@@ -52,14 +52,15 @@ def hand_over_early(head_dim, score_program):
     issuing q·kᵀ, before its result lands (as JAX's Mosaic GPU attention does), or only
     once it has landed.
 
-    Measured on the H100 (an A/B probe of both forms, in git history; ms, bf16): at
-    B4 H16 S4096 D128 early takes noop from 0.959 to 0.893 (cuDNN 0.90), prefix-LM 0.539
-    to 0.517, ALiBi 0.576 to 0.562, causal 0.492 to 0.486, but soft-cap (a tanh per
-    score) from 0.878 to 0.923. At B8 S2048 D64 the two forms are within noise of each
-    other (noop 0.349 / 0.356, prefix-LM 0.242 / 0.257, ALiBi 0.260 / 0.256): late there.
+    Measured on the H100 (A/B probes of both forms, paired rounds in one process; ms,
+    bf16, early / late): at B4 H16 S4096 D128 noop 0.893 / 0.959 (cuDNN 0.90), prefix-LM
+    0.517 / 0.539, ALiBi 0.555 / 0.556, causal 0.486 / 0.492, but soft-cap (a tanh per
+    score) 0.587 / 0.579, and at B1 S16384 2.130 / 2.012. At B8 S2048 D64 a score_mod
+    gains from early (soft-cap 0.271 / 0.279, ALiBi 0.246 / 0.253) and masks alone from
+    late (noop 0.377 / 0.371, causal 0.218 / 0.216, prefix-LM 0.251 / 0.245).
     """
     if head_dim != 128:
-        return False
+        return score_program is not None
     return score_program is None or not (set(_primitives(score_program.jaxpr))
                                          & _TRANSCENDENTAL)
 

@@ -253,27 +253,36 @@ def test_vmap_grad_and_checkpoint(backend):
             assert np.max(np.abs(got - want)) <= 3e-2 * np.max(np.abs(want))
 
 
+_HAND_OVER_CASES = {  # (head dim, score_mod, whether the hand-over is early)
+    "d128_alibi": (128, masks.alibi(2), True),
+    "d128_softcap": (128, masks.tanh_softcap(5.0), False),
+    "d64_alibi": (64, masks.alibi(2), True),
+    "d64_no_score_mod": (64, None, False),
+}
+
+
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dim", [128, 64])
-def test_both_hand_over_forms_give_the_same_values(backend, dim):
-    """Handing the tensor cores over before q·kᵀ lands (D 128 with ALiBi), or after (D 64:
-    `hand_over_early`)."""
-    assert mosaic_eligibility.hand_over_early(dim, make_mod_program(masks.alibi(2), SCORE)) \
-        == (dim == 128)
+@pytest.mark.parametrize("case", sorted(_HAND_OVER_CASES))
+def test_both_hand_over_forms_give_the_same_values(backend, case):
+    """Handing the tensor cores over before q·kᵀ lands, or after (`hand_over_early`)."""
+    dim, score_mod, early = _HAND_OVER_CASES[case]
+    program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+    assert mosaic_eligibility.hand_over_early(dim, program) == early
     q, k, v = random_qkv(7, 1, 256, 384, 2, 2, dim, dim, jnp.bfloat16)
-    out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=masks.alibi(2),
+    out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod,
                        backend=backend, kernel_options=MOSAIC)
-    expected, _ = golden(q, k, v, masks.causal_mask, masks.alibi(2))
-    assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, masks.alibi(2))
+    expected, _ = golden(q, k, v, masks.causal_mask, score_mod)
+    assert_close_to_golden(out, expected, q, k, v, masks.causal_mask, score_mod)
 
 
-def test_hand_over_is_early_at_d128_without_transcendental_score_mods():
+def test_hand_over_is_early_with_score_mods_unless_transcendental_at_d128():
     program = lambda mod: make_mod_program(mod, SCORE)  # noqa: E731
     assert mosaic_eligibility.hand_over_early(128, None)
     assert mosaic_eligibility.hand_over_early(128, program(masks.alibi(4)))
     assert not mosaic_eligibility.hand_over_early(128, program(masks.tanh_softcap(30.0)))
     assert not mosaic_eligibility.hand_over_early(64, None)
-    assert not mosaic_eligibility.hand_over_early(64, program(masks.alibi(4)))
+    assert mosaic_eligibility.hand_over_early(64, program(masks.alibi(4)))
+    assert mosaic_eligibility.hand_over_early(64, program(masks.tanh_softcap(30.0)))
 
 
 def test_dead_index_code_in_a_mod_is_skipped():
