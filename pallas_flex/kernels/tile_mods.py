@@ -188,6 +188,13 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
         if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
                                        for atom in equation.invars)):
             index_differences[equation.outvars[0]] = operands
+        kept = _integer_identity(equation)
+        if kept is not None:
+            # `i - 0` (a query offset of 0): the same var, an index difference still.
+            environment[equation.outvars[0]] = operands[kept]
+            if equation.invars[kept] in index_differences:
+                index_differences[equation.outvars[0]] = index_differences[equation.invars[kept]]
+            continue
         if (_is_float32_conversion(equation) and isinstance(equation.invars[0], jex_core.Var)
                 and equation.invars[0] in index_differences):
             first, second = index_differences[equation.invars[0]]
@@ -237,6 +244,24 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
             environment[var] = value
 
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def _integer_identity(equation):
+    """The input position an integer `x + 0`, `0 + x` or `x - 0` passes through, else
+    None."""
+    primitive = equation.primitive.name
+    if primitive not in ("add", "sub") or not jnp.issubdtype(equation.outvars[0].aval.dtype,
+                                                               jnp.integer):
+        return None
+    for position in ((1, 0) if primitive == "add" else (1,)):
+        atom = equation.invars[position]
+        other = equation.invars[1 - position]
+        if (isinstance(atom, jex_core.Literal) and np.ndim(atom.val) == 0 and atom.val == 0
+                and isinstance(other, jex_core.Var)
+                and other.aval.dtype == equation.outvars[0].aval.dtype
+                and other.aval.shape == equation.outvars[0].aval.shape):
+            return 1 - position
+    return None
 
 
 def live_equations(jaxpr: jex_core.Jaxpr, replaced_reads=()):

@@ -82,6 +82,26 @@ def test_rewrite_only_for_raw_indices():
         (3 * np.asarray(kv_idx) - np.asarray(q_idx)).astype(np.float32))
 
 
+@pytest.mark.parametrize("offset", [0, 3])
+def test_rewrite_sees_through_a_zero_offset(offset):
+    """`kv_idx - q_idx - offset` with a query offset of 0 (queries at the end of the
+    keys, written generally) is the index difference itself; a nonzero offset is not."""
+    slopes = jnp.array([0.5, 0.25], jnp.float32)
+
+    def shifted_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx - offset)
+
+    program = make_mod_program(shifted_alibi, SCORE)
+    q_idx, kv_idx = _indices(5, 7)
+    conversions = sorted(_float_conversions_of_tiles(program, q_idx, kv_idx, 2 ** 24))
+    assert conversions == ([(1, BLOCK_KV), (BLOCK_Q, 1)] if offset == 0
+                           else [(BLOCK_Q, BLOCK_KV)])
+    score = jnp.zeros((BLOCK_Q, BLOCK_KV), jnp.float32)
+    np.testing.assert_array_equal(
+        np.asarray(_tile_score(program, score, q_idx, kv_idx, 2 ** 24)),
+        (0.25 * (np.asarray(kv_idx) - np.asarray(q_idx) - offset)).astype(np.float32))
+
+
 def test_rewrite_reaches_into_nested_calls():
     """Mods that call jitted helpers keep the rewrite: the index arguments are mapped
     into the call's jaxpr."""
