@@ -27,11 +27,13 @@ test: $(VENV)/.installed
 #
 # RUNTIME (H100): compiling is nearly all of it, ~95 min of test time one shard after
 # another. No single pytest process fits the device tool's 10 minutes, so the target runs
-# GPU_SHARDS (14) pytest processes at once, each a shard of the tests balanced by their
-# estimated cost (PALLAS_FLEX_TEST_SHARD=i/n, tests/gpu/conftest.py): ~8 min of wall time
-# on the H100 machine's 16 cores (16 shards ran slower than 14: the cores are saturated). Each process allocates device memory as it goes and
-# frees it after each test (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching
-# allocator, 14 processes holding their peaks ran the GPU out of memory.
+# GPU_SHARDS (14) pytest shards, balanced by their estimated cost
+# (PALLAS_FLEX_TEST_SHARD=i/n, tests/gpu/conftest.py). All 14 at once took 520-575 s per
+# shard on the H100 machine's 16 cores (saturated; 16 shards ran slower), past the device
+# tool's 10 minutes with its start: run it as two calls, GPU_FIRST=0 GPU_LAST=6 and then
+# GPU_FIRST=7 GPU_LAST=13 (7 shards at once: 260-360 s each, ~370 s a call). Each
+# process allocates device memory as it goes and frees it after each test
+# (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching allocator, 14 processes holding their peaks ran the GPU out of memory.
 #
 # The shards' logs are joined in $(GPU_OUT)/test-gpu.log and their per-cell records
 # (compile seconds, pass/fail, errors) in $(GPU_OUT)/results.json: two files, as the
@@ -44,6 +46,8 @@ test: $(VENV)/.installed
 # and any -k selection of it (GPU_PYTEST_ARGS='-k ...' passes one to the shards; a shard
 # left with no test exits 5, which counts as a pass).
 GPU_SHARDS ?= 14
+GPU_FIRST ?= 0
+GPU_LAST ?= $(shell echo $$(($(GPU_SHARDS) - 1)))
 GPU_OUT ?= build/gpu-results
 GPU_PYTEST_ARGS ?=
 # Tests with no gpu test whose imports the GPU machine lacks (nbformat, nbclient, pdoc).
@@ -51,7 +55,7 @@ GPU_IGNORE = --ignore=tests/test_notebooks.py --ignore=tests/test_api_reference.
 
 test-gpu:
 	@rm -rf $(GPU_OUT)/shards && mkdir -p $(GPU_OUT)/shards; pids=""; \
-	for i in $$(seq 0 $$(($(GPU_SHARDS) - 1))); do \
+	for i in $$(seq $(GPU_FIRST) $(GPU_LAST)); do \
 	  PYTHONPATH=. XLA_PYTHON_CLIENT_ALLOCATOR=platform PALLAS_FLEX_TEST_SHARD=$$i/$(GPU_SHARDS) \
 	    PALLAS_FLEX_RESULTS=$(GPU_OUT)/shards/shard$$i.json \
 	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(GPU_IGNORE) tests $(GPU_PYTEST_ARGS) \
@@ -60,7 +64,7 @@ test-gpu:
 	done; \
 	status=0; for pid in $$pids; do wait $$pid; rc=$$?; \
 	  [ $$rc -eq 0 ] || [ $$rc -eq 5 ] || status=1; done; \
-	for i in $$(seq 0 $$(($(GPU_SHARDS) - 1))); do echo "== shard $$i/$(GPU_SHARDS)"; \
+	for i in $$(seq $(GPU_FIRST) $(GPU_LAST)); do echo "== shard $$i/$(GPU_SHARDS)"; \
 	  cat $(GPU_OUT)/shards/shard$$i.log; done > $(GPU_OUT)/test-gpu.log; \
 	grep -h -e "^FAILED" -e "^ERROR" -e " in [0-9.]*s" $(GPU_OUT)/shards/shard*.log; \
 	PYTHONPATH=. $(PYTHON) -c "from tests.gpu.conftest import merge_results; \
