@@ -3,7 +3,8 @@
 The math is the Triton backward's (`backward.py`): P recomputed per tile from the saved
 lse, delta = rowsum(dO * O) - dlse, dS = P * (dP - delta) times the score_mod's
 derivative (the mod and its derivative traced together on scalars by
-`mod_program.with_score_derivative`, then run on the tile like the mod), dQ = dS K, dK = dS^T Q, dV = P^T dO.
+`mod_program.with_score_derivative`, then run on the tile like the mod),
+dQ = dS K, dK = dS^T Q, dV = P^T dO.
 Each kernel is warp-specialized as the forward (`forward_mosaic.py`): a memory
 warpgroup streams the tiles a BlockMask row (or column) lists into shared memory with
 TMA, `num_stages` ahead of use, and two compute warpgroups run wgmma and the
@@ -45,8 +46,8 @@ from pallas_flex.kernels.backward import prepare_operands
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
-    map_each_element, materialize, padded_for_slices, reads_index, result, scaled_tile,
-    split_vector, to_tile, with_accumulators)
+    map_each_element, materialize, padded_for_slices, reads_index, result, score_parts,
+    to_tile, with_accumulators)
 from pallas_flex.kernels.tile_mods import split_captured_refs
 from pallas_flex.masks.mod_program import with_score_derivative
 
@@ -76,10 +77,9 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
         score_program, score_reads, score_refs,
         (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
         q_start=q_start, kv_start=kv_start, interpret=interpret, keep_affine=True)
-    scores, query_term = split_vector(scores, q_axis)
+    scores, factor, query_term = score_parts(scores, tile, q_axis)
     if query_term is not None:
         query_term = query_term.value * online_softmax.LOG2_E
-    scores, factor = scaled_tile(scores, tile)
     logits = scores.astype(jnp.float32) * (factor * online_softmax.LOG2_E)
     derivative = materialize(derivative, tile)
     derivative_output = score_program.jaxpr.outvars[1]

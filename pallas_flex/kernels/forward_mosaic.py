@@ -13,13 +13,14 @@ loaded. Mods run on [64, 128] tiles of scores and indices in the wgmma register 
 (`tile_mods.evaluate_jaxpr_on_tiles`, as in the Triton kernels).
 
 What it covers (`mosaic_eligibility.unsupported_reason` says why not; the dispatcher
-then runs the Triton kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask (ragged lengths are
-zero-padded to whole blocks, as for the Triton kernel), contiguous K/V or a paged cache
-(`_tile_pages`), and mods built from elementwise operations whose captured arrays are
-read at indices that depend on b and h only (a per-head ALiBi slope, a soft-cap value)
-or at exactly q_idx or kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads
-those as one vector per tile). Reads at other indices (T5 buckets) are per-element gathers, which the Triton
-kernel does and this one does not.
+then runs the Triton kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask
+(ragged lengths are zero-padded to whole blocks, as for the Triton kernel), contiguous
+K/V or a paged cache (`_tile_pages`), and mods built from elementwise operations whose
+captured arrays are read at indices that depend on b and h only (a per-head ALiBi
+slope, a soft-cap value) or at exactly q_idx or kv_idx (document ids:
+`mosaic_eligibility.contiguous_reads` loads those as one vector per tile). Reads at
+other indices (T5 buckets) are per-element gathers, which the Triton kernel does and
+this one does not.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
 matmuls are plain dots on the shared-memory tiles (`mosaic_tiles.matmul`), and all
@@ -42,7 +43,7 @@ from pallas_flex.kernels.mosaic_eligibility import (
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, padded_for_slices, reads_index, scaled_tile, split_vector)
+    matmul, padded_for_slices, reads_index, score_parts)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import split_captured_refs
 
@@ -225,10 +226,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                      (Affine(raw, scale), batch, head, q_idx, kv_idx),
                                      tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
                                      interpret=interpret, keep_affine=True)
-                modded, query_term = split_vector(modded, 0)
+                logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:
                     row_term = query_term.value
-                logits, factor = scaled_tile(modded, tile)
                 logits = logits.astype(jnp.float32)
                 logit_scale = factor * online_softmax.LOG2_E
             if logit_scale <= 0:

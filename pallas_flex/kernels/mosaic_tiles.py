@@ -7,7 +7,9 @@ Index vectors are 1-D arrays in the layout of one tile axis, so that a mod's ind
 arithmetic runs once per row or column, not per element; `Vector` says which axis a
 vector runs along (a 64x64 tile has vectors of one length on both), and operations on
 vectors of one axis keep it. `to_tile` spreads a vector over the tile where it meets
-another axis or the scores.
+another axis or the scores. Sums and scalings of scores and vectors stay unevaluated
+(`Affine`) until an operation needs one array, so that a mod's linear arithmetic costs
+per element only what its result needs (`score_parts` hands the kernels the rest).
 
 In Mosaic GPU's interpret mode (CPU tests) wgmma has no rule: `matmul` is a plain dot
 there, and everything else is the kernels' own code.
@@ -28,6 +30,7 @@ from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument)
 
 ROWS_PER_WARPGROUP = 64
+
 
 def _integer_pow(x, *, y):
     """x ** y for Mosaic GPU, whose rule takes y >= 2 and y = -1 only (the derivative of
@@ -117,6 +120,8 @@ def _constant(x):
 
 
 def _is_constant(x) -> bool:
+    """Whether x is a literal of the mod (the tile interpreter passes them as numpy):
+    operations on literals alone fold at trace time."""
     return isinstance(x, (int, float, np.ndarray, np.generic))
 
 
@@ -185,9 +190,9 @@ def _scale(a: Affine, factor) -> Affine:
         offset=_scalar_product(a.offset, factor))
 
 
-def _sum(a: Affine, b: Affine, shape) -> Affine:
+def _sum(a: Affine, b: Affine) -> Affine:
     if a.tile is not None and b.tile is not None:
-        tile, factor = _scaled_tile(a) + _scaled_tile(b), 1.0
+        tile, factor = _tile_times_factor(a) + _tile_times_factor(b), 1.0
     elif a.tile is not None:
         tile, factor = a.tile, a.factor
     else:
@@ -202,13 +207,13 @@ def _sum(a: Affine, b: Affine, shape) -> Affine:
     return Affine(tile, factor, tuple(vectors[axis] for axis in sorted(vectors)), offset)
 
 
-def _linear(primitive, operands, shape):
+def _linear(primitive, operands):
     if primitive == "neg":
         return _scale(_as_affine(operands[0]), -1.0)
     if primitive in ("add", "add_any"):
-        return _sum(_as_affine(operands[0]), _as_affine(operands[1]), shape)
+        return _sum(_as_affine(operands[0]), _as_affine(operands[1]))
     if primitive == "sub":
-        return _sum(_as_affine(operands[0]), _scale(_as_affine(operands[1]), -1.0), shape)
+        return _sum(_as_affine(operands[0]), _scale(_as_affine(operands[1]), -1.0))
     if primitive == "div":
         return _scale(_as_affine(operands[0]), _reciprocal(operands[1]))
     scalar, other = operands if _is_scalar(operands[0]) else operands[::-1]
@@ -221,7 +226,7 @@ def _is_one(x) -> bool:
     return constant is not None and np.float32(constant) == 1.0
 
 
-def _scaled_tile(a: Affine):
+def _tile_times_factor(a: Affine):
     return a.tile if _is_one(a.factor) else a.tile * a.factor
 
 
@@ -240,7 +245,7 @@ def materialize(x, shape):
         return vectors[0]
     if x.tile is None and not vectors:
         return offset
-    total = _scaled_tile(x) if x.tile is not None else None
+    total = _tile_times_factor(x) if x.tile is not None else None
     for vector in vectors:
         total = to_tile(vector, shape) if total is None else total + to_tile(vector, shape)
     if _constant(offset) != 0.0:
@@ -248,11 +253,8 @@ def materialize(x, shape):
     return total
 
 
-def split_vector(x, axis: int):
-    """(x less its term along tile axis `axis`, that term as a Vector or None). A term
-    that depends on the query only (ALiBi's -slope * q_idx) is a per-row constant: the
-    softmax does not change with it, so the kernels add it to the row's lse once instead
-    of to every score."""
+def _split_vector(x, axis: int):
+    """(x less its term along tile axis `axis`, that term as a Vector or None)."""
     if not isinstance(x, Affine):
         return x, None
     kept = tuple(v for v in x.vectors if v.axis != axis)
@@ -271,6 +273,17 @@ def scaled_tile(x, shape):
     return to_tile(materialize(x, shape), shape), 1.0
 
 
+def score_parts(x, shape, q_axis: int):
+    """A score_mod's output as (tile, factor, query term): x = factor * tile + the query
+    term, factor a Python float (folded by the kernels into the exponent), the query term
+    a Vector along tile axis `q_axis` or None. A term that depends on the query only
+    (ALiBi's -slope * q_idx) is a per-query constant the softmax does not change with:
+    the kernels add it to the query's lse once instead of to every score."""
+    x, query_term = _split_vector(x, q_axis)
+    tile, factor = scaled_tile(x, shape)
+    return tile, factor, query_term
+
+
 def tile_applier(shape):
     """`apply` for `evaluate_jaxpr_on_tiles` on a tile of `shape`: sums and scalings of
     float32 scores and vectors stay unevaluated Affines; other operations on scalars and
@@ -285,7 +298,7 @@ def tile_applier(shape):
                 return [np.asarray(output) for output in outputs]
             return np.asarray(outputs)
         if _stays_affine(primitive, operands):
-            return _linear(primitive, operands, shape)
+            return _linear(primitive, operands)
         if (primitive == "convert_element_type" and isinstance(operands[0], Affine)
                 and jax.eval_shape(function, jax.ShapeDtypeStruct((), jnp.float32)).dtype
                 == jnp.float32):
@@ -353,7 +366,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     kv_idx load the slice from row q_start or kv_start of the captured array (as many
     rows as the tile has along that axis), edge-padded by the caller. Returns the mod's
     outputs as scalars, Vectors or tiles, or, with keep_affine, as they came out
-    (Affines too: `scaled_tile` takes those apart). The score arg may be an Affine (the
+    (Affines too: `score_parts` takes those apart). The score arg may be an Affine (the
     kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one)."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
@@ -484,6 +497,7 @@ def result(accumulator, *, in_flight_after: int, interpret):
     return plgpu.wgmma_accumulator_load(accumulator, wait_n=in_flight_after)
 
 
-__all__ = ["Affine", "Vector", "materialize", "scaled_tile", "split_vector", "apply_mask", "evaluate", "map_each_element", "index_vector", "issue", "load_vector", "matmul",
-           "padded_for_slices", "reads_index", "result", "to_tile", "tile_applier",
-           "vector_layout", "with_accumulators", "ROWS_PER_WARPGROUP"]
+__all__ = ["Affine", "ROWS_PER_WARPGROUP", "Vector", "apply_mask", "evaluate", "index_vector",
+           "issue", "load_vector", "map_each_element", "materialize", "matmul",
+           "padded_for_slices", "reads_index", "result", "scaled_tile", "score_parts",
+           "tile_applier", "to_tile", "vector_layout", "with_accumulators"]
