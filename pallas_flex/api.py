@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from pallas_flex import dispatch
+from pallas_flex import dispatch, sharding
 from pallas_flex.kernels import device
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
@@ -127,13 +127,24 @@ def resolve_scale(scale, head_dim):
 
 
 def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None):
-    """(out in out_dtype (default q's), lse) of the kernel `pallas_flex.dispatch` picks."""
+    """(out in out_dtype (default q's), lse) of the kernel `pallas_flex.dispatch` picks,
+    run per shard where q, k, v are sharded over batch or heads (`pallas_flex.sharding`)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                      options=options, out_dtype=out_dtype)
-    return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
-                                options=options, interpret=backend == "interpret",
-                                out_dtype=out_dtype)
+
+    def forward(operands, offsets):
+        q, k, v, block_mask, score_program = operands
+        block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
+        return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
+                                    options=options, interpret=backend == "interpret",
+                                    out_dtype=out_dtype)
+
+    return sharding.call(
+        forward, (q, k, v, block_mask, score_program),
+        (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.roles_of(block_mask, None),
+         sharding.WHOLE), lambda results: (sharding.QUERY, sharding.ROW),
+        batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
 
 
 def _zero_cotangent(x):
@@ -202,9 +213,29 @@ def _fused_attention_backward(config, residuals, cotangents):
     # Pallas's interpreter (still O(S) memory, just not fast).
     choice = dispatch.choose_backward(q, k, v, block_mask, score_program, backend=backend,
                                       options=options, wanted_const_grads=wanted.flags)
-    d_q, d_k, d_v, const_grads = dispatch.run_backward(
-        choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-        options=options, interpret=backend != "pallas", wanted_const_grads=wanted.flags)
+
+    def backward(operands, offsets):
+        q, k, v, out, lse, d_out, d_lse, block_mask, score_program = operands
+        block_mask, shifted_program, positions = sharding.shift_mods(
+            block_mask, score_program, offsets)
+        d_q, d_k, d_v, shifted_grads = dispatch.run_backward(
+            choice, q, k, v, out, lse, d_out, d_lse, block_mask, shifted_program,
+            scale=scale, options=options, interpret=backend != "pallas",
+            wanted_const_grads=tuple(False if position is None else wanted.flags[position]
+                                     for position in positions))
+        const_grads = [None] * len(wanted.flags)
+        for position, grad in zip(positions, shifted_grads):
+            if position is not None:
+                const_grads[position] = grad
+        return d_q, d_k, d_v, const_grads
+
+    d_q, d_k, d_v, const_grads = sharding.call(
+        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program),
+        (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.QUERY, sharding.ROW,
+         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE),
+        lambda results: (sharding.QUERY, sharding.KEY, sharding.KEY,
+                         jax.tree.map(lambda _: sharding.SUM, results[3])),
+        batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:
