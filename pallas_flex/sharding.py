@@ -91,6 +91,11 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
     closed, result_shape = jax.make_jaxpr(unsharded, return_shape=True)(
         *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_operands])
     result_tree = jax.tree.structure(result_shape)
+    if closed.effects:
+        # Ordered side effects (the Mosaic GPU kernels in Pallas's interpreter call back
+        # to the host in order) need tokens that custom_partitioning cannot thread:
+        # such a call runs whole.
+        return unsharded(*flat_operands)
     constants = list(closed.consts)
     result_leaves = jax.tree.leaves(result_roles(result_shape))
     group = q_heads // kv_heads
@@ -147,7 +152,7 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
 
     def sharding_rule(mesh, operand_types, result_types):
         del mesh, operand_types, result_types
-        factors = _Factors(group)
+        factors = _Factors(group, kv_heads)
         operands_rule = ", ".join(factors.of(role, shape) for role, shape in
                                   zip(role_leaves, _leaf_shapes(flat_operands)))
         results_rule = ", ".join(factors.of(role, shape) for role, shape in
@@ -308,10 +313,11 @@ class _Factors:
     """Shardy factor names for a call's dimensions: `b` batch, `g` KV heads, `r` query
     heads per KV head; every other dimension a factor of its own that must stay whole."""
 
-    def __init__(self, group):
-        self.group = group
+    def __init__(self, group, kv_heads):
+        self.group, self.kv_heads = group, kv_heads
         self.replicated = []
-        self.sizes = {"r": group} if group > 1 else {}
+        # Shardy refuses size-1 factors in a compound dimension.
+        self.sizes = {"r": group} if group > 1 and kv_heads > 1 else {}
 
     def _own(self):
         name = f"x{len(self.replicated)}"
@@ -319,14 +325,19 @@ class _Factors:
         return name
 
     def _q_heads(self):
-        return "(g r)" if self.group > 1 else "g"
+        if self.group == 1:
+            return "g"
+        return "(g r)" if self.kv_heads > 1 else "r"
+
+    def _kv_heads(self):
+        return "g" if self.kv_heads > 1 or self.group == 1 else self._own()
 
     def of(self, role, shape):
         ndim = len(shape)
         if role == QUERY:
             dims = ["b", self._own(), self._q_heads()] + [self._own() for _ in range(ndim - 3)]
         elif role == KEY:
-            dims = ["b", self._own(), "g"] + [self._own() for _ in range(ndim - 3)]
+            dims = ["b", self._own(), self._kv_heads()] + [self._own() for _ in range(ndim - 3)]
         elif role == ROW:
             dims = ["b", self._q_heads(), self._own()]
         elif role == TABLE:
