@@ -202,40 +202,14 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, config):
 
 
 def _fused_attention_backward(config, residuals, cotangents):
-    backend, scale, options = config
     q, k, v, block_mask, score_program, out, lse, wanted = residuals
     d_out, d_lse = cotangents
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, q.dtype)
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
-    # The "xla" backend has no GPU kernels: its backward runs the same kernels through
-    # Pallas's interpreter (still O(S) memory, just not fast).
-    choice = dispatch.choose_backward(q, k, v, block_mask, score_program, backend=backend,
-                                      options=options, wanted_const_grads=wanted.flags)
-
-    def backward(operands, offsets):
-        q, k, v, out, lse, d_out, d_lse, block_mask, score_program = operands
-        block_mask, shifted_program, positions = sharding.shift_mods(
-            block_mask, score_program, offsets)
-        d_q, d_k, d_v, shifted_grads = dispatch.run_backward(
-            choice, q, k, v, out, lse, d_out, d_lse, block_mask, shifted_program,
-            scale=scale, options=options, interpret=backend != "pallas",
-            wanted_const_grads=tuple(False if position is None else wanted.flags[position]
-                                     for position in positions))
-        const_grads = [None] * len(wanted.flags)
-        for position, grad in zip(positions, shifted_grads):
-            if position is not None:
-                const_grads[position] = grad
-        return d_q, d_k, d_v, const_grads
-
-    d_q, d_k, d_v, const_grads = sharding.call(
-        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program),
-        (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.QUERY, sharding.ROW,
-         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE),
-        lambda results: (sharding.QUERY, sharding.KEY, sharding.KEY,
-                         jax.tree.map(lambda _: sharding.SUM, results[3])),
-        batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
+    d_q, d_k, d_v, const_grads = _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask,
+                                                score_program, config, wanted.flags)
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:
@@ -244,6 +218,64 @@ def _fused_attention_backward(config, residuals, cotangents):
             grad if grad is not None else _zero_cotangent(const)
             for grad, const in zip(const_grads, score_program.consts))
     return d_q, d_k, d_v, d_block_mask, d_score_program
+
+
+def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,
+                   wanted_flags):
+    """(dq, dk, dv, per captured array of the score_mod its gradient or None) of the
+    backward kernel `pallas_flex.dispatch` picks, given the forward's out (float32 where
+    captured-array gradients are wanted) and lse; d_lse may be None. Run per shard where
+    the inputs are sharded over batch or heads (`pallas_flex.sharding`)."""
+    backend, scale, options = config
+    # The "xla" backend has no GPU kernels: its backward runs the same kernels through
+    # Pallas's interpreter (still O(S) memory, just not fast).
+    choice = dispatch.choose_backward(q, k, v, block_mask, score_program, backend=backend,
+                                      options=options, wanted_const_grads=wanted_flags)
+
+    def backward(operands, offsets):
+        q, k, v, out, lse, d_out, d_lse, block_mask, score_program = operands
+        block_mask, shifted_program, positions = sharding.shift_mods(
+            block_mask, score_program, offsets)
+        d_q, d_k, d_v, shifted_grads = dispatch.run_backward(
+            choice, q, k, v, out, lse, d_out, d_lse, block_mask, shifted_program,
+            scale=scale, options=options, interpret=backend != "pallas",
+            wanted_const_grads=tuple(False if position is None else wanted_flags[position]
+                                     for position in positions))
+        const_grads = [None] * len(wanted_flags)
+        for position, grad in zip(positions, shifted_grads):
+            if position is not None:
+                const_grads[position] = grad
+        return d_q, d_k, d_v, const_grads
+
+    return sharding.call(
+        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program),
+        (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.QUERY, sharding.ROW,
+         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE),
+        lambda results: (sharding.QUERY, sharding.KEY, sharding.KEY,
+                         jax.tree.map(lambda _: sharding.SUM, results[3])),
+        batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
+
+
+def attention_backward(q, k, v, out, lse, d_out, d_lse, *, block_mask, score_mod=None,
+                       scale=None, backend=None, kernel_options=None, wanted_const_grads=None):
+    """The fused backward kernels of `flex_attention(q, k, v, score_mod, block_mask)`
+    given its softmax statistics from elsewhere: `out` and `lse` may be those of attention
+    over more keys than k, v hold (context parallelism's ring runs the backward of each
+    K/V shard with the merged output and lse). d_lse may be None.
+
+    Returns (dq, dk, dv, const_grads) in float32 where the kernels accumulate so, with
+    const_grads per captured array of the score_mod (its `ModProgram`'s consts order),
+    None where `wanted_const_grads` (one bool per captured array; None: all) says not."""
+    block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
+                                                 backend, kernel_options)
+    if config[0] == "reference":
+        raise ValueError('attention_backward runs the backward kernels: backend '
+                         '"reference" has none (it is differentiated by autodiff)')
+    consts = score_program.consts if score_program is not None else ()
+    wanted = tuple(wanted_const_grads) if wanted_const_grads is not None else tuple(
+        bool(jnp.issubdtype(jnp.result_type(c), jnp.floating)) for c in consts)
+    return _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                          config, wanted)
 
 
 _fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,

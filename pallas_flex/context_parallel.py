@@ -4,19 +4,25 @@ Built on JAX's own SPMD machinery: called inside `jax.shard_map`, each device ke
 query shard while the K/V shards travel around the ring with `jax.lax.ppermute`; every
 step runs the block-sparse kernels on the visiting shard with the user's mods seeing
 global positions, and the partial results merge exactly (`merge_attention_states`,
-float32 between steps). The backward is JAX's transpose of that program: the kernels'
-custom VJPs, and ppermutes the other way round for the K/V gradients.
+float32 between steps). The ring has its own VJP: the backward passes K/V round the ring
+again (nothing but this device's shards and the merged statistics is kept), runs the fused
+backward kernels of each visiting shard with the merged output and lse, and sends the
+K/V gradient buffers, which travel with their shard, home at the end.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex.api import (
-    _attention_block_mask, attention, flex_attention, merge_attention_states)
+    _attention_block_mask, _zero_cotangent, attention, attention_backward, flex_attention,
+    merge_attention_states, resolve_backend)
+from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
 
 __all__ = ["ContextParallel", "context_parallel_attention", "zigzag_order"]
 
@@ -143,12 +149,40 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         out, lse = _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod,
                                score_mod, options)
         return (out, lse) if return_lse else out
-    # Each step sends this device's K/V shard to the next device and receives the
-    # previous one's: at step s, device i holds the shard of device (i - s) mod N. The
-    # BlockMask of every step is built first: a step whose BlockMask lists no block is
-    # not computed on that device, and the transfers stop once no device needs a later
-    # step (the decision is psum'd, so every device takes the same branch).
-    to_next = [(source, (source + 1) % devices) for source in range(devices)]
+    if resolve_backend(backend) == "reference":  # the dense oracle: plain autodiff
+        out, lse = _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options)
+    else:
+        score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
+        mask_program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
+        out, lse = _ring(q, k, v, mask_program, score_program,
+                         _RingConfig(axis_name, layout, tuple(sorted(options.items(),
+                                                                     key=lambda x: x[0]))))
+    out = out.astype(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingConfig:
+    axis_name: str
+    layout: str
+    options: tuple  # (name, value) pairs of scale, backend, kernel_options
+
+    def __hash__(self):
+        return hash((self.axis_name, self.layout, repr(self.options)))
+
+    def __eq__(self, other):
+        return isinstance(other, _RingConfig) and hash(self) == hash(other)
+
+
+def _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod, kernel_options):
+    """Per ring step: (BlockMask, whether it lists a block here, the score_mod at global
+    positions); and, summed over the devices, how many need each step. At step s device
+    i holds the K/V shard of device (i - s) mod N. The BlockMasks are built first: a step
+    whose BlockMask lists no block is not computed on that device, and the transfers stop
+    once no device needs a later step (psum'd, so every device takes the same branch)."""
+    devices = jax.lax.axis_size(axis_name)
+    index = jax.lax.axis_index(axis_name)
+    q_position = _positions(index, q.shape[1], devices, layout)
     steps = []
     for step in range(devices):
         kv_position = _positions((index - step) % devices, k.shape[1], devices, layout)
@@ -159,9 +193,20 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
             jnp.sum(block_mask.kv_num_blocks) + jnp.sum(block_mask.full_kv_num_blocks) > 0)
         steps.append((block_mask, busy,
                       _at_global_positions(score_mod, q_position, kv_position, True)))
-    # Devices that need each step's shard, summed over the axis in one collective.
     needed = jax.lax.psum(jnp.stack([busy for _, busy, _ in steps]).astype(jnp.int32),
                           axis_name)
+    return steps, needed
+
+
+def _next_device(axis_name, devices, distance=1):
+    return [(source, (source + distance) % devices) for source in range(devices)]
+
+
+def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options):
+    """(out float32, lse): the K/V shards passed round the ring, partial results merged."""
+    devices = jax.lax.axis_size(axis_name)
+    steps, needed = _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod,
+                                options["kernel_options"])
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
@@ -172,11 +217,100 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         out, lse = jax.lax.cond(busy, merge_step, lambda out, lse, k, v: (out, lse),
                                 out, lse, k, v)
         if step + 1 < devices:
-            k, v = jax.lax.cond(jnp.sum(needed[step + 1:]) > 0,
-                                lambda k, v: jax.lax.ppermute((k, v), axis_name, to_next),
-                                lambda k, v: (k, v), k, v)
-    out = out.astype(q.dtype)
-    return (out, lse) if return_lse else out
+            k, v = jax.lax.cond(
+                jnp.sum(needed[step + 1:]) > 0,
+                lambda k, v: jax.lax.ppermute((k, v), axis_name, _next_device(axis_name,
+                                                                              devices)),
+                lambda k, v: (k, v), k, v)
+    return out, lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _ring(q, k, v, mask_program, score_program, config):
+    """The ring with its own backward (below): (out float32, lse)."""
+    return _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
+                         score_program, dict(config.options))
+
+
+def _ring_fwd(q, k, v, mask_program, score_program, config):
+    wanted = tuple(primal.perturbed for primal in (
+        score_program.consts if score_program is not None else ()))
+    q, k, v, mask_program, score_program = jax.tree.map(
+        lambda primal: primal.value, (q, k, v, mask_program, score_program),
+        is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    out, lse = _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
+                             score_program, dict(config.options))
+    # Only this device's shards and the merged statistics are kept: the backward passes
+    # K/V round the ring again instead of holding every shard that visited.
+    return (out, lse), (q, k, v, mask_program, score_program, out, lse, wanted)
+
+
+def _ring_bwd(config, residuals, cotangents):
+    """The ring backward: K/V shards go round again, each step runs the fused backward
+    kernels of the visiting shard with the merged out and lse (so its P is the global
+    softmax), dq accumulates here and dK/dV accumulate in float32 buffers that travel
+    with their shard; after the last step the buffers go home. Captured arrays' gradients
+    are this device's partial sums (shard_map sums a replicated input's cotangent)."""
+    q, k, v, mask_program, score_program, out, lse, wanted = residuals
+    d_out, d_lse = cotangents
+    d_out = jnp.zeros(out.shape, q.dtype) if isinstance(d_out, SymbolicZero) else d_out
+    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
+    axis_name, options = config.axis_name, dict(config.options)
+    devices = jax.lax.axis_size(axis_name)
+    steps, needed = _ring_steps(q, k, v, axis_name, config.layout, mask_program,
+                                score_program, options["kernel_options"])
+    consts = score_program.consts if score_program is not None else ()
+    d_q = jnp.zeros(q.shape, jnp.float32)
+    d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    d_consts = [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
+                for c, w in zip(consts, wanted)]
+    hops = jnp.int32(0)
+    for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+        def step_grads(d_q, d_k, d_v, d_consts, k, v, block_mask=block_mask,
+                       score_mod=shifted_score_mod):
+            shifted = (make_mod_program(score_mod, SCORE) if score_mod is not None
+                       else None)
+            # The shifted program closes over the original's captured arrays (and the
+            # shard offsets): map its gradients back by identity.
+            positions = {id(c): i for i, c in enumerate(consts)}
+            shifted_positions = [positions.get(id(c)) for c in
+                                 (shifted.consts if shifted is not None else ())]
+            g_q, g_k, g_v, g_consts = attention_backward(
+                q, k, v, out, lse, d_out, d_lse, block_mask=block_mask, score_mod=shifted,
+                wanted_const_grads=[p is not None and wanted[p] for p in shifted_positions],
+                **options)
+            d_consts = list(d_consts)
+            for position, grad in zip(shifted_positions, g_consts):
+                if position is not None and grad is not None:
+                    d_consts[position] = d_consts[position] + grad.astype(jnp.float32)
+            return (d_q + g_q.astype(jnp.float32), d_k + g_k.astype(jnp.float32),
+                    d_v + g_v.astype(jnp.float32), d_consts)
+        d_q, d_k, d_v, d_consts = jax.lax.cond(
+            busy, step_grads, lambda d_q, d_k, d_v, d_consts, k, v: (d_q, d_k, d_v, d_consts),
+            d_q, d_k, d_v, d_consts, k, v)
+        if step + 1 < devices:
+            moving = jnp.sum(needed[step + 1:]) > 0
+            k, v, d_k, d_v = jax.lax.cond(
+                moving,
+                lambda *x: jax.lax.ppermute(x, axis_name, _next_device(axis_name, devices)),
+                lambda *x: x, k, v, d_k, d_v)
+            hops = hops + moving.astype(jnp.int32)
+    # The buffers here belong to the device `hops` places back: send them home.
+    d_k, d_v = jax.lax.switch(hops, [
+        (lambda d_k, d_v, back=back: jax.lax.ppermute(
+            (d_k, d_v), axis_name, _next_device(axis_name, devices, -back)) if back
+         else (d_k, d_v)) for back in range(devices)], d_k, d_v)
+    d_mask = jax.tree.map(_zero_cotangent, mask_program)
+    d_score = None
+    if score_program is not None:
+        d_score = jax.tree.map(_zero_cotangent, score_program)
+        d_score.consts = tuple(
+            grad.astype(jnp.result_type(c)) if grad is not None else _zero_cotangent(c)
+            for grad, c in zip(d_consts, consts))
+    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask, d_score)
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
 def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, options):

@@ -99,6 +99,23 @@ def test_ring_equals_one_device(mesh, case, backend):
     _assert_equals_one_device(mesh, _inputs(), *CASES[case], backend=backend)
 
 
+def test_the_ring_backward_keeps_only_this_device_s_shards(mesh):
+    """The ring's custom VJP saves q, k, v as given, the merged float32 output and the
+    lse, and passes K/V round the ring again in the backward: no K/V shard that visited
+    a device is kept for the backward. (JAX's transpose of the forward would keep every
+    step's visiting shard: on 4 devices 4x the K/V, with per-step outputs and lse.)"""
+    q, k, v, d_out = _inputs()
+    attend = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+        q, k, v, axis_name="cp", mask_mod=masks.causal_mask, return_lse=True))
+    _, backward = jax.vjp(lambda q, k, v: attend(q, k, v)[0], q, k, v)
+    saved = sum(x.nbytes for x in jax.tree.leaves(backward) if hasattr(x, "nbytes"))
+    inputs, out_f32 = q.nbytes + k.nbytes + v.nbytes, q.size // D * D * 4
+    lse = B * HQ * S * 4
+    assert saved <= inputs + out_f32 + 2 * lse + 64 * 1024, (saved, inputs, out_f32)
+    # and the gradients still equal one device's
+    _assert_equals_one_device(mesh, _inputs(5), masks.causal_mask, None)
+
+
 @pytest.mark.parametrize("case", ["causal", "documents"])
 def test_zigzag_layout_equals_one_device_at_original_positions(mesh, case):
     """Inputs laid out zig-zag (device i: chunks i and 7 - i of 8): the mods still see
