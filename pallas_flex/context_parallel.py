@@ -178,8 +178,8 @@ def _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod, kernel_options)
     """Per ring step: (BlockMask, whether it lists a block here, the score_mod at global
     positions); and, summed over the devices, how many need each step. At step s device
     i holds the K/V shard of device (i - s) mod N. The BlockMasks are built first: a step
-    whose BlockMask lists no block is not computed on that device, and the transfers stop
-    once no device needs a later step (psum'd, so every device takes the same branch)."""
+    whose BlockMask lists no block is not computed on that device, and a step no device
+    computes is not transferred either (psum'd, so every device takes the same branch)."""
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
@@ -198,8 +198,26 @@ def _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod, kernel_options)
     return steps, needed
 
 
-def _next_device(axis_name, devices, distance=1):
-    return [(source, (source + distance) % devices) for source in range(devices)]
+def _shift(x, axis_name, devices, distance):
+    """`x` sent `distance` devices on round the ring (back, if negative)."""
+    if distance % devices == 0:
+        return x
+    return jax.lax.ppermute(x, axis_name, [(source, (source + distance) % devices)
+                                           for source in range(devices)])
+
+
+def _move_to_step(x, held, step, needed, axis_name, devices):
+    """`x` (the shards of step `held`, on every device) moved on to step `step`'s if any
+    device computes that step, in one hop over the steps no device computes (a window or
+    a document mask can leave middle steps empty); and the step now held. `held` and
+    `needed` agree on every device, so every device takes the same branch."""
+    def move(x):
+        return jax.lax.switch(step - held - 1, [
+            functools.partial(_shift, axis_name=axis_name, devices=devices, distance=d)
+            for d in range(1, step + 1)], x)
+    wanted = needed[step] > 0
+    return (jax.lax.cond(wanted, move, lambda x: x, x),
+            jnp.where(wanted, jnp.int32(step), held))
 
 
 def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options):
@@ -209,19 +227,17 @@ def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options):
                                 options["kernel_options"])
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    held = jnp.int32(0)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+        if step:
+            (k, v), held = _move_to_step((k, v), held, step, needed, axis_name, devices)
+
         def merge_step(out, lse, k, v, block_mask=block_mask, score_mod=shifted_score_mod):
             part, part_lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True,
                                             **options)
             return merge_attention_states(out, lse, part, part_lse)
         out, lse = jax.lax.cond(busy, merge_step, lambda out, lse, k, v: (out, lse),
                                 out, lse, k, v)
-        if step + 1 < devices:
-            k, v = jax.lax.cond(
-                jnp.sum(needed[step + 1:]) > 0,
-                lambda k, v: jax.lax.ppermute((k, v), axis_name, _next_device(axis_name,
-                                                                              devices)),
-                lambda k, v: (k, v), k, v)
     return out, lse
 
 
@@ -264,8 +280,12 @@ def _ring_bwd(config, residuals, cotangents):
     d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     d_consts = [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
                 for c, w in zip(consts, wanted)]
-    hops = jnp.int32(0)
+    held = jnp.int32(0)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+        if step:  # the dK/dV buffers travel with their shard
+            (k, v, d_k, d_v), held = _move_to_step((k, v, d_k, d_v), held, step, needed,
+                                                   axis_name, devices)
+
         def step_grads(d_q, d_k, d_v, d_consts, k, v, block_mask=block_mask,
                        score_mod=shifted_score_mod):
             shifted = (make_mod_program(score_mod, SCORE) if score_mod is not None
@@ -288,18 +308,10 @@ def _ring_bwd(config, residuals, cotangents):
         d_q, d_k, d_v, d_consts = jax.lax.cond(
             busy, step_grads, lambda d_q, d_k, d_v, d_consts, k, v: (d_q, d_k, d_v, d_consts),
             d_q, d_k, d_v, d_consts, k, v)
-        if step + 1 < devices:
-            moving = jnp.sum(needed[step + 1:]) > 0
-            k, v, d_k, d_v = jax.lax.cond(
-                moving,
-                lambda *x: jax.lax.ppermute(x, axis_name, _next_device(axis_name, devices)),
-                lambda *x: x, k, v, d_k, d_v)
-            hops = hops + moving.astype(jnp.int32)
-    # The buffers here belong to the device `hops` places back: send them home.
-    d_k, d_v = jax.lax.switch(hops, [
-        (lambda d_k, d_v, back=back: jax.lax.ppermute(
-            (d_k, d_v), axis_name, _next_device(axis_name, devices, -back)) if back
-         else (d_k, d_v)) for back in range(devices)], d_k, d_v)
+    # The buffers here belong to the device `held` places back: send them home.
+    d_k, d_v = jax.lax.switch(held, [
+        functools.partial(_shift, axis_name=axis_name, devices=devices, distance=-back)
+        for back in range(devices)], (d_k, d_v))
     d_mask = jax.tree.map(_zero_cotangent, mask_program)
     d_score = None
     if score_program is not None:

@@ -29,9 +29,16 @@ def _cases():
 
     def prefix_lm(b, h, q_idx, kv_idx):
         return (kv_idx < 40) | (q_idx >= kv_idx)
+
+    def two_shards_back(b, h, q_idx, kv_idx):
+        """Keys in the query's own shard of 32 or two shards back: ring steps 1 and 3
+        are empty on every device, step 2 busy on devices 2 and 3."""
+        distance = q_idx // (S // DEVICES) - kv_idx // (S // DEVICES)
+        return (distance == 0) | (distance == 2)
     return {"causal": (causal, None), "documents": (documents, None),
             "sliding_window": (sliding, None), "prefix_lm": (prefix_lm, None),
-            "noop_softcap": (None, masks.tanh_softcap(5.0))}
+            "noop_softcap": (None, masks.tanh_softcap(5.0)),
+            "two_shards_back": (two_shards_back, None)}
 
 
 CASES = _cases()
@@ -214,11 +221,13 @@ def test_zigzag_balances_a_causal_mask_s_blocks_across_devices():
 @pytest.mark.parametrize("case,computed,transfers", [
     ("causal", 1 + 2 + 3 + 4, 3 * DEVICES),  # device i: shards 0..i; the last needs all
     ("sliding_window", 1 + 2 + 2 + 2, 1 * DEVICES),  # window 20 < 32: this shard and the
-    ("noop_softcap", DEVICES * DEVICES, 3 * DEVICES)])  # previous; then K/V stay put
+    ("noop_softcap", DEVICES * DEVICES, 3 * DEVICES),  # previous; then K/V stay put
+    ("two_shards_back", DEVICES + 2, DEVICES)])  # steps 1 and 3 empty: one hop of two
 def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, computed,
                                                         transfers):
     """Kernel calls and K/V transfers actually executed (host callbacks inside the taken
-    branches), summed over the four devices."""
+    branches), summed over the four devices. A step no device computes is not
+    transferred: the shard of the step after it comes in one hop."""
     from pallas_flex import context_parallel
 
     counts = {"computed": 0, "transfers": 0}
