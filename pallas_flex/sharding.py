@@ -10,24 +10,27 @@ mesh axes the inputs' shardings are unknown while the function is traced: the
 partitioner (Shardy) chooses them afterwards, and custom_partitioning is the hook it calls
 then. It also sees shardings that come from inside the user's function (a
 `with_sharding_constraint`, a sharded matmul producing q), which no trace-time check
-could.
+could. With Explicit mesh axes the shardings are in the types, known while tracing: there
+a `jax.shard_map` runs the shards.
 
-`call` runs one kernel call (the forward, or the backward) that way:
+`call` runs one kernel call (a forward, a backward, a paged or ragged op) that way. Each
+array has a role saying what its dimensions index (the layouts below):
 
-* q-shaped arrays [B, Sq, Hq, D] (q, out, d_out, dq), k-shaped ones [B, Skv, Hkv, D] (k, v,
-  dk, dv), row statistics [B, Hq, Sq] (lse) and BlockMask tables [B or 1, Hq or 1, ...]
-  keep the batch and head shardings they come with; the sequence and head-dim axes, and
-  a batch or head axis that does not divide, are gathered (context parallelism, for a
-  split sequence, is `pf.context_parallel_attention`).
+* batch and head dimensions keep the shardings they come with where the call's B (or
+  Hkv) divides over their mesh axes; every other dimension, and a batch or head split
+  that does not divide, is gathered (context parallelism, for a split sequence, is
+  `pf.context_parallel_attention`). A split of the query heads is a split of their KV
+  heads: Shardy is told Hq = Hkv x (Hq / Hkv).
 * Arrays the mods capture are indexed at global (b, h), so every device reads them whole,
   and each device's mods see global batch rows and heads (its shard offsets are traced
   scalars, captured like any other array: one program serves every device).
 * A captured array's gradient is each device's partial sum, summed over the mesh axes the
-  batch and heads are split over (`jax.lax.psum`).
+  batch and heads are split over (`jax.lax.psum`); so are the ragged op's scores.
 
-On one device, inside a `jax.shard_map` that makes every axis manual, and under
-`jax.vmap` (custom_partitioning has no batching rule: the call is vmapped as it is), the
-kernels run directly.
+On one device, inside a `jax.shard_map` that makes every axis manual, under `jax.vmap`
+(custom_partitioning has no batching rule: the call is vmapped as it is), and for kernels
+with ordered side effects (the Mosaic GPU kernels in Pallas's interpreter), the call runs
+whole.
 """
 
 from __future__ import annotations
@@ -42,13 +45,22 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 from pallas_flex.masks.block_mask import BlockMask
 from pallas_flex.masks.mod_program import MASK, SCORE, ModProgram, make_mod_program
 
-# The shape roles of a call's arrays.
-QUERY = "query"      # [B, Sq, Hq, ...]: q, out, d_out, dq
-KEY = "key"          # [B, Skv, Hkv, ...]: k, v, dk, dv
-ROW = "row"          # [B, Hq, Sq]: lse, its cotangent
-TABLE = "table"      # [B or 1, Hq or 1, ...]: a BlockMask's tables
-WHOLE = "whole"      # read whole on every device: captured arrays
-SUM = "sum"          # a result summed over the shards: captured arrays' gradients
+# What each dimension of an array indexes: "b" batch rows, "q" query heads, "kv" KV heads,
+# "q*" / "kv*" heads times features flattened (split only between heads), None anything
+# that stays whole. Trailing dimensions not listed stay whole.
+_LAYOUTS = {
+    "query": ("b", None, "q"),         # [B, Sq, Hq, D]: q, out, d_out, dq
+    "key": ("b", None, "kv"),          # [B, Skv, Hkv, D]: k, v, dk, dv
+    "row": ("b", "q"),                 # [B, Hq, Sq]: lse and its cotangent
+    "pages": (None, "kv"),             # [pages, Hkv, page, D]: paged K/V
+    "tokens": (None, "q*"),            # [T, Hq * D]: the ragged op's queries and output
+    "token_kv": (None, "kv*"),         # [T, Hkv * D]: the ragged op's new keys and values
+    "per_head": ("q",),                # [Hq]: a value per query head (ALiBi slopes)
+    "whole": (),                       # read whole everywhere: captured arrays, metadata
+    "sum": (),                         # a result summed over the shards
+}
+QUERY, KEY, ROW, PAGES, TOKENS, TOKEN_KV, PER_HEAD, WHOLE, SUM = _LAYOUTS
+TABLE = "table"  # [B or 1, Hq or 1, ...]: a BlockMask's tables
 
 
 def roles_of(operand, role):
@@ -60,10 +72,13 @@ def roles_of(operand, role):
         return jax.tree_util.tree_unflatten(treedef, [
             roles_of(child, WHOLE) if isinstance(child, ModProgram)
             else (None if child is None else TABLE) for child in children])
+    if isinstance(operand, ModProgram):
+        role = WHOLE
     return jax.tree.map(lambda _: role, operand)
 
 
-def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
+def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
+         split_batch=True):
     """`function(operands, offsets)`, partitioned over the batch and head shardings.
 
     Args:
@@ -74,6 +89,8 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
       roles: per operand, its role (above) or a pytree of roles (`roles_of`).
       result_roles: a function of the results' pytree of shapes giving their roles.
       batch, q_heads, kv_heads: the call's B, Hq and Hkv.
+      split_batch: False where batch rows share an array that cannot be split with them
+        (a paged cache's page pool).
     """
     if jax.device_count() == 1:
         return function(operands, (0, 0))
@@ -90,20 +107,16 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
     # so the kernels' own (index arrays of Pallas's interpreter, say) become operands.
     closed, result_shape = jax.make_jaxpr(unsharded, return_shape=True)(
         *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_operands])
-    result_tree = jax.tree.structure(result_shape)
-    if closed.effects:
-        # Ordered side effects (the Mosaic GPU kernels in Pallas's interpreter call back
-        # to the host in order) need tokens that custom_partitioning cannot thread:
-        # such a call runs whole.
+    if closed.effects:  # ordered effects need tokens custom_partitioning cannot thread
         return unsharded(*flat_operands)
-    constants = list(closed.consts)
+    result_tree = jax.tree.structure(result_shape)
     result_leaves = jax.tree.leaves(result_roles(result_shape))
-    group = q_heads // kv_heads
-    sizes = dict(batch=batch, q_heads=q_heads, kv_heads=kv_heads)
+    plan = _Plan(batch, q_heads, kv_heads, split_batch)
+    constants = list(closed.consts)
+    constant_roles = [WHOLE] * len(constants)
 
     def sharded(flat, batch_axes, head_axes):
-        offsets = (_offset(batch_axes, flat, role_leaves, 0),
-                   _offset(head_axes, flat, role_leaves, 2))
+        offsets = (plan.offset(batch_axes, batch), plan.offset(head_axes, q_heads))
         results = function(jax.tree.unflatten(operand_tree, flat), offsets)
         split = batch_axes + head_axes
         flat_results, tree = jax.tree.flatten(results)
@@ -115,18 +128,15 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
     if explicit_mesh is not None:
         # Shardings in the types (Explicit mesh axes): known now, so a shard_map runs
         # the shards, each operand first resharded to the layout the kernels take.
-        spec = _spec_of(flat_operands[role_leaves.index(QUERY)])
-        batch_axes = _divisible_axes(spec[0], explicit_mesh, batch)
-        head_axes = _divisible_axes(spec[2], explicit_mesh, kv_heads)
-        in_specs = [_spec(role, x.shape, batch_axes, head_axes, sizes)
+        batch_axes, head_axes = plan.axes(explicit_mesh, flat_operands, role_leaves)
+        in_specs = [plan.spec(role, x.shape, batch_axes, head_axes)
                     for x, role in zip(flat_operands, role_leaves)]
         flat = [jax.sharding.reshard(x, NamedSharding(explicit_mesh, spec))
                 for x, spec in zip(flat_operands, in_specs)]
         if not batch_axes + head_axes:
             return unsharded(*flat)
-        flat_results, result_tree = jax.tree.flatten(result_shape)
-        out_specs = [_spec(role, x.shape, batch_axes, head_axes, sizes)
-                     for x, role in zip(flat_results, result_leaves)]
+        out_specs = [plan.spec(role, x.shape, batch_axes, head_axes)
+                     for x, role in zip(jax.tree.leaves(result_shape), result_leaves)]
         # check_vma=False: the kernels' loops do not declare which values vary over
         # manual axes.
         run = jax.shard_map(
@@ -135,63 +145,34 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads):
             check_vma=False)
         return jax.tree.unflatten(result_tree, run(*flat))
 
-    def partition(mesh, arg_shapes, result_shape):
-        query = next(a for a, role in zip(arg_shapes, role_leaves) if role == QUERY)
-        spec = _spec_of(query)
-        batch_axes = _divisible_axes(spec[0], mesh, batch)
-        head_axes = _divisible_axes(spec[2], mesh, kv_heads)
-
-        def shardings(shapes, roles):
-            return [NamedSharding(mesh, _spec(role, x.shape, batch_axes, head_axes, sizes))
-                    for x, role in zip(shapes, roles)]
-
-        flat_results, result_tree = jax.tree.flatten(result_shape)
-        return (mesh, lambda *flat: sharded(flat, batch_axes, head_axes),
-                jax.tree.unflatten(result_tree, shardings(flat_results, result_leaves)),
-                tuple(shardings(arg_shapes, role_leaves)))
-
-    def sharding_rule(mesh, operand_types, result_types):
-        del mesh, operand_types, result_types
-        factors = _Factors(group, kv_heads)
-        operands_rule = ", ".join(factors.of(role, shape) for role, shape in
-                                  zip(role_leaves, _leaf_shapes(flat_operands)))
-        results_rule = ", ".join(factors.of(role, shape) for role, shape in
-                                 zip(result_leaves, _leaf_shapes(result_shape)))
-        return (f"{operands_rule} -> {results_rule}",
-                dict(need_replication_factors=tuple(factors.replicated), **factors.sizes))
-
     def from_jaxpr(*flat_and_constants):
         flat, constants = (flat_and_constants[:len(flat_operands)],
                            flat_and_constants[len(flat_operands):])
         return jax.tree.unflatten(result_tree,
                                   jax.core.eval_jaxpr(closed.jaxpr, constants, *flat))
 
-    def partition_with_constants(mesh, arg_shapes, result_shape):
-        mesh, lower, result_shardings, arg_shardings = partition(
-            mesh, arg_shapes[:len(flat_operands)], result_shape)
-        replicated = tuple(NamedSharding(mesh, PartitionSpec(*([None] * len(c.shape))))
-                           for c in arg_shapes[len(flat_operands):])
-        return (mesh, lambda *args: lower(*args[:len(flat_operands)]), result_shardings,
-                arg_shardings + replicated)
+    def partition(mesh, arg_shapes, result_shape):
+        batch_axes, head_axes = plan.axes(mesh, arg_shapes, role_leaves)
 
-    def sharding_rule_with_constants(mesh, operand_types, result_types):
-        rule, options = sharding_rule(mesh, operand_types, result_types)
-        factors = list(options["need_replication_factors"])
-        operands_rule, results_rule = rule.split(" -> ")
-        for constant in constants:
-            names = [f"c{len(factors) + i}" for i in range(jnp.ndim(constant))]
-            factors += names
-            operands_rule += ", " + " ".join(names)
-        rule = f"{operands_rule} -> {results_rule}"
-        # Shardy wants special factors in the order they first appear in the rule.
-        order = {name: i for i, name in reversed(list(enumerate(
-            rule.replace("(", " ").replace(")", " ").replace(",", " ").split())))}
-        options["need_replication_factors"] = tuple(sorted(factors, key=order.__getitem__))
-        return rule, options
+        def shardings(shapes, roles):
+            return [NamedSharding(mesh, plan.spec(role, x.shape, batch_axes, head_axes))
+                    for x, role in zip(shapes, roles)]
+
+        flat_results, tree = jax.tree.flatten(result_shape)
+        return (mesh,
+                lambda *args: sharded(args[:len(flat_operands)], batch_axes, head_axes),
+                jax.tree.unflatten(tree, shardings(flat_results, result_leaves)),
+                tuple(shardings(arg_shapes, role_leaves + constant_roles)))
+
+    def sharding_rule(mesh, operand_types, result_types):
+        del mesh, operand_types, result_types
+        return plan.shardy_rule(
+            list(zip(role_leaves + constant_roles,
+                     _leaf_shapes(flat_operands) + _leaf_shapes(constants))),
+            list(zip(result_leaves, _leaf_shapes(result_shape))))
 
     partitioned = custom_partitioning(from_jaxpr)
-    partitioned.def_partition(partition=partition_with_constants,
-                              sharding_rule=sharding_rule_with_constants)
+    partitioned.def_partition(partition=partition, sharding_rule=sharding_rule)
 
     # custom_partitioning has no batching rule: under jax.vmap the call runs unsharded.
     @jax.custom_batching.custom_vmap
@@ -243,12 +224,108 @@ def shift_mods(block_mask, score_program, offsets):
     return block_mask, new_program, [old.get(id(const)) for const in new_program.consts]
 
 
+class _Plan:
+    """Which mesh axes split a call's batch and heads, and what that makes of each
+    array's sharding and of Shardy's rule."""
+
+    def __init__(self, batch, q_heads, kv_heads, split_batch):
+        self.batch, self.q_heads, self.kv_heads = batch, q_heads, kv_heads
+        self.split_batch = split_batch
+
+    def tags(self, role, shape):
+        """The dimension tags of an array of `role` and `shape`."""
+        if role == TABLE:
+            return ("b" if shape[0] == self.batch else None,
+                    "q" if shape[1] == self.q_heads else None) + (None,) * (len(shape) - 2)
+        layout = _LAYOUTS[role]
+        return layout + (None,) * (len(shape) - len(layout))
+
+    def axes(self, mesh, arrays, roles):
+        """(batch axes, head axes) from the first array with a batch / head dimension:
+        its axes where the call's B and Hkv (hence Hq) divide over them, else none."""
+        batch_axes = head_axes = None
+        for array, role in zip(arrays, roles):
+            spec = _spec_of(array)
+            for tag, entry in zip(self.tags(role, array.shape), spec):
+                if tag == "b" and batch_axes is None and role != TABLE:
+                    batch_axes = _divisible_axes(entry, mesh, self.batch)
+                if tag in ("q", "q*") and head_axes is None and role != TABLE:
+                    head_axes = _divisible_axes(entry, mesh, self.kv_heads)
+        batch_axes = batch_axes if batch_axes and self.split_batch else ()
+        return batch_axes, head_axes or ()
+
+    def spec(self, role, shape, batch_axes, head_axes):
+        entries = {"b": _entry(batch_axes), "q": _entry(head_axes), "kv": _entry(head_axes),
+                   "q*": _entry(head_axes), "kv*": _entry(head_axes), None: None}
+        return PartitionSpec(*(entries[tag] for tag in self.tags(role, shape)))
+
+    def offset(self, axes, size):
+        """The global index of this shard's first batch row or query head."""
+        if not axes:
+            return 0
+        count = math.prod(jax.lax.axis_size(axis) for axis in axes)
+        return (jax.lax.axis_index(axes) * (size // count)).astype(jnp.int32)
+
+    def shardy_rule(self, operands, results):
+        """Shardy's sharding rule: `b` batch, `g` KV heads, `r` query heads per KV head,
+        `f<i>` the features of a flattened heads dimension; every other dimension a
+        factor of its own that must stay whole (need_replication)."""
+        group = self.q_heads // self.kv_heads
+        own, compound_sizes, standalone = [], {}, set()
+
+        def whole(size):
+            own.append(f"x{len(own)}")
+            return own[-1]
+
+        def heads(members, size):
+            # Shardy refuses size-1 members in a compound dimension.
+            members = [(name, n) for name, n in members if n > 1]
+            if not members:
+                return whole(size)
+            if len(members) == 1:
+                standalone.add(members[0][0])
+                return members[0][0]
+            compound_sizes.update(members)
+            return "(" + " ".join(name for name, _ in members) + ")"
+
+        def dimension(tag, size):
+            if tag == "b" and size > 1:
+                standalone.add("b")
+                return "b"
+            if tag == "q":
+                return heads([("g", self.kv_heads), ("r", group)], size)
+            if tag == "kv":
+                return heads([("g", self.kv_heads)], size)
+            if tag in ("q*", "kv*"):
+                heads_count = self.q_heads if tag == "q*" else self.kv_heads
+                features = f"f{len(own)}"
+                own.append(features)
+                return heads([("g", self.kv_heads)] + ([("r", group)] if tag == "q*" else [])
+                             + [(features, size // heads_count)], size)
+            return whole(size)
+
+        def value(role, shape):
+            return " ".join(dimension(tag, size)
+                            for tag, size in zip(self.tags(role, shape), shape))
+
+        rule = (", ".join(value(role, shape) for role, shape in operands) + " -> "
+                + ", ".join(value(role, shape) for role, shape in results))
+        # Shardy wants the special factors in the order they first appear in the rule,
+        # and sizes for exactly the factors that appear only inside compound dimensions.
+        order = {name: i for i, name in reversed(list(enumerate(
+            rule.replace("(", " ").replace(")", " ").replace(",", " ").replace("->", " ")
+            .split())))}
+        replicated = sorted((name for name in own if name in order), key=order.__getitem__)
+        sizes = {name: n for name, n in compound_sizes.items() if name not in standalone}
+        return rule, dict(need_replication_factors=tuple(replicated), **sizes)
+
+
 def _is_program(x):
     return isinstance(x, ModProgram)
 
 
 def _leaf_shapes(tree):
-    return [tuple(x.shape) for x in jax.tree.leaves(tree)]
+    return [tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)]
 
 
 def _explicit_mesh(flat_operands):
@@ -286,64 +363,3 @@ def _divisible_axes(entry, mesh, size):
 
 def _entry(axes):
     return None if not axes else axes[0] if len(axes) == 1 else axes
-
-
-def _spec(role, shape, batch_axes, head_axes, sizes):
-    ndim = len(shape)
-    if role in (QUERY, KEY):
-        return PartitionSpec(_entry(batch_axes), None, _entry(head_axes), *([None] * (ndim - 3)))
-    if role == ROW:
-        return PartitionSpec(_entry(batch_axes), _entry(head_axes), None)
-    if role == TABLE:
-        return PartitionSpec(_entry(batch_axes) if shape[0] == sizes["batch"] else None,
-                             _entry(head_axes) if shape[1] == sizes["q_heads"] else None,
-                             *([None] * (ndim - 2)))
-    return PartitionSpec(*([None] * ndim))
-
-
-def _offset(axes, operands, role_leaves, dimension):
-    """The global index of this shard's first batch row (dimension 0) or query head (2)."""
-    if not axes:
-        return 0
-    query = next(x for x, role in zip(operands, role_leaves) if role == QUERY)
-    return (jax.lax.axis_index(axes) * query.shape[dimension]).astype(jnp.int32)
-
-
-class _Factors:
-    """Shardy factor names for a call's dimensions: `b` batch, `g` KV heads, `r` query
-    heads per KV head; every other dimension a factor of its own that must stay whole."""
-
-    def __init__(self, group, kv_heads):
-        self.group, self.kv_heads = group, kv_heads
-        self.replicated = []
-        # Shardy refuses size-1 factors in a compound dimension.
-        self.sizes = {"r": group} if group > 1 and kv_heads > 1 else {}
-
-    def _own(self):
-        name = f"x{len(self.replicated)}"
-        self.replicated.append(name)
-        return name
-
-    def _q_heads(self):
-        if self.group == 1:
-            return "g"
-        return "(g r)" if self.kv_heads > 1 else "r"
-
-    def _kv_heads(self):
-        return "g" if self.kv_heads > 1 or self.group == 1 else self._own()
-
-    def of(self, role, shape):
-        ndim = len(shape)
-        if role == QUERY:
-            dims = ["b", self._own(), self._q_heads()] + [self._own() for _ in range(ndim - 3)]
-        elif role == KEY:
-            dims = ["b", self._own(), self._kv_heads()] + [self._own() for _ in range(ndim - 3)]
-        elif role == ROW:
-            dims = ["b", self._q_heads(), self._own()]
-        elif role == TABLE:
-            dims = ["b" if shape[0] != 1 else self._own(),
-                    self._q_heads() if shape[1] != 1 else self._own()]
-            dims += [self._own() for _ in range(ndim - 2)]
-        else:
-            dims = [self._own() for _ in range(ndim)]
-        return " ".join(dims)

@@ -144,3 +144,70 @@ def test_vmap_over_sharded_inputs_runs_unsharded():
     spec = NamedSharding(mesh, P(None, "data", None, "model", None))
     got = jax.jit(jax.vmap(one))(*[jax.device_put(x, spec) for x in stacked])
     _assert_matches(got, want, atol=1e-6)
+
+
+def _head_split_cache(cache, mesh):
+    """The cache with its pages split over "model" by KV head, its tables whole."""
+    import dataclasses
+    pages = NamedSharding(mesh, P(None, "model", None, None))
+    return dataclasses.replace(cache, k_pages=jax.device_put(cache.k_pages, pages),
+                               v_pages=jax.device_put(cache.v_pages, pages))
+
+
+@pytest.mark.parametrize("q_len", [1, 24])  # decode kernel, forward kernel on pages
+def test_paged_cache_split_over_kv_heads_equals_one_device(q_len):
+    """Tensor-parallel serving: pages split by KV head, q by query head; each device reads
+    its own heads' pages (no all-gather), mods at global heads (ALiBi)."""
+    from tests.paged.test_flex_attention import _filled_cache
+
+    mesh = _mesh("Auto")
+    cache = _filled_cache([70, 33], page_size=16, max_pages=6, kv_heads=HKV, dim=D,
+                          value_dim=D, dtype=jnp.float32)
+    q = jax.random.normal(jax.random.key(3), (2, q_len, HQ, D), jnp.float32)
+    mask_mod = masks.offset(masks.causal_mask, jnp.maximum(cache.lengths - q_len, 0))
+
+    @jax.jit
+    def attend(q, cache):
+        return pf.paged.paged_flex_attention(
+            q, cache, mask_mod=mask_mod, score_mod=masks.alibi(HQ), return_lse=True,
+            backend="interpret", kernel_options={"block_q": 16, "block_kv": 16})
+    want = attend(q, cache)
+    split_q = jax.device_put(q, NamedSharding(mesh, P(None, None, "model", None)))
+    split_cache = _head_split_cache(cache, mesh)
+    got = attend(split_q, split_cache)
+    _assert_matches(got, want, atol=1e-6)
+    assert tuple(got[0].sharding.spec)[:3] == (None, None, "model"), got[0].sharding
+    assert _gathered_inputs(attend.lower(split_q, split_cache).compile().as_text()) == []
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_ragged_op_split_over_kv_heads_equals_one_device(backend):
+    """The OpenVINO-spec op with the caches split by KV head and the tokens' heads
+    (query [T, Hq * D] split between heads): outputs, updated caches and the scores
+    (summed over heads, so over the devices) equal one device's."""
+    from tests.paged.test_ragged import alibi_slopes, make_case
+
+    mesh = _mesh("Auto")
+    case = make_case(2, [(5, 3), (0, 6), (12, 1)], block_size=4, q_heads=HQ,
+                     kv_heads=HKV, head_dim=D, value_dim=D, dtype=jnp.float32)
+    options = dict(sliding_window=6, alibi_slopes=alibi_slopes(HQ))
+
+    @jax.jit
+    def step(case):
+        return pf.paged.paged_attention(**case, **options, return_scores=True,
+                                        backend=backend)
+    want = step(case)
+    heads = NamedSharding(mesh, P(None, "model"))
+    pages = NamedSharding(mesh, P(None, "model", None, None))
+    split = dict(case, query=jax.device_put(case["query"], heads),
+                 key=jax.device_put(case["key"], heads),
+                 value=jax.device_put(case["value"], heads),
+                 key_cache=jax.device_put(case["key_cache"], pages),
+                 value_cache=jax.device_put(case["value_cache"], pages))
+    got = step(split)
+    _assert_matches(got[0], want[0], atol=1e-6)
+    _assert_matches(got[1], want[1], atol=1e-5)  # scores: partial sums added across heads
+    _assert_matches(got[2:], want[2:], atol=0)
+    assert tuple(got[0].sharding.spec) == (None, "model"), got[0].sharding
+    assert tuple(got[2].sharding.spec)[:2] == (None, "model"), got[2].sharding
+    assert _gathered_inputs(step.lower(split).compile().as_text()) == []

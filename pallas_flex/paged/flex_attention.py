@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_flex import dispatch
+from pallas_flex import dispatch, sharding
 from pallas_flex.api import build_block_mask, resolve_backend, resolve_scale, validate_block_mask
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
@@ -53,18 +53,32 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k_pages, v_pages, block_mask, score_program,
                                      backend=backend, options=options, paged=True)
-    if choice.kernel != "decode":
-        # Decode checks the length on every tile: clipping the BlockMask would cost more
-        # (a few small XLA ops, ~15 us) than the check does in a 0.2 ms call. Prefill:
-        # full tiles skip the length check once the BlockMask is clipped to the lengths,
-        # and tiles past a row's length are not visited at all (the clipping costs about
-        # 1 % of the H100 prefill in `pallas-flex bench paged`; checking the length on
-        # every tile instead cost 5-6 % on the Triton kernel).
-        block_mask = block_mask.clip_to_lengths(lengths)
-    return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
-                                scale=scale, options=options,
-                                interpret=backend == "interpret", page_table=page_table,
-                                lengths=lengths)
+
+    def attend(operands, offsets):
+        q, k_pages, v_pages, page_table, lengths, block_mask, score_program = operands
+        block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
+        if choice.kernel != "decode":
+            # Decode checks the length on every tile: clipping the BlockMask would cost
+            # more (a few small XLA ops, ~15 us) than the check does in a 0.2 ms call.
+            # Prefill: full tiles skip the length check once the BlockMask is clipped to
+            # the lengths, and tiles past a row's length are not visited at all (the
+            # clipping costs about 1 % of the H100 prefill in `pallas-flex bench paged`;
+            # checking the length on every tile instead cost 5-6 % on the Triton kernel).
+            block_mask = block_mask.clip_to_lengths(lengths)
+        return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
+                                    scale=scale, options=options,
+                                    interpret=backend == "interpret", page_table=page_table,
+                                    lengths=lengths)
+
+    # Tensor-parallel serving: a cache split over KV heads (pages [P, Hkv, page, D])
+    # runs each device's heads on its own pages; batch rows share the page pool, so a
+    # batch split is gathered.
+    return sharding.call(
+        attend, (q, k_pages, v_pages, page_table, lengths, block_mask, score_program),
+        (sharding.QUERY, sharding.PAGES, sharding.PAGES, sharding.WHOLE, sharding.WHOLE,
+         sharding.roles_of(block_mask, None), sharding.WHOLE),
+        lambda results: (sharding.QUERY, sharding.ROW), batch=q.shape[0],
+        q_heads=q.shape[2], kv_heads=k_pages.shape[1], split_batch=False)
 
 
 _paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(7,))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pallas_flex import sharding
 from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged_paged as ragged_kernel
@@ -376,6 +377,29 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
                          block_indices, block_indices_begins, scale, sliding_window,
                          alibi_slopes, aggregation_window, *, return_scores, backend="xla",
                          num_splits=0):
+    # Tensor-parallel serving: caches split over KV heads ([blocks, Hkv, block, D]) with
+    # the tokens' heads (query [T, Hq * D] split between heads) run each device's heads
+    # alone; the scores, summed over heads, are summed over the devices.
+    operands = (query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
+                block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
+                aggregation_window)
+    roles = ((sharding.TOKENS, sharding.TOKEN_KV, sharding.TOKEN_KV, sharding.PAGES,
+              sharding.PAGES) + (sharding.WHOLE,) * 6 + (sharding.PER_HEAD, sharding.WHOLE))
+    result_roles = ((sharding.TOKENS, sharding.SUM, sharding.PAGES, sharding.PAGES)
+                    if return_scores else (sharding.TOKENS, sharding.PAGES, sharding.PAGES))
+    return sharding.call(
+        lambda operands, offsets: _paged_attention_shard(
+            *operands, return_scores=return_scores, backend=backend, num_splits=num_splits),
+        operands, roles, lambda results: result_roles, batch=1,
+        q_heads=query.shape[1] // key_cache.shape[3], kv_heads=key_cache.shape[1],
+        split_batch=False)
+
+
+def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
+                           subsequence_begins, block_indices, block_indices_begins, scale,
+                           sliding_window, alibi_slopes, aggregation_window, *,
+                           return_scores, backend, num_splits):
+    """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
