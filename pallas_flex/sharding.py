@@ -92,7 +92,7 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
       split_batch: False where batch rows share an array that cannot be split with them
         (a paged cache's page pool).
     """
-    if jax.device_count() == 1:
+    if jax.device_count() == 1 or _inside_shard_map():
         return function(operands, (0, 0))
     role_leaves = [role for operand, role in zip(operands, roles)
                    for role in jax.tree.leaves(
@@ -326,6 +326,13 @@ def _is_program(x):
 
 def _leaf_shapes(tree):
     return [tuple(jnp.shape(x)) for x in jax.tree.leaves(tree)]
+
+
+def _inside_shard_map():
+    """Whether every axis of the mesh in context is manual: inside such a
+    `jax.shard_map` every array is one device's already."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
 
 
 def _explicit_mesh(flat_operands):
