@@ -183,14 +183,15 @@ def test_paged_cache_split_over_kv_heads_equals_one_device(q_len):
 @pytest.mark.parametrize("backend", ["xla", "interpret"])
 def test_ragged_op_split_over_kv_heads_equals_one_device(backend):
     """The OpenVINO-spec op with the caches split by KV head and the tokens' heads
-    (query [T, Hq * D] split between heads): outputs, updated caches and the scores
-    (summed over heads, so over the devices) equal one device's."""
-    from tests.paged.test_ragged import alibi_slopes, make_case
+    (query [T, Hq * D] split between heads), re-rotated blocks included: outputs, updated
+    caches and the scores (summed over heads, so over the devices) equal one device's."""
+    from tests.paged.test_ragged import _rotation, alibi_slopes, make_case
 
     mesh = _mesh("Auto")
     case = make_case(2, [(5, 3), (0, 6), (12, 1)], block_size=4, q_heads=HQ,
                      kv_heads=HKV, head_dim=D, value_dim=D, dtype=jnp.float32)
-    options = dict(sliding_window=6, alibi_slopes=alibi_slopes(HQ))
+    options = dict(sliding_window=6, alibi_slopes=alibi_slopes(HQ),
+                   **_rotation(case, 4, D, per_slot=True))
 
     @jax.jit
     def step(case):

@@ -37,7 +37,8 @@ _BACKENDS = (None, "pallas", "interpret", "xla")
 def paged_attention(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                     block_indices, block_indices_begins, *, scale=None, sliding_window=0,
                     alibi_slopes=None, score_aggregation_window=None, return_scores=False,
-                    backend=None, num_splits=None):
+                    backend=None, num_splits=None, rotated_block_indices=None,
+                    rotation_deltas=None, rotation_trig_lut=None):
     """Attention for a packed batch of new tokens over their sequences' paged history.
 
     Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
@@ -73,6 +74,17 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         Pallas interpret mode), "xla" (a blockwise jnp loop, any device), or None:
         "pallas" on a GPU, else "xla". Scores (when asked for) are a second blockwise
         pass in jnp from the attention's lse, on every backend.
+      rotated_block_indices, rotation_deltas, rotation_trig_lut: the spec's inputs 13-15,
+        all three or none. They re-rotate the RoPE of cached keys whose positions moved
+        (after cache eviction): before the new tokens are written, the key at offset
+        `off` of block `rotated_block_indices[i]` (int [R], physical block ids, each at
+        most once) is rotated by row `r = rotation_deltas[i, off]` (int [R, block_size])
+        or `rotation_deltas[i, 0]` (int [R, 1]) of `rotation_trig_lut` (float [rows, D],
+        cosines then sines): each pair (2j, 2j + 1) becomes (x0 c - x1 s, x0 s + x1 c)
+        with c = lut[r, j], s = lut[r, D / 2 + j]. As in OpenVINO, the rotation is made
+        in the cache (the returned key_cache holds the rotated keys, so later steps read
+        them as they are), by a scatter over the listed blocks alone; values are not
+        rotated.
       num_splits: programs that share one work item's KV blocks in the Pallas kernel
         (split-KV, merged exactly), or None to choose from the work (about 256
         programs); a Python int >= 1. Ignored by "xla".
@@ -135,10 +147,12 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins,
                        num_tokens=query.shape[0], num_blocks=key_cache.shape[0],
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
+    rotation = _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
+                                 key_cache)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-        aggregation_window, return_scores=bool(return_scores), backend=backend,
+        aggregation_window, rotation, return_scores=bool(return_scores), backend=backend,
         num_splits=num_splits or 0)
 
 
@@ -251,6 +265,81 @@ def _resolve_window(window, num_seqs):
         raise ValueError(f"score_aggregation_window must be None, an int or an int array "
                          f"[num_seqs] = [{num_seqs}], got shape {tuple(window.shape)}")
     return jnp.broadcast_to(as_index_scalar(window, "score_aggregation_window"), (num_seqs,))
+
+
+def _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut, key_cache):
+    """(indices int32 [R], deltas int32 [R, block_size], lut float32 [rows, D]) of the
+    spec's inputs 13-15, checked (None when none is given)."""
+    given = {"rotated_block_indices": rotated_block_indices,
+             "rotation_deltas": rotation_deltas, "rotation_trig_lut": rotation_trig_lut}
+    if all(value is None for value in given.values()):
+        return None
+    missing = [name for name, value in given.items() if value is None]
+    if missing:
+        raise ValueError(f"rotated_block_indices, rotation_deltas and rotation_trig_lut go "
+                         f"together: {', '.join(missing)} missing")
+    num_blocks, _, block_size, head_dim = key_cache.shape
+    indices = as_index_vector(rotated_block_indices, "rotated_block_indices")
+    rotated = indices.shape[0]
+    deltas, lut = rotation_deltas, rotation_trig_lut
+    if not hasattr(deltas, "shape"):
+        deltas = np.asarray(deltas)
+    if (len(deltas.shape) != 2 or deltas.shape[0] != rotated
+            or deltas.shape[1] not in (block_size, 1)
+            or not jnp.issubdtype(deltas.dtype, jnp.integer)):
+        raise ValueError(f"rotation_deltas must be an int array [{rotated}, {block_size}] or "
+                         f"[{rotated}, 1] (one row per rotated block: per slot, or one for "
+                         f"the block), got shape {tuple(deltas.shape)} and dtype "
+                         f"{deltas.dtype}")
+    if not hasattr(lut, "shape"):
+        lut = np.asarray(lut)
+    if (len(lut.shape) != 2 or lut.shape[1] != head_dim or lut.shape[0] < 1
+            or not jnp.issubdtype(lut.dtype, jnp.floating)):
+        raise ValueError(f"rotation_trig_lut must be a float array [rows >= 1, {head_dim}] "
+                         f"(key_cache's head size: cosines, then sines), got shape "
+                         f"{tuple(lut.shape)} and dtype {lut.dtype}")
+    if head_dim % 2:
+        raise ValueError(f"rotating keys pairs their features: the head size must be even, "
+                         f"got {head_dim}")
+    rows = lut.shape[0]
+    xp, (checked_indices, checked_deltas) = checking_arrays(indices, deltas)
+    bad = (checked_indices < 0) | (checked_indices >= num_blocks)
+    index = first_true(bad)
+    require(~xp.any(bad), "rotated_block_indices[{index}] = {value} is out of range "
+            f"[0, {num_blocks}) (key_cache.shape[0])", index=index,
+            value=checked_indices[index] if rotated else 0)
+    flat = checked_deltas.reshape(-1)
+    bad = (flat < 0) | (flat >= rows)
+    index = first_true(bad)
+    require(~xp.any(bad), "rotation_deltas entry {index} (flattened) = {value} is not a "
+            f"row of rotation_trig_lut [0, {rows})", index=index,
+            value=flat[index] if flat.shape[0] else 0)
+    if rotated > 1:
+        ordered = xp.sort(checked_indices)
+        same = ordered[1:] == ordered[:-1]
+        require(~xp.any(same), "rotated_block_indices lists block {value} twice",
+                value=ordered[first_true(same)])
+    deltas = jnp.broadcast_to(jnp.asarray(deltas, jnp.int32), (rotated, block_size))
+    return indices, deltas, jnp.asarray(lut, jnp.float32)
+
+
+def _rotate_blocks(key_cache, indices, deltas, lut):
+    """key_cache with the keys of blocks `indices` [R] rotated by LUT rows `deltas`
+    [R, block_size], pairs (2j, 2j + 1) by (cos, sin) = (lut[r, j], lut[r, D/2 + j]),
+    in float32; a scatter over those blocks alone (entries clamped into the pool, out of
+    range ones dropped, so unchecked metadata under jit never writes outside it)."""
+    num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+    if indices.shape[0] == 0:
+        return key_cache
+    blocks = key_cache[jnp.clip(indices, 0, num_blocks - 1)].astype(jnp.float32)
+    trig = lut[jnp.clip(deltas, 0, lut.shape[0] - 1)][:, None]  # [R, 1, block_size, D]
+    cos, sin = trig[..., :head_dim // 2], trig[..., head_dim // 2:]
+    pairs = blocks.reshape(*blocks.shape[:-1], head_dim // 2, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    target = jnp.where((indices >= 0) & (indices < num_blocks), indices, num_blocks)
+    return key_cache.at[target].set(
+        rotated.reshape(blocks.shape).astype(key_cache.dtype), mode="drop")
 
 
 def _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins, *,
@@ -375,16 +464,17 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 @functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits"))
 def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
-                         alibi_slopes, aggregation_window, *, return_scores, backend="xla",
-                         num_splits=0):
+                         alibi_slopes, aggregation_window, rotation=None, *, return_scores,
+                         backend="xla", num_splits=0):
     # Tensor-parallel serving: caches split over KV heads ([blocks, Hkv, block, D]) with
     # the tokens' heads (query [T, Hq * D] split between heads) run each device's heads
     # alone; the scores, summed over heads, are summed over the devices.
     operands = (query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                 block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-                aggregation_window)
+                aggregation_window, rotation)
     roles = ((sharding.TOKENS, sharding.TOKEN_KV, sharding.TOKEN_KV, sharding.PAGES,
-              sharding.PAGES) + (sharding.WHOLE,) * 6 + (sharding.PER_HEAD, sharding.WHOLE))
+              sharding.PAGES) + (sharding.WHOLE,) * 6
+             + (sharding.PER_HEAD, sharding.WHOLE, sharding.WHOLE))
     result_roles = ((sharding.TOKENS, sharding.SUM, sharding.PAGES, sharding.PAGES)
                     if return_scores else (sharding.TOKENS, sharding.PAGES, sharding.PAGES))
     return sharding.call(
@@ -397,10 +487,12 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
 
 def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            subsequence_begins, block_indices, block_indices_begins, scale,
-                           sliding_window, alibi_slopes, aggregation_window, *,
+                           sliding_window, alibi_slopes, aggregation_window, rotation, *,
                            return_scores, backend, num_splits):
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+    if rotation is not None:  # (a') before the new tokens land in rotated blocks
+        key_cache = _rotate_blocks(key_cache, *rotation)
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
     q_heads = query.shape[1] // head_dim

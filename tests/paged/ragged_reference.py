@@ -20,11 +20,25 @@ def to_float64(x):
 def reference_paged_attention(query, key, value, key_cache, value_cache, past_lens,
                               subsequence_begins, block_indices, block_indices_begins, *,
                               scale=None, sliding_window=0, alibi_slopes=None,
-                              score_aggregation_window=None):
+                              score_aggregation_window=None, rotated_block_indices=None,
+                              rotation_deltas=None, rotation_trig_lut=None):
     """Returns float64 (output [T, Hq*Dv], scores [sum(past_lens) + T], key_cache,
-    value_cache), the caches with the new tokens inserted."""
+    value_cache), the caches with the listed blocks' keys re-rotated, then the new tokens
+    inserted."""
     key_cache, value_cache = to_float64(key_cache), to_float64(value_cache)
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
+    if rotated_block_indices is not None:
+        lut = to_float64(rotation_trig_lut)
+        deltas = np.asarray(rotation_deltas, np.int64)
+        for i, block in enumerate(np.asarray(rotated_block_indices, np.int64)):
+            for offset in range(block_size):
+                row = lut[deltas[i, offset] if deltas.shape[1] == block_size else deltas[i, 0]]
+                for h in range(kv_heads):
+                    x = key_cache[block, h, offset].copy()
+                    for j in range(head_dim // 2):
+                        cos, sin = row[j], row[head_dim // 2 + j]
+                        key_cache[block, h, offset, 2 * j] = x[2 * j] * cos - x[2 * j + 1] * sin
+                        key_cache[block, h, offset, 2 * j + 1] = x[2 * j] * sin + x[2 * j + 1] * cos
     value_dim = value_cache.shape[3]
     num_tokens = np.shape(query)[0]
     q_heads = np.shape(query)[1] // head_dim

@@ -629,3 +629,79 @@ def test_traced_checks_off_leaves_no_effects_and_no_report(small_case):
     with pytest.raises(ValueError, match="bool"):
         with paged.traced_checks(1):
             pass
+
+
+# -- the spec's inputs 13-15: re-rotating cached keys ---------------------------------------
+
+
+def _rotation(case, block_size, head_dim, per_slot, seed=7):
+    """Every other listed block rotated (blocks holding history, and the last block of a
+    sequence whose new tokens land there), by rows of a sin/cos table of 12 angles."""
+    rng = np.random.default_rng(seed)
+    listed = np.asarray(case["block_indices"])
+    rotated = listed[::2].astype(np.int32)
+    rows = 12
+    angles = rng.uniform(-np.pi, np.pi, (rows, head_dim // 2))
+    lut = np.concatenate([np.cos(angles), np.sin(angles)], axis=1).astype(np.float32)
+    deltas = rng.integers(0, rows, (len(rotated), block_size if per_slot else 1))
+    return dict(rotated_block_indices=jnp.asarray(rotated),
+                rotation_deltas=jnp.asarray(deltas, jnp.int32),
+                rotation_trig_lut=jnp.asarray(lut))
+
+
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
+@pytest.mark.parametrize("per_slot", [True, False], ids=["deltas_per_slot", "deltas_per_block"])
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4"])
+def test_rotated_blocks_match_reference(config_name, per_slot, backend):
+    """The listed blocks' cached keys are rotated (in the returned key_cache too) before
+    the new tokens are written; attention reads the rotated keys."""
+    config, seqs = case_config(config_name)
+    case = make_case(3, seqs, **config)
+    rotation = _rotation(case, config["block_size"], config["head_dim"], per_slot)
+    options = dict(sliding_window=0, alibi_slopes=alibi_slopes(config["q_heads"]))
+    out, key_cache, value_cache = paged.paged_attention(**case, **options, **rotation,
+                                                        backend=backend)
+    expected, _, expected_k, expected_v = reference_paged_attention(**case, **options,
+                                                                    **rotation)
+    assert_output_close(out, expected, case, config, options)
+    # Rotated keys are computed in float32 and rounded once to the cache's dtype.
+    tolerance = 1e-6 if config["dtype"] == jnp.float32 else 1e-2
+    np.testing.assert_allclose(to_float64(key_cache), expected_k, atol=tolerance,
+                               rtol=tolerance)
+    np.testing.assert_array_equal(to_float64(value_cache), expected_v)
+    # The rotation did something: without it the keys differ.
+    _, plain_k, _ = paged.paged_attention(**case, **options, backend=backend)
+    assert np.abs(to_float64(plain_k) - expected_k).max() > 0.1
+
+
+def test_rotation_under_jit_with_donated_caches_matches_eager():
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(4, seqs, **config)
+    rotation = _rotation(case, config["block_size"], config["head_dim"], True)
+    eager = paged.paged_attention(**case, **rotation, backend="xla")
+    step = jax.jit(lambda case, rotation: paged.paged_attention(**case, **rotation,
+                                                                backend="xla"))
+    for got, want in zip(step(case, rotation), eager):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(rotation_trig_lut=None), "rotation_trig_lut missing"),
+    (dict(rotated_block_indices=jnp.array([0, 99], jnp.int32),
+          rotation_deltas=jnp.zeros((2, 1), jnp.int32)), r"rotated_block_indices\[1\] = 99"),
+    (dict(rotated_block_indices=jnp.array([2, 2], jnp.int32),
+          rotation_deltas=jnp.zeros((2, 1), jnp.int32)), "lists block 2 twice"),
+    (dict(rotation_deltas=jnp.full((1, 4), 12, jnp.int32)), "not a row of rotation_trig_lut"),
+    (dict(rotation_deltas=jnp.zeros((1, 3), jnp.int32)), r"rotation_deltas must be an int"),
+    (dict(rotation_deltas=jnp.zeros((1, 4), jnp.float32)), r"rotation_deltas must be an int"),
+    (dict(rotation_trig_lut=jnp.zeros((12, 6), jnp.float32)), "rotation_trig_lut must be"),
+])
+def test_bad_rotation_inputs_are_value_errors(change, message):
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(5, seqs, **config)
+    rotation = dict(rotated_block_indices=jnp.array([1], jnp.int32),
+                    rotation_deltas=jnp.zeros((1, 4), jnp.int32),
+                    rotation_trig_lut=jnp.ones((12, config["head_dim"]), jnp.float32))
+    rotation.update(change)
+    with pytest.raises(ValueError, match=message):
+        paged.paged_attention(**case, **rotation, backend="xla")
