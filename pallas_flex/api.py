@@ -16,7 +16,7 @@ from pallas_flex import dispatch, sharding
 from pallas_flex.kernels import device
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
-from pallas_flex.masks.block_mask import BlockMask, create_block_mask
+from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
@@ -327,9 +327,9 @@ def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
     """Validated (block_mask, score_program, config = (backend, scale, options))."""
     _validate_inputs(q, k, v)
     batch, q_len, q_heads, head_dim = q.shape
-    if block_mask is None:
-        block_mask = create_block_mask(None, None, None, q_len, k.shape[1],
-                                       block_size=_DEFAULT_MASK_BLOCK)
+    if block_mask is None:  # no mask: nothing to build (constant, cached tables)
+        block_mask = noop_block_mask(q_len, k.shape[1], _DEFAULT_MASK_BLOCK,
+                                     device=_single_device(q))
     validate_block_mask(block_mask, q, k)
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
     backend = resolve_backend(backend)
@@ -341,6 +341,14 @@ def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
     return block_mask, score_program, (backend, resolve_scale(scale, head_dim), options)
+
+
+def _single_device(x):
+    """The device a concrete array lives on alone, else None (traced, sharded, NumPy)."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return None
+    devices = x.devices()
+    return next(iter(devices)) if len(devices) == 1 else None
 
 
 def explain(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,

@@ -9,6 +9,7 @@ blocks).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -437,6 +438,55 @@ def _build(program, batch, heads, q_len, kv_len, block_q, block_kv):
 
 
 _build_jitted = jax.jit(_build, static_argnums=(1, 2, 3, 4, 5, 6))
+
+
+def noop_block_mask(q_len: int, kv_len: int, block_size=128, *, device=None) -> BlockMask:
+    """The BlockMask of no mask, with nothing to compute: every block full, except those
+    on a ragged sequence tail (partial). Its tables come from NumPy (cached by shape), so
+    a call without a mask runs no mod and no device op to build them: under `jit` they
+    are constants of the program; with `device` (a call's concrete inputs live there)
+    small tables are kept on that device and reused across calls."""
+    block_q, block_kv = _normalize_block_size(block_size)
+    tables = _noop_tables(int(q_len), int(kv_len), block_q, block_kv)
+    if device is not None and tables[1].size <= _CACHED_NOOP_ENTRIES:
+        tables = _noop_tables_on(int(q_len), int(kv_len), block_q, block_kv, device)
+    return BlockMask(*tables, block_size=(block_q, block_kv), seq_lengths=(q_len, kv_len),
+                     mask_mod=_noop_program())
+
+
+# Tables of at most this many entries each stay on the device between calls (decode's
+# single row of query blocks always does; a 128k x 128k prefill's 4 MiB tables do not).
+_CACHED_NOOP_ENTRIES = 1 << 16
+
+
+@functools.lru_cache(maxsize=None)
+def _noop_program() -> ModProgram:
+    return make_mod_program(noop_mask, MASK)
+
+
+@functools.lru_cache(maxsize=64)
+def _noop_tables(q_len, kv_len, block_q, block_kv):
+    num_q_blocks, num_kv_blocks = -(-q_len // block_q), -(-kv_len // block_kv)
+    state = np.full((num_q_blocks, num_kv_blocks), FULL, np.int8)
+    if q_len % block_q:
+        state[-1] = PARTIAL
+    if kv_len % block_kv:
+        state[:, -1] = PARTIAL
+    state = state[None, None]
+
+    def tables(state, kind):
+        selected = state == kind
+        return (np.sum(selected, axis=-1, dtype=np.int32),
+                np.argsort(~selected, axis=-1, kind="stable").astype(np.int32))
+    transposed = np.swapaxes(state, -1, -2)
+    return (*tables(state, PARTIAL), *tables(state, FULL), *tables(transposed, PARTIAL),
+            *tables(transposed, FULL))
+
+
+@functools.lru_cache(maxsize=16)
+def _noop_tables_on(q_len, kv_len, block_q, block_kv, device):
+    return tuple(jax.device_put(table, device)
+                 for table in _noop_tables(q_len, kv_len, block_q, block_kv))
 
 
 def _check_size(value, name, allow_none):

@@ -497,3 +497,33 @@ def test_query_block_slice_attends_like_the_same_rows_of_the_full_mask():
     rows = pf.flex_attention(q[:, 32:48], k, v, block_mask=full_mask[:, :, 2:3],
                              backend="interpret", kernel_options=options)
     np.testing.assert_allclose(rows, full[:, 32:48], atol=1e-6)
+
+
+@pytest.mark.parametrize("q_len,kv_len,block_size", [
+    (1, 1000, 128), (256, 256, 128), (300, 130, 128), (17, 250, (16, 32)), (128, 129, 64)])
+def test_the_no_mask_block_mask_equals_the_built_one(q_len, kv_len, block_size):
+    """`noop_block_mask` (NumPy tables, cached) lists exactly what create_block_mask(None)
+    builds on the device, ragged tails partial, on the host or on a device."""
+    from pallas_flex.masks.block_mask import noop_block_mask
+
+    built = pf.create_block_mask(None, None, None, q_len, kv_len, block_size=block_size)
+    for device in (None, jax.devices()[0]):
+        cheap = noop_block_mask(q_len, kv_len, block_size, device=device)
+        assert cheap.block_size == built.block_size
+        assert cheap.seq_lengths == built.seq_lengths
+        for name in pf.BlockMask._TABLE_NAMES:
+            np.testing.assert_array_equal(np.asarray(getattr(cheap, name)),
+                                          np.asarray(getattr(built, name)), err_msg=name)
+
+
+def test_a_call_without_a_mask_builds_no_block_mask(monkeypatch):
+    """flex_attention(q, k, v) with no BlockMask neither traces a mod nor runs the
+    device build (about a millisecond of host time a call before)."""
+    from pallas_flex.masks import block_mask as module
+
+    q = jnp.ones((1, 1, 2, 16), jnp.float32)
+    k = jnp.ones((1, 300, 2, 16), jnp.float32)
+    expected = pf.flex_attention(q, k, k)
+    monkeypatch.setattr(module, "_build_jitted", None)  # calling it would fail
+    monkeypatch.setattr(module, "make_mod_program", None)
+    np.testing.assert_allclose(pf.flex_attention(q, k, k), expected)
