@@ -412,20 +412,28 @@ def _classify_blocks(program: ModProgram, batch: int, heads: int, q_len: int, kv
     # Indices handed to a mod are always in range: clamp, then mask the tail out.
     kv_clamped = jnp.minimum(kv_idx, kv_len - 1)
 
+    # Rows past Q_LEN are never evaluated: with one block of queries (decoding) only the
+    # Q_LEN real ones are (1 of 128 rows for one new token), and a block holding any
+    # padding row is partial whatever the mod says (the tail rule above).
+    evaluated_rows = block_q if num_q_blocks > 1 else q_len
+
     def classify_row(flat_row):
         b, rest = jnp.divmod(flat_row, heads * num_q_blocks)
         h, q_block = jnp.divmod(rest, num_q_blocks)
-        q_idx = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+        q_idx = q_block * block_q + jnp.arange(evaluated_rows, dtype=jnp.int32)
         valid = (q_idx < q_len)[:, None] & kv_valid[None, :]
         allowed = mask(b, h, jnp.minimum(q_idx, q_len - 1), kv_clamped) & valid
-        allowed = allowed.reshape(block_q, num_kv_blocks, block_kv)
-        valid = valid.reshape(block_q, num_kv_blocks, block_kv)
+        allowed = allowed.reshape(evaluated_rows, num_kv_blocks, block_kv)
+        valid = valid.reshape(evaluated_rows, num_kv_blocks, block_kv)
         any_allowed = jnp.any(allowed, axis=(0, 2))
-        all_allowed = jnp.all(allowed | ~valid, axis=(0, 2)) & jnp.all(valid, axis=(0, 2))
+        whole_block = (q_block + 1) * block_q <= q_len
+        all_allowed = (jnp.all(allowed | ~valid, axis=(0, 2)) & jnp.all(valid, axis=(0, 2))
+                       & whole_block)
         return jnp.where(all_allowed, FULL, jnp.where(any_allowed, PARTIAL, EMPTY)).astype(jnp.int8)
 
     rows = batch * heads * num_q_blocks
-    rows_per_step = max(1, _CLASSIFY_ELEMENTS_PER_STEP // (block_q * num_kv_blocks * block_kv))
+    rows_per_step = max(1, _CLASSIFY_ELEMENTS_PER_STEP
+                        // (evaluated_rows * num_kv_blocks * block_kv))
     states = jax.lax.map(classify_row, jnp.arange(rows, dtype=jnp.int32),
                          batch_size=min(rows, rows_per_step))
     return states.reshape(batch, heads, num_q_blocks, num_kv_blocks)

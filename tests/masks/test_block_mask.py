@@ -527,3 +527,27 @@ def test_a_call_without_a_mask_builds_no_block_mask(monkeypatch):
     monkeypatch.setattr(module, "_build_jitted", None)  # calling it would fail
     monkeypatch.setattr(module, "make_mod_program", None)
     np.testing.assert_allclose(pf.flex_attention(q, k, k), expected)
+
+
+@pytest.mark.parametrize("q_len", [1, 5, 64, 128, 200])
+def test_short_query_blocks_classify_like_the_dense_mask(q_len):
+    """With one block of queries only the real rows are evaluated; a block with padding
+    rows is partial, never full (a decode step's BlockMask)."""
+    kv_len, block = 700, 64
+    positions = jnp.array([650, 3], jnp.int32)
+    mask_mod = masks.offset(masks.causal_mask, positions)
+    built = pf.create_block_mask(mask_mod, 2, None, q_len, kv_len, block_size=block)
+    q_idx, kv_idx = np.arange(q_len)[:, None], np.arange(kv_len)[None, :]
+    for b in range(2):
+        dense = kv_idx <= q_idx + int(positions[b])
+        num_q_blocks, num_kv_blocks = -(-q_len // block), -(-kv_len // block)
+        for i in range(num_q_blocks):
+            for j in range(num_kv_blocks):
+                tile = dense[i * block:(i + 1) * block, j * block:(j + 1) * block]
+                whole = tile.shape == (block, block)
+                want = 2 if whole and tile.all() else 1 if tile.any() else 0
+                partial = list(np.asarray(built.kv_indices[b, 0, i, :built.kv_num_blocks[b, 0, i]]))
+                full = list(np.asarray(
+                    built.full_kv_indices[b, 0, i, :built.full_kv_num_blocks[b, 0, i]]))
+                got = 2 if j in full else 1 if j in partial else 0
+                assert got == want, (b, i, j, got, want)
