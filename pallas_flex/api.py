@@ -18,6 +18,7 @@ from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.sinks import check_sinks, merge_sinks
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 _DEFAULT_MASK_BLOCK = 128
@@ -283,17 +284,21 @@ _fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
-def _attention(q, k, v, block_mask, score_program, *, config):
+def _attention(q, k, v, block_mask, score_program, sinks=None, *, config):
     backend, scale, _ = config
     if backend == "reference":  # dense, differentiated by plain autodiff: the oracle
         out, lse = reference_attention(q, k, v, mask_mod=block_mask.mask_mod,
                                        score_mod=score_program, scale=scale)
-        return out.astype(q.dtype), lse
-    return _fused_attention(q, k, v, block_mask, score_program, config)
+        out = out.astype(q.dtype)
+    else:
+        out, lse = _fused_attention(q, k, v, block_mask, score_program, config)
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+    return out, lse
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
-                   return_lse=False, backend=None, kernel_options=None):
+                   return_lse=False, backend=None, kernel_options=None, sinks=None):
     """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
@@ -310,6 +315,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         "mosaic" or "triton", the Hopper Mosaic GPU forward or the Triton one; block_q,
         block_kv, num_warps, num_stages: the Triton kernels' tiles; see
         `pallas_flex/kernels/config.py`).
+      sinks: None, or float [Hq]: a logit per query head taking part in every row's
+        softmax with no value (attention sinks, as gpt-oss): weights become
+        exp(s) / (sum exp(s) + exp(sink)); differentiable (learnable); lse includes it.
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True.
 
@@ -319,7 +327,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     """
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)
-    out, lse = _attention(q, k, v, block_mask, score_program, config=config)
+    out, lse = _attention(q, k, v, block_mask, score_program, check_sinks(sinks, q.shape[2]),
+                          config=config)
     return (out, lse) if return_lse else out
 
 
@@ -384,12 +393,15 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
-              return_lse=False, backend=None, kernel_options=None, context_parallel=None):
+              return_lse=False, backend=None, kernel_options=None, context_parallel=None,
+              sinks=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
+
+    sinks: as in `flex_attention`.
 
     context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
     q, k, v the shards of a sequence split over that mesh axis: runs
@@ -411,10 +423,10 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         return parallel.context_parallel_attention(
             q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
-            **dataclasses.asdict(context_parallel))
+            sinks=sinks, **dataclasses.asdict(context_parallel))
     block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
-                          backend=backend, kernel_options=kernel_options)
+                          backend=backend, kernel_options=kernel_options, sinks=sinks)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

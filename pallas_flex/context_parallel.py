@@ -23,6 +23,7 @@ from pallas_flex.api import (
     _attention_block_mask, _zero_cotangent, attention, attention_backward, flex_attention,
     merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.sinks import check_sinks, merge_sinks
 
 __all__ = ["ContextParallel", "context_parallel_attention", "zigzag_order"]
 
@@ -83,7 +84,8 @@ def zigzag_order(seq_len, devices):
 
 def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None,
                                scale=None, return_lse=False, layout="contiguous",
-                               strategy="ring", backend=None, kernel_options=None):
+                               strategy="ring", backend=None, kernel_options=None,
+                               sinks=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -106,7 +108,8 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         sequence, and the outputs trade back; Hq and Hkv must be multiples of N). Which is
         fastest depends on the interconnect and lengths: not yet measured, so the ring is
         the default.
-      scale, return_lse, backend, kernel_options: as in `pf.attention`.
+      scale, return_lse, backend, kernel_options, sinks: as in `pf.attention` (a sink
+        takes part in every row once, merged after the devices' parts).
     Returns:
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
 
@@ -135,20 +138,29 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
     if strategy not in ("ring", "all_gather", "all_to_all"):
         raise ValueError(f"strategy must be 'ring', 'all_gather' or 'all_to_all', got "
                          f"{strategy!r}")
+    check_sinks(sinks, q.shape[2])
+    out, lse = _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
+                                 dict(scale=scale, backend=backend,
+                                      kernel_options=kernel_options))
+    if sinks is not None:  # one more part of every row, merged after the others
+        out, lse = merge_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy, options):
+    """(out in q's dtype, lse) of one strategy."""
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
-    options = dict(scale=scale, backend=backend, kernel_options=kernel_options)
+    backend = options["backend"]
     if strategy == "all_gather":
         k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
-        out, lse = _one_call(q, k, v, mask_mod, score_mod, q_position,
-                             _gathered_positions(k.shape[1] // devices, devices, layout),
-                             lambda h: h, options)
-        return (out, lse) if return_lse else out
+        return _one_call(q, k, v, mask_mod, score_mod, q_position,
+                         _gathered_positions(k.shape[1] // devices, devices, layout),
+                         lambda h: h, options)
     if strategy == "all_to_all":
-        out, lse = _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod,
-                               score_mod, options)
-        return (out, lse) if return_lse else out
+        return _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod,
+                           score_mod, options)
     if resolve_backend(backend) == "reference":  # the dense oracle: plain autodiff
         out, lse = _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options)
     else:
@@ -157,8 +169,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         out, lse = _ring(q, k, v, mask_program, score_program,
                          _RingConfig(axis_name, layout, tuple(sorted(options.items(),
                                                                      key=lambda x: x[0]))))
-    out = out.astype(q.dtype)
-    return (out, lse) if return_lse else out
+    return out.astype(q.dtype), lse
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,6 +24,7 @@ from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from pallas_flex.paged._validation import is_traced
 from pallas_flex.paged.cache import PagedKVCache, _gather_contiguous
+from pallas_flex.sinks import check_sinks, merge_sinks
 
 
 def _validate(q, cache):
@@ -114,7 +115,8 @@ def _gathered_reference(q, cache, block_mask, score_program, *, scale):
 
 
 def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=None,
-                         scale=None, return_lse=False, backend=None, kernel_options=None):
+                         scale=None, return_lse=False, backend=None, kernel_options=None,
+                         sinks=None):
     """FlexAttention of q over the keys and values stored in a `PagedKVCache`.
 
     Args:
@@ -125,7 +127,8 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
       mask_mod / block_mask: the mask over (q_idx in [0, Sq), logical kv_idx in
         [0, max_seq_len)); for decoding, shift queries to their absolute positions with
         `pallas_flex.masks.offset(mask_mod, positions)`. Pass one or neither.
-      score_mod, scale, return_lse, kernel_options: as in `pallas_flex.flex_attention`.
+      score_mod, scale, return_lse, kernel_options, sinks: as in
+        `pallas_flex.flex_attention`.
       backend: "pallas" / "interpret" run the kernels on the pages in place; "xla" and
         "reference" gather the cache into contiguous arrays and compute densely
         (O(cache) memory: a correctness oracle, not a serving path).
@@ -170,7 +173,12 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
                                         config=(backend, scale, options))
     else:
         out, lse = _gathered_reference(q, cache, block_mask, score_program, scale=scale)
+    if check_sinks(sinks, q_heads) is not None:
+        out, lse = _merge_sinks_jit(out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+_merge_sinks_jit = jax.jit(merge_sinks)
 
 
 __all__ = ["paged_flex_attention"]

@@ -25,6 +25,7 @@ import numpy as np
 from jax import lax
 
 from pallas_flex import sharding
+from pallas_flex.sinks import check_sinks, merge_sinks
 from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged_paged as ragged_kernel
@@ -38,7 +39,7 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                     block_indices, block_indices_begins, *, scale=None, sliding_window=0,
                     alibi_slopes=None, score_aggregation_window=None, return_scores=False,
                     backend=None, num_splits=None, rotated_block_indices=None,
-                    rotation_deltas=None, rotation_trig_lut=None):
+                    rotation_deltas=None, rotation_trig_lut=None, sinks=None):
     """Attention for a packed batch of new tokens over their sequences' paged history.
 
     Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
@@ -85,6 +86,10 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         in the cache (the returned key_cache holds the rotated keys, so later steps read
         them as they are), by a scatter over the listed blocks alone; values are not
         rotated.
+      sinks: None, or float [Hq]: a logit per query head in every token's softmax with
+        no value (attention sinks, as gpt-oss and OpenVINO's `sinks` input): weights
+        become exp(s) / (sum exp(s) + exp(sink)), and `scores` count the keys' weights
+        only.
       num_splits: programs that share one work item's KV blocks in the Pallas kernel
         (split-KV, merged exactly), or None to choose from the work (about 256
         programs); a Python int >= 1. Ignored by "xla".
@@ -149,11 +154,12 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
     rotation = _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
                                  key_cache)
+    sinks = check_sinks(sinks, query.shape[1] // head_dim)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-        aggregation_window, rotation, return_scores=bool(return_scores), backend=backend,
-        num_splits=num_splits or 0)
+        aggregation_window, rotation, sinks, return_scores=bool(return_scores),
+        backend=backend, num_splits=num_splits or 0)
 
 
 def score_offsets(past_lens, subsequence_begins):
@@ -464,17 +470,17 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 @functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits"))
 def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
-                         alibi_slopes, aggregation_window, rotation=None, *, return_scores,
-                         backend="xla", num_splits=0):
+                         alibi_slopes, aggregation_window, rotation=None, sinks=None, *,
+                         return_scores, backend="xla", num_splits=0):
     # Tensor-parallel serving: caches split over KV heads ([blocks, Hkv, block, D]) with
     # the tokens' heads (query [T, Hq * D] split between heads) run each device's heads
     # alone; the scores, summed over heads, are summed over the devices.
     operands = (query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                 block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-                aggregation_window, rotation)
+                aggregation_window, rotation, sinks)
     roles = ((sharding.TOKENS, sharding.TOKEN_KV, sharding.TOKEN_KV, sharding.PAGES,
               sharding.PAGES) + (sharding.WHOLE,) * 6
-             + (sharding.PER_HEAD, sharding.WHOLE, sharding.WHOLE))
+             + (sharding.PER_HEAD, sharding.WHOLE, sharding.WHOLE, sharding.PER_HEAD))
     result_roles = ((sharding.TOKENS, sharding.SUM, sharding.PAGES, sharding.PAGES)
                     if return_scores else (sharding.TOKENS, sharding.PAGES, sharding.PAGES))
     return sharding.call(
@@ -487,8 +493,8 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
 
 def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            subsequence_begins, block_indices, block_indices_begins, scale,
-                           sliding_window, alibi_slopes, aggregation_window, rotation, *,
-                           return_scores, backend, num_splits):
+                           sliding_window, alibi_slopes, aggregation_window, rotation,
+                           sinks, *, return_scores, backend, num_splits):
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if rotation is not None:  # (a') before the new tokens land in rotated blocks
@@ -519,6 +525,11 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
             query.reshape(num_tokens, q_heads, head_dim), key_cache, value_cache, past_lens,
             subsequence_begins, block_indices, block_indices_begins, scale, sliding_window,
             alibi_slopes, interpret=backend == "interpret", num_splits=num_splits)
+        lse = lse.reshape(num_tokens, kv_heads, group)
+    if sinks is not None:  # one more part of every row, with no value
+        out, lse = merge_sinks(out.reshape(num_tokens, q_heads, value_dim),
+                               lse.reshape(num_tokens, q_heads), sinks,
+                               head_axis_of_out=1, head_axis_of_lse=1)
         lse = lse.reshape(num_tokens, kv_heads, group)
     output = out.reshape(num_tokens, q_heads * value_dim).astype(query.dtype)
     if not return_scores:

@@ -21,7 +21,7 @@ def reference_paged_attention(query, key, value, key_cache, value_cache, past_le
                               subsequence_begins, block_indices, block_indices_begins, *,
                               scale=None, sliding_window=0, alibi_slopes=None,
                               score_aggregation_window=None, rotated_block_indices=None,
-                              rotation_deltas=None, rotation_trig_lut=None):
+                              rotation_deltas=None, rotation_trig_lut=None, sinks=None):
     """Returns float64 (output [T, Hq*Dv], scores [sum(past_lens) + T], key_cache,
     value_cache), the caches with the listed blocks' keys re-rotated, then the new tokens
     inserted."""
@@ -87,8 +87,10 @@ def reference_paged_attention(query, key, value, key_cache, value_cache, past_le
                 if slopes is not None:
                     logits = logits + slopes[h] * (key_positions - position)
                 logits = np.where(visible, logits, -np.inf)
-                weights = np.exp(logits - logits.max())
-                weights /= weights.sum()
+                top = logits.max() if sinks is None else max(logits.max(), float(sinks[h]))
+                weights = np.exp(logits - top)
+                # A sink: one more softmax column with no value.
+                weights /= weights.sum() + (0.0 if sinks is None else np.exp(sinks[h] - top))
                 output[first_token + i, h] = weights @ values[:, h // group]
                 if counted:
                     seq_scores += weights
