@@ -8,7 +8,7 @@ kernels:
     >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask)
 """
 
-from pallas_flex import context_parallel, masks, paged, scores
+from pallas_flex import context_parallel, masks, paged, scores, variants
 from pallas_flex.api import (
     BACKENDS, attention, default_backend, explain, flex_attention, merge_attention_states)
 from pallas_flex.cascade import cascade_attention
@@ -23,5 +23,5 @@ __all__ = [
     "BACKENDS", "BlockMask", "ContextParallel", "KernelOptions", "and_masks", "attention",
     "create_block_mask", "cascade_attention", "context_parallel", "context_parallel_attention",
     "default_backend", "explain", "flex_attention", "masks", "merge_attention_states", "noop_mask",
-    "not_mask", "or_masks", "paged", "scores",
+    "not_mask", "or_masks", "paged", "scores", "variants",
 ]
