@@ -99,8 +99,10 @@ def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla", 
         np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4, err_msg=f"d{name}")
 
 
-# Every case on the XLA path; the Pallas kernels (interpret mode: slow) on two masks.
-@pytest.mark.parametrize("case,backend", [(case, "xla") for case in CASES] + [
+# Every mask on the XLA path (the score_mod case runs in the other strategies' tests and
+# with a learnable array below); the Pallas kernels (interpret mode: slow) on two masks.
+@pytest.mark.parametrize("case,backend", [
+    (case, "xla") for case in CASES if case != "noop_softcap"] + [
     ("causal", "interpret"), ("documents", "interpret")])
 def test_ring_equals_one_device(mesh, case, backend):
     _assert_equals_one_device(mesh, _inputs(), *CASES[case], backend=backend)
@@ -119,8 +121,7 @@ def test_the_ring_backward_keeps_only_this_device_s_shards(mesh):
     inputs, out_f32 = q.nbytes + k.nbytes + v.nbytes, q.size // D * D * 4
     lse = B * HQ * S * 4
     assert saved <= inputs + out_f32 + 2 * lse + 64 * 1024, (saved, inputs, out_f32)
-    # and the gradients still equal one device's
-    _assert_equals_one_device(mesh, _inputs(5), masks.causal_mask, None)
+    # (The gradients it gives equal one device's: test_ring_equals_one_device.)
 
 
 @pytest.mark.parametrize("case", ["causal", "documents"])

@@ -37,8 +37,9 @@ def _assert_close(got, want, atol, names):
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-@pytest.mark.parametrize("per_head_lambda", [False, True])
+# Both backends run the same backward kernels (the "xla" backend differentiates through
+# them in Pallas's interpreter): one case each.
+@pytest.mark.parametrize("backend,per_head_lambda", [("xla", True), ("interpret", False)])
 def test_differential_attention_matches_plain_jax(backend, per_head_lambda):
     batch, q_len, kv_len, heads, kv_heads, dim = 2, 80, 144, 4, 2, 16
     q1, q2 = _normal(0, (batch, q_len, heads, dim)), _normal(1, (batch, q_len, heads, dim))
@@ -66,7 +67,7 @@ def test_differential_attention_matches_plain_jax(backend, per_head_lambda):
                   2e-4, ["dq1", "dk1", "dq2", "dk2", "dv", "dlam"])
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
+@pytest.mark.parametrize("backend", ["interpret"])
 def test_gated_self_attention_matches_plain_jax(backend):
     """Pair bias shared by the rows, a key bias, a padding mask leaving one row with no
     key at all, and the sigmoid gate; gradients for q, k, v, gate and both biases."""
