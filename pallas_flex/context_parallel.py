@@ -22,7 +22,7 @@ from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 from pallas_flex.api import (
     _attention_block_mask, _zero_cotangent, attention, attention_backward, flex_attention,
     merge_attention_states, resolve_backend)
-from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
 from pallas_flex.sinks import check_sinks, merge_sinks
 
 __all__ = ["ContextParallel", "context_parallel_attention", "zigzag_order"]
@@ -185,28 +185,38 @@ class _RingConfig:
         return isinstance(other, _RingConfig) and hash(self) == hash(other)
 
 
-def _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod, kernel_options):
-    """Per ring step: (BlockMask, whether it lists a block here, the score_mod at global
-    positions); and, summed over the devices, how many need each step. At step s device
-    i holds the K/V shard of device (i - s) mod N. The BlockMasks are built first: a step
-    whose BlockMask lists no block is not computed on that device, and a step no device
-    computes is not transferred either (psum'd, so every device takes the same branch)."""
+def _ring_schedule(q, k, v, axis_name, layout, mask_mod, kernel_options):
+    """(BlockMask of each ring step, whether it lists a block on this device, how many
+    devices need each step): at step s device i holds the K/V shard of device
+    (i - s) mod N. The BlockMasks are built first: a step whose BlockMask lists no block
+    is not computed on that device, and a step no device computes is not transferred
+    either (psum'd, so every device takes the same branch). Built once by the forward,
+    kept for the backward."""
     devices = jax.lax.axis_size(axis_name)
     index = jax.lax.axis_index(axis_name)
     q_position = _positions(index, q.shape[1], devices, layout)
-    steps = []
+    block_masks, computed = [], []
     for step in range(devices):
         kv_position = _positions((index - step) % devices, k.shape[1], devices, layout)
         block_mask = _attention_block_mask(
             q, k, v, _at_global_positions(mask_mod, q_position, kv_position, False), None,
             kernel_options)
-        busy = jnp.bool_(True) if block_mask is None else (
-            jnp.sum(block_mask.kv_num_blocks) + jnp.sum(block_mask.full_kv_num_blocks) > 0)
-        steps.append((block_mask, busy,
-                      _at_global_positions(score_mod, q_position, kv_position, True)))
-    needed = jax.lax.psum(jnp.stack([busy for _, busy, _ in steps]).astype(jnp.int32),
-                          axis_name)
-    return steps, needed
+        block_masks.append(block_mask)
+        computed.append(jnp.bool_(True) if block_mask is None else (
+            jnp.sum(block_mask.kv_num_blocks) + jnp.sum(block_mask.full_kv_num_blocks) > 0))
+    needed = jax.lax.psum(jnp.stack(computed).astype(jnp.int32), axis_name)
+    return block_masks, computed, needed
+
+
+def _step_score_mods(q, k, axis_name, layout, score_mod):
+    """The score_mod at global positions, per ring step (closures: nothing computed)."""
+    devices = jax.lax.axis_size(axis_name)
+    index = jax.lax.axis_index(axis_name)
+    q_position = _positions(index, q.shape[1], devices, layout)
+    return [_at_global_positions(score_mod, q_position,
+                                 _positions((index - step) % devices, k.shape[1], devices,
+                                            layout), True)
+            for step in range(devices)]
 
 
 def _shift(x, axis_name, devices, distance):
@@ -231,15 +241,19 @@ def _move_to_step(x, held, step, needed, axis_name, devices):
             jnp.where(wanted, jnp.int32(step), held))
 
 
-def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options):
-    """(out float32, lse): the K/V shards passed round the ring, partial results merged."""
+def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options,
+                  schedule=None):
+    """(out float32, lse): the K/V shards passed round the ring, partial results merged.
+    schedule: `_ring_schedule`'s, if already built."""
     devices = jax.lax.axis_size(axis_name)
-    steps, needed = _ring_steps(q, k, v, axis_name, layout, mask_mod, score_mod,
-                                options["kernel_options"])
+    block_masks, computed, needed = schedule or _ring_schedule(
+        q, k, v, axis_name, layout, mask_mod, options["kernel_options"])
+    score_mods = _step_score_mods(q, k, axis_name, layout, score_mod)
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     held = jnp.int32(0)
-    for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+    for step, (block_mask, busy, shifted_score_mod) in enumerate(
+            zip(block_masks, computed, score_mods)):
         if step:
             (k, v), held = _move_to_step((k, v), held, step, needed, axis_name, devices)
 
@@ -265,11 +279,15 @@ def _ring_fwd(q, k, v, mask_program, score_program, config):
     q, k, v, mask_program, score_program = jax.tree.map(
         lambda primal: primal.value, (q, k, v, mask_program, score_program),
         is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
+    options = dict(config.options)
+    schedule = _ring_schedule(q, k, v, config.axis_name, config.layout, mask_program,
+                              options["kernel_options"])
     out, lse = _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
-                             score_program, dict(config.options))
-    # Only this device's shards and the merged statistics are kept: the backward passes
-    # K/V round the ring again instead of holding every shard that visited.
-    return (out, lse), (q, k, v, mask_program, score_program, out, lse, wanted)
+                             score_program, options, schedule)
+    # Only this device's shards, the merged statistics and the (small) step BlockMasks
+    # are kept: the backward passes K/V round the ring again instead of holding every
+    # shard that visited.
+    return (out, lse), (q, k, v, score_program, out, lse, wanted, mask_program, schedule)
 
 
 def _ring_bwd(config, residuals, cotangents):
@@ -278,21 +296,22 @@ def _ring_bwd(config, residuals, cotangents):
     softmax), dq accumulates here and dK/dV accumulate in float32 buffers that travel
     with their shard; after the last step the buffers go home. Captured arrays' gradients
     are this device's partial sums (shard_map sums a replicated input's cotangent)."""
-    q, k, v, mask_program, score_program, out, lse, wanted = residuals
+    q, k, v, score_program, out, lse, wanted, mask_program, schedule = residuals
     d_out, d_lse = cotangents
     d_out = jnp.zeros(out.shape, q.dtype) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
     axis_name, options = config.axis_name, dict(config.options)
     devices = jax.lax.axis_size(axis_name)
-    steps, needed = _ring_steps(q, k, v, axis_name, config.layout, mask_program,
-                                score_program, options["kernel_options"])
+    block_masks, computed, needed = schedule
+    score_mods = _step_score_mods(q, k, axis_name, config.layout, score_program)
     consts = score_program.consts if score_program is not None else ()
     d_q = jnp.zeros(q.shape, jnp.float32)
     d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     d_consts = [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
                 for c, w in zip(consts, wanted)]
     held = jnp.int32(0)
-    for step, (block_mask, busy, shifted_score_mod) in enumerate(steps):
+    for step, (block_mask, busy, shifted_score_mod) in enumerate(
+            zip(block_masks, computed, score_mods)):
         if step:  # the dK/dV buffers travel with their shard
             (k, v, d_k, d_v), held = _move_to_step((k, v, d_k, d_v), held, step, needed,
                                                    axis_name, devices)
@@ -301,11 +320,7 @@ def _ring_bwd(config, residuals, cotangents):
                        score_mod=shifted_score_mod):
             shifted = (make_mod_program(score_mod, SCORE) if score_mod is not None
                        else None)
-            # The shifted program closes over the original's captured arrays (and the
-            # shard offsets): map its gradients back by identity.
-            positions = {id(c): i for i, c in enumerate(consts)}
-            shifted_positions = [positions.get(id(c)) for c in
-                                 (shifted.consts if shifted is not None else ())]
+            shifted_positions = const_positions(score_program, shifted)
             g_q, g_k, g_v, g_consts = attention_backward(
                 q, k, v, out, lse, d_out, d_lse, block_mask=block_mask, score_mod=shifted,
                 wanted_const_grads=[p is not None and wanted[p] for p in shifted_positions],

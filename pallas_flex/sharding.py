@@ -43,7 +43,8 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from pallas_flex.masks.block_mask import BlockMask
-from pallas_flex.masks.mod_program import MASK, SCORE, ModProgram, make_mod_program
+from pallas_flex.masks.mod_program import (
+    MASK, SCORE, ModProgram, const_positions, make_mod_program)
 
 # What each dimension of an array indexes: "b" batch rows, "q" query heads, "kv" KV heads,
 # "q*" / "kv*" heads times features flattened (split only between heads), None anything
@@ -107,9 +108,14 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
     # so the kernels' own (index arrays of Pallas's interpreter, say) become operands.
     closed, result_shape = jax.make_jaxpr(unsharded, return_shape=True)(
         *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in flat_operands])
-    if closed.effects:  # ordered effects need tokens custom_partitioning cannot thread
-        return unsharded(*flat_operands)
     result_tree = jax.tree.structure(result_shape)
+
+    def replay(flat, constants):  # the traced call, without tracing the kernels again
+        return jax.tree.unflatten(result_tree,
+                                  jax.core.eval_jaxpr(closed.jaxpr, constants, *flat))
+
+    if closed.effects:  # ordered effects need tokens custom_partitioning cannot thread
+        return replay(flat_operands, closed.consts)
     result_leaves = jax.tree.leaves(result_roles(result_shape))
     plan = _Plan(batch, q_heads, kv_heads, split_batch)
     constants = list(closed.consts)
@@ -146,10 +152,8 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
         return jax.tree.unflatten(result_tree, run(*flat))
 
     def from_jaxpr(*flat_and_constants):
-        flat, constants = (flat_and_constants[:len(flat_operands)],
-                           flat_and_constants[len(flat_operands):])
-        return jax.tree.unflatten(result_tree,
-                                  jax.core.eval_jaxpr(closed.jaxpr, constants, *flat))
+        return replay(flat_and_constants[:len(flat_operands)],
+                      flat_and_constants[len(flat_operands):])
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = plan.axes(mesh, arg_shapes, role_leaves)
@@ -218,10 +222,7 @@ def shift_mods(block_mask, score_program, offsets):
     new_program = shifted(score_program, SCORE)
     if new_program is score_program:
         return block_mask, score_program, identity
-    # The new program closes over the old one's captured arrays themselves (and the
-    # offsets): tracing keeps their identity, in an order of its own.
-    old = {id(const): position for position, const in enumerate(score_program.consts)}
-    return block_mask, new_program, [old.get(id(const)) for const in new_program.consts]
+    return block_mask, new_program, const_positions(score_program, new_program)
 
 
 class _Plan:

@@ -49,14 +49,22 @@ def _normalize_block_size(block_size, argument_name="block_size") -> tuple[int, 
     return block_q, block_kv
 
 
-def _tables(block_state: jax.Array, kind: int) -> tuple[jax.Array, jax.Array]:
+def _tables(block_state: jax.Array, kind: int, xp=jnp) -> tuple[jax.Array, jax.Array]:
     """Per row of `block_state [..., rows, cols]`: how many columns are `kind`, and their
-    indices first, ascending (the rest of each row is padding)."""
+    indices first, ascending (the rest of each row is padding). `xp`: jnp, or NumPy for
+    tables computed on the host."""
     selected = block_state == kind
-    counts = jnp.sum(selected, axis=-1, dtype=jnp.int32)
+    counts = xp.sum(selected, axis=-1, dtype=xp.int32)
     # A stable sort of "not selected" puts the selected columns first, in order.
-    indices = jnp.argsort(jnp.logical_not(selected), axis=-1, stable=True).astype(jnp.int32)
+    indices = xp.argsort(xp.logical_not(selected), axis=-1, stable=True).astype(xp.int32)
     return counts, indices
+
+
+def _all_tables(block_state, xp=jnp):
+    """The eight tables of a BlockMask, in its constructor's order, from block states."""
+    transposed = xp.swapaxes(block_state, -1, -2)
+    return (*_tables(block_state, PARTIAL, xp), *_tables(block_state, FULL, xp),
+            *_tables(transposed, PARTIAL, xp), *_tables(transposed, FULL, xp))
 
 
 def _state_from_tables(num_blocks, indices, num_cols, value) -> jax.Array:
@@ -157,15 +165,8 @@ class BlockMask:
     @classmethod
     def from_block_state(cls, block_state, *, block_size, seq_lengths, mask_mod) -> "BlockMask":
         """From an int8 `[B', H', nQ, nKV]` array of EMPTY (0), PARTIAL (1), FULL (2)."""
-        kv_num_blocks, kv_indices = _tables(block_state, PARTIAL)
-        full_kv_num_blocks, full_kv_indices = _tables(block_state, FULL)
-        transposed = jnp.swapaxes(block_state, -1, -2)
-        q_num_blocks, q_indices = _tables(transposed, PARTIAL)
-        full_q_num_blocks, full_q_indices = _tables(transposed, FULL)
-        return cls(kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
-                   q_num_blocks, q_indices, full_q_num_blocks, full_q_indices,
-                   block_size=_normalize_block_size(block_size), seq_lengths=seq_lengths,
-                   mask_mod=mask_mod)
+        return cls(*_all_tables(block_state), block_size=_normalize_block_size(block_size),
+                   seq_lengths=seq_lengths, mask_mod=mask_mod)
 
     @classmethod
     def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None,
@@ -480,15 +481,7 @@ def _noop_tables(q_len, kv_len, block_q, block_kv):
         state[-1] = PARTIAL
     if kv_len % block_kv:
         state[:, -1] = PARTIAL
-    state = state[None, None]
-
-    def tables(state, kind):
-        selected = state == kind
-        return (np.sum(selected, axis=-1, dtype=np.int32),
-                np.argsort(~selected, axis=-1, kind="stable").astype(np.int32))
-    transposed = np.swapaxes(state, -1, -2)
-    return (*tables(state, PARTIAL), *tables(state, FULL), *tables(transposed, PARTIAL),
-            *tables(transposed, FULL))
+    return _all_tables(state[None, None], xp=np)
 
 
 @functools.lru_cache(maxsize=16)

@@ -177,6 +177,18 @@ def make_mod_program(function, kind: str, argument_name: str | None = None) -> M
     return ModProgram(kind, _JaxprStructure(closed_jaxpr.jaxpr), consts, name)
 
 
+def const_positions(original: ModProgram | None, derived: ModProgram | None) -> list:
+    """Per captured array of `derived` (a program traced from a mod that calls
+    `original`: a shifted or wrapped mod), its position among `original`'s captured
+    arrays, or None for one of its own (a shard offset, say). Tracing keeps the captured
+    arrays themselves, in an order of its own: matched by identity. Maps gradients of the
+    derived program's captured arrays back to the original's."""
+    if derived is None:
+        return []
+    positions = {id(c): i for i, c in enumerate(original.consts if original else ())}
+    return [positions.get(id(c)) for c in derived.consts]
+
+
 def with_score_derivative(program: ModProgram) -> ModProgram:
     """A score program computing `(score_mod(score, ...), d score_mod / d score)`: the
     mod and its derivative traced together (`jax.jvp` on scalars), so that the backward

@@ -95,13 +95,14 @@ _paged_attention.defvjp(lambda *args: (_paged_attention_impl(*args), None), _no_
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _paged_attention_jit(q, k_pages, v_pages, page_table, lengths, block_mask, score_program,
-                         *, config):
-    return _paged_attention(q, k_pages, v_pages, page_table, lengths, block_mask,
-                            score_program, config)
+                         sinks=None, *, config):
+    out, lse = _paged_attention(q, k_pages, v_pages, page_table, lengths, block_mask,
+                                score_program, config)
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
 @functools.partial(jax.jit, static_argnames=("scale",))
-def _gathered_reference(q, cache, block_mask, score_program, *, scale):
+def _gathered_reference(q, cache, block_mask, score_program, sinks=None, *, scale):
     """The dense oracle ("reference" and "xla" backends): O(cache) memory, for tests."""
     k, v = _gather_contiguous(cache)  # checked by the caller when concrete
     mask_program = block_mask.mask_mod
@@ -111,7 +112,8 @@ def _gathered_reference(q, cache, block_mask, score_program, *, scale):
 
     out, lse = reference_attention(q, k, v, mask_mod=mask_mod, score_mod=score_program,
                                    scale=scale)
-    return out.astype(q.dtype), lse
+    out = out.astype(q.dtype)
+    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
 def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=None,
@@ -166,19 +168,16 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
     backend = resolve_backend(backend)
     scale = resolve_scale(scale, head_dim)
+    sinks = check_sinks(sinks, q_heads)
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
         out, lse = _paged_attention_jit(q, cache.k_pages, cache.v_pages, cache.page_table,
-                                        cache.lengths, block_mask, score_program,
+                                        cache.lengths, block_mask, score_program, sinks,
                                         config=(backend, scale, options))
     else:
-        out, lse = _gathered_reference(q, cache, block_mask, score_program, scale=scale)
-    if check_sinks(sinks, q_heads) is not None:
-        out, lse = _merge_sinks_jit(out, lse, sinks)
+        out, lse = _gathered_reference(q, cache, block_mask, score_program, sinks,
+                                       scale=scale)
     return (out, lse) if return_lse else out
-
-
-_merge_sinks_jit = jax.jit(merge_sinks)
 
 
 __all__ = ["paged_flex_attention"]
