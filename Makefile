@@ -50,12 +50,16 @@ GPU_FIRST ?= 0
 GPU_LAST ?= $(shell echo $$(($(GPU_SHARDS) - 1)))
 GPU_OUT ?= build/gpu-results
 GPU_PYTEST_ARGS ?=
+# On a machine of several GPUs, GPU_DEVICES=n puts shard i on GPU i % n (all 14 shards in
+# one call on a 4-GPU machine of 64 cores).
+GPU_DEVICES ?=
 # Tests with no gpu test whose imports the GPU machine lacks (nbformat, nbclient, pdoc).
 GPU_IGNORE = --ignore=tests/test_notebooks.py --ignore=tests/test_api_reference.py
 
 test-gpu:
 	@rm -rf $(GPU_OUT)/shards && mkdir -p $(GPU_OUT)/shards; pids=""; \
 	for i in $$(seq $(GPU_FIRST) $(GPU_LAST)); do \
+	  $(if $(GPU_DEVICES),CUDA_VISIBLE_DEVICES=$$(($$i % $(GPU_DEVICES)))) \
 	  PYTHONPATH=. XLA_PYTHON_CLIENT_ALLOCATOR=platform PALLAS_FLEX_TEST_SHARD=$$i/$(GPU_SHARDS) \
 	    PALLAS_FLEX_RESULTS=$(GPU_OUT)/shards/shard$$i.json \
 	    $(PYTHON) -m pytest -q -m gpu -p no:cacheprovider $(GPU_IGNORE) tests $(GPU_PYTEST_ARGS) \

@@ -93,7 +93,9 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
       split_batch: False where batch rows share an array that cannot be split with them
         (a paged cache's page pool).
     """
-    if jax.device_count() == 1 or _inside_shard_map():
+    inside_shard_map = _inside_shard_map()
+    explicit_mesh = None if inside_shard_map else _explicit_mesh(jax.tree.leaves(operands))
+    if inside_shard_map or (jax.device_count() == 1 and explicit_mesh is None):
         return function(operands, (0, 0))
     role_leaves = [role for operand, role in zip(operands, roles)
                    for role in jax.tree.leaves(
@@ -130,17 +132,16 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
             jax.lax.psum(x, split) if role == SUM and split else x
             for x, role in zip(flat_results, result_leaves)])
 
-    explicit_mesh = _explicit_mesh(flat_operands)
     if explicit_mesh is not None:
         # Shardings in the types (Explicit mesh axes): known now, so a shard_map runs
-        # the shards, each operand first resharded to the layout the kernels take.
+        # the shards, each operand first resharded to the layout the kernels take. Also
+        # where nothing is split (a mesh of one device, replicated operands): the kernels
+        # are written for arrays without sharded types, which only a shard_map gives.
         batch_axes, head_axes = plan.axes(explicit_mesh, flat_operands, role_leaves)
         in_specs = [plan.spec(role, x.shape, batch_axes, head_axes)
                     for x, role in zip(flat_operands, role_leaves)]
         flat = [jax.sharding.reshard(x, NamedSharding(explicit_mesh, spec))
                 for x, spec in zip(flat_operands, in_specs)]
-        if not batch_axes + head_axes:
-            return unsharded(*flat)
         out_specs = [plan.spec(role, x.shape, batch_axes, head_axes)
                      for x, role in zip(jax.tree.leaves(result_shape), result_leaves)]
         # check_vma=False: the kernels' loops do not declare which values vary over
