@@ -360,15 +360,36 @@ def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, optio
 
 
 def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options):
-    """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (the sequence in device
-    order; heads offset to global ones), one call, and the outputs trade back."""
+    """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (put back in sequence
+    order under the zig-zag layout), one call, and the outputs trade back.
+
+    The call sees the whole sequence in order, so the mods run at their own positions,
+    with no position arithmetic: the call is the one-device call on H / N heads (the
+    head offset is added only for mods that read `h`). Measured on 4 H200s before this
+    reordering, mods evaluated at zig-zag-gathered positions ran the call ~1.8x slower
+    (benchmarks/results/h200/multi_device.json)."""
     if q.shape[2] % devices or k.shape[2] % devices:
         raise ValueError(f"strategy 'all_to_all' splits the heads over {devices} devices: "
                          f"Hq {q.shape[2]} and Hkv {k.shape[2]} must be multiples of it")
-    position = _gathered_positions(k.shape[1], devices, layout)
     head_offset = (index * (q.shape[2] // devices)).astype(jnp.int32)
     q, k, v = (jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True) for x in (q, k, v))
-    out, lse = _one_call(q, k, v, mask_mod, score_mod, position, position,
-                         lambda h: h + head_offset, options)
+    order = None
+    if layout == "zig-zag":  # rows in device order -> sequence order, and back after
+        order = zigzag_order(q.shape[1], devices)
+        restore = jnp.argsort(order)
+        q, k, v = (jnp.take(x, restore, axis=1) for x in (q, k, v))
+
+    def at_global_heads(mod, is_score):
+        if mod is None or not make_mod_program(mod, SCORE if is_score else MASK).uses_head:
+            return mod
+        if is_score:
+            return lambda score, b, h, q_idx, kv_idx: mod(score, b, h + head_offset,
+                                                           q_idx, kv_idx)
+        return lambda b, h, q_idx, kv_idx: mod(b, h + head_offset, q_idx, kv_idx)
+    out, lse = attention(q, k, v, return_lse=True, **options,
+                         mask_mod=at_global_heads(mask_mod, False),
+                         score_mod=at_global_heads(score_mod, True))
+    if order is not None:
+        out, lse = jnp.take(out, order, axis=1), jnp.take(lse, order, axis=2)
     return (jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True),
             jax.lax.all_to_all(lse, axis_name, 2, 1, tiled=True))

@@ -252,25 +252,26 @@ class Suite:
     # --- context-parallel scaling ------------------------------------------------------
     def scaling(self):
         heads, dim = self.args.heads, self.args.dim
-        for length in self.args.lengths:
+        for length in self.args.lengths:  # in the order given, most wanted first
             for mask_name, (mask_mod, fraction) in masks_at(length).items():
                 if self.args.masks and mask_name.split("64")[0] not in self.args.masks:
                     continue
                 flops = 4 * heads * dim * fraction * length ** 2 * 3.5
-                for n in self._device_counts():
-                    if n == 1 and length > self.args.max_single_length:
-                        continue
-                    if n > 1 and n not in self.args.scaling_devices:
-                        continue
+                counts = [n for n in self.args.scaling_devices if 1 < n <= len(self.devices)]
+                if length <= self.args.max_single_length:
+                    counts = [1] + counts
+                for n in counts:
                     names = ["one_device"] if n == 1 else self.args.strategies
                     for name in names:
                         self._scaling_row(length, mask_name, mask_mod, flops, n, name,
                                           heads, dim)
 
     def _scaling_row(self, length, mask_name, mask_mod, flops, n, name, heads, dim):
-        case = f"scaling/{name}/{mask_name}/S{length}/N{n}"
+        kv_heads = self.args.kv_heads or heads
+        gqa = f"/H{heads}:{kv_heads}" if (heads, kv_heads) != (16, 16) else ""
+        case = f"scaling/{name}/{mask_name}/S{length}{gqa}/N{n}"
         row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
-               "S": length, "shape": [1, length, heads, heads, dim]}
+               "S": length, "shape": [1, length, heads, kv_heads, dim]}
         estimate = self._estimate_s(flops, n)
         if self.left_s() < estimate:
             row.update(status="skipped", reason=f"{estimate:.0f} s estimated, "
@@ -278,7 +279,7 @@ class Suite:
             self.add(row)
             return
         try:
-            shape = (1, length, heads, heads, dim)
+            shape = (1, length, heads, kv_heads, dim)
             if n == 1:
                 args = _inputs(shape, NamedSharding(jax.make_mesh(
                     (1,), ("one",), devices=self.devices[:1]), P()))
@@ -297,8 +298,9 @@ class Suite:
             row.update(entry, status="ok")
             row["tflops_per_device"] = flops / (entry["ms"] * 1e-3) / n / 1e12
             base = next((r for r in self.rows + self.previous_rows()
-                         if r.get("strategy") == "one_device" and
-                         r["mask"] == mask_name and r.get("status") == "ok"), None)
+                         if r.get("strategy") == "one_device" and r["mask"] == mask_name
+                         and r["shape"][2:] == row["shape"][2:] and r.get("status") == "ok"),
+                        None)
             if base is not None:
                 row["efficiency_vs_one_device"] = (row["tflops_per_device"] /
                                                    base["tflops_per_device"])
@@ -325,11 +327,13 @@ def parse_args(argv):
     parser.add_argument("--lengths", default="262144,524288,1048576")
     parser.add_argument("--masks", default="", help="causal,document (default: both)")
     parser.add_argument("--strategies", default="ring,all_gather,all_to_all")
-    parser.add_argument("--scaling-devices", default="", help="device counts (default: all "
-                        "powers of two)")
+    parser.add_argument("--scaling-devices", default="", help="device counts past one, in "
+                        "the order to run (default: 2, 4, 8, ...)")
     parser.add_argument("--max-single-length", type=int, default=262144)
     parser.add_argument("--check-length", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="scaling: GQA (default: "
+                        "--heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tolerance", type=float, default=2e-2)
     parser.add_argument("--backend")
@@ -356,7 +360,7 @@ def parse_args(argv):
         args.backend = args.backend or "xla"
         args.iters, args.repeats = 1, 1
     args.scaling_devices = ([int(x) for x in args.scaling_devices.split(",") if x]
-                            or [2 ** i for i in range(10)])
+                            or [2 ** i for i in range(1, 10)])
     return args
 
 
