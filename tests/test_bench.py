@@ -119,8 +119,32 @@ def test_the_committed_tables_match_the_committed_results(monkeypatch, capsys):
     assert on_h100 <= set(cli.SUITES)
     assert on_h100 == set(cli.SUITES)  # every suite measured on the H100
     for result in results:
-        for key in ("device", "date", "versions", "commands", "columns", "metric", "rows"):
+        keys = (("device", "device_count", "date", "versions", "command", "rows")
+                if result["suite"] == "multi_device" else
+                ("device", "date", "versions", "commands", "columns", "metric", "rows"))
+        for key in keys:
             assert result[key], (result["path"], key)
+
+
+def test_the_multi_device_suite_runs_on_host_devices(tmp_path):
+    """pallas_flex/bench/multi_device.py on the four host devices (XLA backend, tiny
+    shapes): its correctness check passes, the sharded calls hold no collective, every
+    row is measured, and the report renders its tables."""
+    from pallas_flex.bench import multi_device
+    assert multi_device.main(["--quick", "--parts", "correctness,sharding,scaling",
+                              "--strategies", "ring", "--masks", "causal",
+                              "--scaling-devices", "2", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "cpu" / "multi_device.json").read_text())
+    rows = {row["case"]: row for row in result["rows"]}
+    assert all(row["status"] == "ok" for row in rows.values()), rows
+    assert {case.split("/")[0] for case in rows} == {"correctness", "sharding", "scaling"}
+    for case, row in rows.items():
+        if case.startswith("sharding/"):
+            assert sum(row["collectives"].values()) == 0, row
+        if case.startswith("scaling/ring"):
+            assert row["efficiency_vs_one_device"] > 0 and row["memory_per_device_bytes"]
+    text = "\n".join(report.multi_device_table({**result, "gpu": "cpu"}))
+    assert "scaling/ring/causal/S256/N2" in text and "correctness/ring" in text
 
 
 def test_quick_runs_a_suite_end_to_end(tmp_path):

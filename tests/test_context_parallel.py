@@ -77,9 +77,10 @@ def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla", 
     order = (pf.context_parallel.zigzag_order(S, DEVICES)
              if options.get("layout") == "zig-zag" else jnp.arange(S))
     restore = jnp.argsort(order)
+    options.setdefault("strategy", "ring")
     parallel = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-        backend=backend, **options))
+        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod,
+        return_lse=True, backend=backend, **options))
 
     def sharded(q, k, v):
         out, lse = parallel(q[:, order], k[:, order], v[:, order])
@@ -115,7 +116,7 @@ def test_the_ring_backward_keeps_only_this_device_s_shards(mesh):
     step's visiting shard: on 4 devices 4x the K/V, with per-step outputs and lse.)"""
     q, k, v, d_out = _inputs()
     attend = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=masks.causal_mask, return_lse=True))
+        q, k, v, axis_name="cp", strategy="ring", mask_mod=masks.causal_mask, return_lse=True))
     _, backward = jax.vjp(lambda q, k, v: attend(q, k, v)[0], q, k, v)
     saved = sum(x.nbytes for x in jax.tree.leaves(backward) if hasattr(x, "nbytes"))
     inputs, out_f32 = q.nbytes + k.nbytes + v.nbytes, q.size // D * D * 4
@@ -156,7 +157,8 @@ def test_a_captured_learnable_array_gets_its_gradient(mesh):
             slopes), return_lse=True, backend="xla")
 
     def ring(q, k, v, slopes):
-        return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=masks.causal_mask,
+        return pf.context_parallel_attention(q, k, v, axis_name="cp", strategy="ring",
+                                             mask_mod=masks.causal_mask,
                                              score_mod=pf.scores.alibi(slopes), return_lse=True,
                                              backend="xla")
     ring = _sharded(mesh, ring, slopes)
@@ -180,7 +182,8 @@ def test_a_row_masked_on_every_shard_is_zero_with_finite_gradients(mesh):
         return (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0) & (q_idx >= kv_idx)
 
     ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, return_lse=True, backend="xla"))
+        q, k, v, axis_name="cp", strategy="ring", mask_mod=mask_mod, return_lse=True,
+        backend="xla"))
     out, lse = ring(q, k, v)
     assert not np.any(np.asarray(out[:, :7])) and np.all(np.isneginf(lse[:, :, :7]))
     grads = jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v)[0] * d_out), argnums=(0, 1, 2))(
@@ -244,8 +247,8 @@ def test_the_schedule_skips_what_the_block_masks_allow(mesh, monkeypatch, case, 
     mask_mod, score_mod = CASES[case]
     q, k, v, _ = _inputs(4)
     ring = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
-        q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod, return_lse=True,
-        backend="xla"))
+        q, k, v, axis_name="cp", strategy="ring", mask_mod=mask_mod, score_mod=score_mod,
+        return_lse=True, backend="xla"))
     out, _ = ring(q, k, v)
     jax.block_until_ready(out)
     jax.effects_barrier()
@@ -336,3 +339,20 @@ def test_a_training_step_on_the_mesh_equals_one_device(mesh):
     for name in params:
         np.testing.assert_allclose(np.asarray(grads[name]), np.asarray(want_grads[name]),
                                    atol=1e-6, rtol=1e-4, err_msg=name)
+
+
+def test_auto_strategy_gathers_what_fits_and_rings_the_rest(mesh):
+    """strategy="auto" (the default) runs all_gather where the whole K/V takes at most 1/8
+    of the device's memory and the ring past it; its result is that strategy's."""
+    from pallas_flex.context_parallel import choose_strategy
+    device = jax.devices("cpu")[0]  # no memory_stats on the host: 16 GiB assumed
+    shard = (1, 2 ** 15, 16, 128)  # 4 shards of 32k tokens: 1 GiB of bf16 K and V
+    assert choose_strategy(shard, shard, jnp.bfloat16, 4, device) == "all_gather"
+    assert choose_strategy(shard, shard, jnp.float32, 8, device) == "ring"  # 4 GiB
+    q, k, v, _ = _inputs(8)
+
+    def run(**options):
+        return _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+            q, k, v, axis_name="cp", mask_mod=masks.causal_mask, return_lse=True,
+            backend="xla", **options))(q, k, v)[0]
+    np.testing.assert_array_equal(run(), run(strategy="all_gather"))

@@ -214,3 +214,21 @@ def test_ragged_op_split_over_kv_heads_equals_one_device(backend):
     assert tuple(got[0].sharding.spec) == (None, "model"), got[0].sharding
     assert tuple(got[2].sharding.spec)[:2] == (None, "model"), got[2].sharding
     assert _gathered_inputs(step.lower(split).compile().as_text()) == []
+
+
+def test_operands_on_an_explicit_mesh_of_one_device():
+    """Arrays typed on an Explicit mesh of one device (jax.make_mesh's default axis type,
+    as a single-GPU user of jax.sharding.use_mesh gets) run through the kernels like
+    plain arrays: the call once crashed inside them on sharded types."""
+    mesh = jax.make_mesh((1,), ("x",), devices=jax.devices("cpu")[:1],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    keys = jax.random.split(jax.random.key(3), 3)
+    q, k, v = (jax.random.normal(key, (2, 64, 4, 32), jnp.float32) for key in keys)
+    placed = [jax.device_put(x, jax.sharding.NamedSharding(mesh, P())) for x in (q, k, v)]
+
+    def loss(q, k, v):
+        return jnp.sum(pf.attention(q, k, v, mask_mod=masks.causal_mask, backend="xla") ** 2)
+    expected = jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*placed)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)

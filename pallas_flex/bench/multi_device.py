@@ -5,8 +5,8 @@ every device of one host, against one device of the same machine.
         [--lengths 262144,1048576] [--out benchmarks/results] [--budget-s 540]
 
 Parts:
-  correctness  each strategy (ring with the zig-zag layout, all-gather K/V, all-to-all
-               heads) on all devices against `pf.attention` on one, causal and
+  correctness  each strategy of --strategies (ring with the zig-zag layout, all-gather
+               K/V, all-to-all heads; "ring_contiguous" without the zig-zag) on all devices against `pf.attention` on one, causal and
                document(64)+causal, B1 H16 D128 bf16 at `--check-length` (64k): out, lse,
                dq, dk, dv as the largest difference over the reference's largest value.
   sharding     forward+backward under `jit` with q, k, v sharded over the batch (B8 H16
@@ -189,9 +189,11 @@ class Suite:
         q, k, v, d_out = _inputs(shape, NamedSharding(jax.make_mesh(
             (1,), ("one",), devices=self.devices[:1]), P()))
         for mask_name, (mask_mod, _) in masks_at(length).items():
+            if self.args.masks and mask_name.split("64")[0] not in self.args.masks:
+                continue
             expected = [np.asarray(x, np.float32) for x in
                         _single_step(mask_mod, self.backend)(q, k, v, d_out)]
-            for name in ("ring", "all_gather", "all_to_all"):
+            for name in self.args.strategies:
                 strategy, layout = STRATEGIES[name]
                 case = f"correctness/{name}/{mask_name}/S{length}/N{n}"
                 row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
@@ -268,7 +270,7 @@ class Suite:
 
     def _scaling_row(self, length, mask_name, mask_mod, flops, n, name, heads, dim):
         kv_heads = self.args.kv_heads or heads
-        gqa = f"/H{heads}:{kv_heads}" if (heads, kv_heads) != (16, 16) else ""
+        gqa = f"/H{heads}:{kv_heads}" if kv_heads != heads else ""
         case = f"scaling/{name}/{mask_name}/S{length}{gqa}/N{n}"
         row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
                "S": length, "shape": [1, length, heads, kv_heads, dim]}
@@ -301,7 +303,7 @@ class Suite:
                          if r.get("strategy") == "one_device" and r["mask"] == mask_name
                          and r["shape"][2:] == row["shape"][2:] and r.get("status") == "ok"),
                         None)
-            if base is not None:
+            if base is not None and n > 1:
                 row["efficiency_vs_one_device"] = (row["tflops_per_device"] /
                                                    base["tflops_per_device"])
         except Exception as error:  # noqa: BLE001

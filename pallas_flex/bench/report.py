@@ -73,6 +73,40 @@ def table(result: dict) -> list[str]:
     return lines + ([""] + notes if notes else [])
 
 
+def multi_device_table(result: dict) -> list[str]:
+    """The multi-GPU suite (pallas_flex/bench/multi_device.py): one table per part."""
+    rows = result["rows"]
+    lines = [f"### multi_device — {result['device_count']} x {result['device']}", "",
+             f"{result['date']}, commit {result.get('git_commit')}, "
+             + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+             + f"; `{result['command']}` (and runs of its parts)", ""]
+
+    def gib(row):
+        size = row.get("memory_per_device_bytes")
+        return _number(size / 2 ** 30) if size else "–"
+    parts = {
+        "correctness": (["case", "status", "largest |difference| / largest |value|: out, "
+                         "lse, dq, dk, dv"],
+                        lambda r: [r.get("status", "–"), ", ".join(
+                            f"{x:.1e}" for x in r.get("max_diff_over_max", {}).values())]),
+        "sharding": (["case", "status", "ms", "speedup vs 1 device", "collectives in HLO",
+                      "GiB / device"],
+                     lambda r: [r.get("status", "–"), _number(r.get("ms")),
+                                _number(r.get("speedup_vs_one_device")),
+                                str(sum(r.get("collectives", {}).values())), gib(r)]),
+        "scaling": (["case", "status", "ms", "TFLOP/s per device", "efficiency vs 1 device",
+                     "GiB / device"],
+                    lambda r: [r.get("status", "–"), _number(r.get("ms")),
+                               _number(r.get("tflops_per_device")),
+                               _number(r.get("efficiency_vs_one_device")), gib(r)])}
+    for part, (header, cells) in parts.items():
+        chosen = [r for r in rows if r["case"].startswith(part + "/")]
+        if chosen:
+            lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            lines += ["| " + " | ".join([r["case"]] + cells(r)) + " |" for r in chosen] + [""]
+    return lines
+
+
 def geomean(values):
     values = [v for v in values if v]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
@@ -80,6 +114,7 @@ def geomean(values):
 
 def readme_table(results: list[dict]) -> list[str]:
     """README's table: forward and forward+backward at B4 H16 S4096 D128 on the main GPU."""
+    results = [r for r in results if r["suite"] != "multi_device"]
     on_main = [r for r in results if r["gpu"] == MAIN_GPU] or results
     if not on_main:
         return ["No results yet: `pallas-flex bench all` on a GPU, then "
@@ -113,6 +148,8 @@ def results_readme(results: list[dict]) -> str:
              "the peak device memory (MiB); a peer's `– ` means it cannot express the case.", ""]
     parts += ["| GPU | suite | cases | peer / ours (geometric mean over the cases both ran) |",
               "|---|---|---|---|"]
+    multi = [r for r in results if r["suite"] == "multi_device"]
+    results = [r for r in results if r["suite"] != "multi_device"]
     for result in results:
         ours = result["columns"][0]
         means = [f"{c} {_number(geomean(ratio(r, c, ours, 'ms') for r in result['rows']))}×"
@@ -120,8 +157,14 @@ def results_readme(results: list[dict]) -> str:
         parts.append(f"| {result['gpu']} | {result['suite']} | {len(result['rows'])} | "
                      f"{', '.join(means) or '(no peer: see its table)'} |")
     parts.append("")
+    for result in multi:
+        parts.append(f"| {result['gpu']} x{result['device_count']} | multi_device | "
+                     f"{len(result['rows'])} | (against one device: see its table) |")
+    parts.append("")
     for result in results:
         parts += table(result) + [""]
+    for result in multi:
+        parts += multi_device_table(result)
     return "\n".join(parts)
 
 
@@ -138,7 +181,7 @@ def plot(results: list[dict], path=None):
     import matplotlib.pyplot as plt
 
     gpu = MAIN_GPU if any(r["gpu"] == MAIN_GPU for r in results) else results[0]["gpu"]
-    timed = [r for r in results if r["gpu"] == gpu and r["metric"] == "ms"]
+    timed = [r for r in results if r["gpu"] == gpu and r.get("metric") == "ms"]
     figure, axes = plt.subplots(len(timed), 1, figsize=(12, 3.2 * len(timed)), squeeze=False)
     for ax, result in zip(axes[:, 0], timed):
         width, rows = 0.8 / len(result["columns"]), result["rows"]
