@@ -6,9 +6,10 @@ every device of one host, against one device of the same machine.
 
 Parts:
   correctness  each strategy of --strategies (ring with the zig-zag layout, all-gather
-               K/V, all-to-all heads; "ring_contiguous" without the zig-zag) on all devices against `pf.attention` on one, causal and
-               document(64)+causal, B1 H16 D128 bf16 at `--check-length` (64k): out, lse,
-               dq, dk, dv as the largest difference over the reference's largest value.
+               K/V, all-to-all heads; "ring_contiguous" without the zig-zag) on all
+               devices against `pf.attention` on one, causal and document(--documents,
+               64)+causal, B1 H16 D128 bf16 at `--check-length` (64k): out, lse, dq, dk,
+               dv as the largest difference over the reference's largest value.
   sharding     forward+backward under `jit` with q, k, v sharded over the batch (B8 H16
                S4096 D128 causal) and over the heads (B1 H32 S16384), on 1, 2, ... devices;
                the compiled HLO's collectives are counted (batch/head sharding needs none
@@ -17,7 +18,8 @@ Parts:
                count (a power of two up to all devices; one device at the lengths that
                fit): ms, TFLOP/s per GPU (useful FLOPs: 4 B H D x unmasked pairs x 3.5 for
                forward+backward), efficiency against the one-device TFLOP/s, peak memory
-               per device (XLA's memory analysis of the compiled step).
+               per device (XLA's memory analysis of the compiled step); `--mode forward`
+               times the forward alone (FLOPs without the 3.5).
 
 Rows go into `<out>/<gpu>/multi_device.json` as they finish (a run cut off by a time limit
 keeps what it measured); `--budget-s` stops starting rows that would not finish in time.
@@ -93,7 +95,12 @@ def _loss_gradients(attend):
     return step
 
 
-def _parallel_step(mesh, strategy, layout, mask_mod, backend, with_lse=True):
+def _forward(attend):
+    """(q, k, v, d_out) -> (out, lse): the forward alone (d_out unused)."""
+    return lambda q, k, v, d_out: attend(q, k, v)
+
+
+def _parallel_step(mesh, strategy, layout, mask_mod, backend, mode="fwd_bwd"):
     shard = P(None, "cp")
 
     def local(q, k, v):
@@ -102,12 +109,13 @@ def _parallel_step(mesh, strategy, layout, mask_mod, backend, with_lse=True):
                                              return_lse=True, backend=backend)
     attend = jax.shard_map(local, mesh=mesh, in_specs=(shard,) * 3,
                            out_specs=(shard, P(None, None, "cp")), check_vma=False)
-    return jax.jit(_loss_gradients(attend))
+    return jax.jit((_loss_gradients if mode == "fwd_bwd" else _forward)(attend))
 
 
-def _single_step(mask_mod, backend):
-    return jax.jit(_loss_gradients(lambda q, k, v: pf.attention(
-        q, k, v, mask_mod=mask_mod, return_lse=True, backend=backend)))
+def _single_step(mask_mod, backend, mode="fwd_bwd"):
+    return jax.jit((_loss_gradients if mode == "fwd_bwd" else _forward)(
+        lambda q, k, v: pf.attention(q, k, v, mask_mod=mask_mod, return_lse=True,
+                                     backend=backend)))
 
 
 def _compile(step, args):
@@ -188,8 +196,8 @@ class Suite:
         mesh = jax.make_mesh((n,), ("cp",), devices=self.devices)
         q, k, v, d_out = _inputs(shape, NamedSharding(jax.make_mesh(
             (1,), ("one",), devices=self.devices[:1]), P()))
-        for mask_name, (mask_mod, _) in masks_at(length).items():
-            if self.args.masks and mask_name.split("64")[0] not in self.args.masks:
+        for mask_name, (mask_mod, _) in masks_at(length, self.args.documents).items():
+            if self.args.masks and mask_name.rstrip("_causal0123456789") not in self.args.masks:
                 continue
             expected = [np.asarray(x, np.float32) for x in
                         _single_step(mask_mod, self.backend)(q, k, v, d_out)]
@@ -255,10 +263,11 @@ class Suite:
     def scaling(self):
         heads, dim = self.args.heads, self.args.dim
         for length in self.args.lengths:  # in the order given, most wanted first
-            for mask_name, (mask_mod, fraction) in masks_at(length).items():
-                if self.args.masks and mask_name.split("64")[0] not in self.args.masks:
+            for mask_name, (mask_mod, fraction) in masks_at(length, self.args.documents).items():
+                if self.args.masks and mask_name.rstrip("_causal0123456789") not in self.args.masks:
                     continue
-                flops = 4 * heads * dim * fraction * length ** 2 * 3.5
+                flops = 4 * heads * dim * fraction * length ** 2 * (
+                    3.5 if self.args.mode == "fwd_bwd" else 1.0)
                 counts = [n for n in self.args.scaling_devices if 1 < n <= len(self.devices)]
                 if length <= self.args.max_single_length:
                     counts = [1] + counts
@@ -271,8 +280,10 @@ class Suite:
     def _scaling_row(self, length, mask_name, mask_mod, flops, n, name, heads, dim):
         kv_heads = self.args.kv_heads or heads
         gqa = f"/H{heads}:{kv_heads}" if kv_heads != heads else ""
-        case = f"scaling/{name}/{mask_name}/S{length}{gqa}/N{n}"
-        row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
+        mode = "" if self.args.mode == "fwd_bwd" else "/forward"
+        case = f"scaling/{name}/{mask_name}/S{length}{gqa}{mode}/N{n}"
+        row = {"case": case, "mode": self.args.mode, "strategy": name, "mask": mask_name,
+               "devices": n,
                "S": length, "shape": [1, length, heads, kv_heads, dim]}
         estimate = self._estimate_s(flops, n)
         if self.left_s() < estimate:
@@ -285,14 +296,15 @@ class Suite:
             if n == 1:
                 args = _inputs(shape, NamedSharding(jax.make_mesh(
                     (1,), ("one",), devices=self.devices[:1]), P()))
-                step = _single_step(mask_mod, self.backend)
+                step = _single_step(mask_mod, self.backend, self.args.mode)
             else:
                 mesh = jax.make_mesh((n,), ("cp",), devices=self.devices[:n])
                 # Timing does not need the zig-zag permutation of the data itself: random
                 # inputs are as good in any order; the layout changes only the positions.
                 args = _inputs(shape, NamedSharding(mesh, P(None, "cp")))
                 strategy, layout = STRATEGIES[name]
-                step = _parallel_step(mesh, strategy, layout, mask_mod, self.backend)
+                step = _parallel_step(mesh, strategy, layout, mask_mod, self.backend,
+                                      self.args.mode)
             compiled, row["lower_compile_s"] = _compile(step, args)
             row["memory_per_device_bytes"] = _memory(compiled)
             entry, out = time_calls(compiled, args, **self.timing())
@@ -301,6 +313,7 @@ class Suite:
             row["tflops_per_device"] = flops / (entry["ms"] * 1e-3) / n / 1e12
             base = next((r for r in self.rows + self.previous_rows()
                          if r.get("strategy") == "one_device" and r["mask"] == mask_name
+                         and r.get("mode", "fwd_bwd") == self.args.mode
                          and r["shape"][2:] == row["shape"][2:] and r.get("status") == "ok"),
                         None)
             if base is not None and n > 1:
@@ -328,6 +341,10 @@ def parse_args(argv):
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--lengths", default="262144,524288,1048576")
     parser.add_argument("--masks", default="", help="causal,document (default: both)")
+    parser.add_argument("--documents", type=int, default=64,
+                        help="documents in the document+causal mask")
+    parser.add_argument("--mode", choices=("fwd_bwd", "forward"), default="fwd_bwd",
+                        help="scaling: forward+backward (default) or the forward alone")
     parser.add_argument("--strategies", default="ring,all_gather,all_to_all")
     parser.add_argument("--scaling-devices", default="", help="device counts past one, in "
                         "the order to run (default: 2, 4, 8, ...)")
