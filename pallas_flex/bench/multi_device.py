@@ -174,8 +174,10 @@ class Suite:
             fresh = {r["case"] for r in self.rows}
             kept = [r for r in old.get("rows", []) if r["case"] not in fresh
                     and old.get("device") == self.header["device"]]
-            self.path.write_text(json.dumps({**self.header, "rows": kept + self.rows},
-                                            indent=1) + "\n")
+            rows = kept + self.rows  # rows of machines of several sizes: the largest named
+            header = {**self.header, "device_count": max(
+                [self.header["device_count"]] + [r.get("devices", 1) for r in rows])}
+            self.path.write_text(json.dumps({**header, "rows": rows}, indent=1) + "\n")
 
     def previous_rows(self):
         """The rows of an earlier run on this device kind in the results file."""

@@ -76,7 +76,8 @@ def table(result: dict) -> list[str]:
 def multi_device_table(result: dict) -> list[str]:
     """The multi-GPU suite (pallas_flex/bench/multi_device.py): one table per part."""
     rows = result["rows"]
-    lines = [f"### multi_device — {result['device_count']} x {result['device']}", "",
+    lines = [f"### multi_device — {result['device']}, machines of up to "
+             f"{result['device_count']} (each row: its device count N)", "",
              f"{result['date']}, commit {result.get('git_commit')}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + f"; `{result['command']}` (and runs of its parts)", ""]
