@@ -76,6 +76,11 @@ def masks_at(length, documents=64):
                 document_causal, float(np.sum(sizes * (sizes + 1) / 2)) / length ** 2)}
 
 
+def _kind(mask_name):
+    """"causal" or "document": what --masks selects by."""
+    return "document" if mask_name.startswith("document") else mask_name
+
+
 def _inputs(shape, sharding=None):
     """q, k, v, d_out in bf16, made where `sharding` places them."""
     b, s, hq, hkv, d = shape
@@ -199,7 +204,7 @@ class Suite:
         q, k, v, d_out = _inputs(shape, NamedSharding(jax.make_mesh(
             (1,), ("one",), devices=self.devices[:1]), P()))
         for mask_name, (mask_mod, _) in masks_at(length, self.args.documents).items():
-            if self.args.masks and mask_name.rstrip("_causal0123456789") not in self.args.masks:
+            if self.args.masks and _kind(mask_name) not in self.args.masks:
                 continue
             expected = [np.asarray(x, np.float32) for x in
                         _single_step(mask_mod, self.backend)(q, k, v, d_out)]
@@ -266,7 +271,7 @@ class Suite:
         heads, dim = self.args.heads, self.args.dim
         for length in self.args.lengths:  # in the order given, most wanted first
             for mask_name, (mask_mod, fraction) in masks_at(length, self.args.documents).items():
-                if self.args.masks and mask_name.rstrip("_causal0123456789") not in self.args.masks:
+                if self.args.masks and _kind(mask_name) not in self.args.masks:
                     continue
                 flops = 4 * heads * dim * fraction * length ** 2 * (
                     3.5 if self.args.mode == "fwd_bwd" else 1.0)
