@@ -1,0 +1,140 @@
+"""`pf.fuse`: attention written as plain JAX code, run on pallas_flex's kernels.
+
+`pf.fuse(fn)` traces `fn` to a jaxpr (nested jits inlined), finds each
+`dot_general(q, k) -> elementwise ops -> softmax -> dot_general(., v)` and runs it as one
+`pf.attention` call: `where(mask, s, very negative)` selects on top of the logits become
+the mask_mod (so its BlockMask skips empty blocks), the other elementwise ops the
+score_mod, evaluated at scalar (b, h, q_idx, kv_idx) by the graph's own primitives;
+arrays they read (a bias tensor, ALiBi slopes, lengths) become captured arrays, with
+their gradients. Everything else runs as written. `pf.explain_fuse(fn, *args)` says, per
+softmax found, what was fused and, if not, why.
+
+Semantics kept: outputs and gradients of the written code, up to rounding (the kernels
+compute the scores in float32). One difference: a row whose every key is masked gives
+zeros (pallas_flex's rule); the written code gives NaN with `-inf` and a uniform average
+with a finite mask constant (`jnp.finfo(dtype).min`, `-1e9`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from pallas_flex.fuse import graph as graph_lib
+from pallas_flex.fuse import match, rewrite
+
+__all__ = ["fuse", "explain_fuse"]
+
+
+class _Replacements:
+    def __init__(self):
+        self.calls, self.skipped = {}, set()
+
+
+def _trace(fn, args, kwargs):
+    """(graph, array leaves, output tree): `fn` traced on the arrays among `args`
+    (the other leaves, and kwargs, are static)."""
+    leaves, tree = jax.tree.flatten(args)
+    is_array = [hasattr(x, "shape") and hasattr(x, "dtype") for x in leaves]
+    arrays = [x for x, a in zip(leaves, is_array) if a]
+
+    def traced(*array_leaves):
+        it = iter(array_leaves)
+        full = [next(it) if a else x for x, a in zip(leaves, is_array)]
+        return fn(*jax.tree.unflatten(tree, full), **kwargs)
+    closed, shape = jax.make_jaxpr(traced, return_shape=True)(
+        *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays])
+    return graph_lib.flatten(closed), arrays, jax.tree.structure(shape)
+
+
+def _plan(graph, options):
+    findings = match.find(graph)
+    replacements = _Replacements()
+    producers = graph.producers()
+    for finding in findings:
+        attention = finding.attention
+        if attention is None:
+            continue
+        replacements.calls[attention.pv] = functools.partial(
+            _fused, attention=attention, options=options, producers=producers,
+            finding=finding)
+        replacements.skipped |= attention.nodes - {attention.pv}
+    return findings, replacements
+
+
+def _fused(read, *, attention, options, producers, finding):
+    try:
+        return rewrite.build(attention, read, options, producers)
+    except rewrite.Unsupported as reason:
+        finding.attention, finding.reason = None, str(reason)
+        raise
+
+
+def fuse(fn=None, *, explain=False, backend=None, kernel_options=None):
+    """`fn` with its attention subgraphs run by pallas_flex's kernels.
+
+    Args:
+      fn: a function of arrays (pytrees allowed; non-array leaves and keyword arguments
+        are static). Usable under and around `jax.jit`, `jax.grad`, `jax.vmap`.
+      explain: print, each time `fn` is traced, what was fused (`explain_fuse`'s text).
+      backend, kernel_options: as in `pf.attention`, for every fused call.
+    Returns:
+      a function with `fn`'s signature and results.
+
+    Example:
+      >>> def attend(q, k, v):                      # [B, S, H, D]
+      ...     s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / 8.0
+      ...     s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+      ...     return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+      >>> out = jax.jit(pf.fuse(attend))(q, k, v)  # one causal pf.attention call
+    """
+    if fn is None:
+        return functools.partial(fuse, explain=explain, backend=backend,
+                                 kernel_options=kernel_options)
+    options = {"backend": backend, "kernel_options": kernel_options}
+
+    @functools.wraps(fn)
+    def fused(*args, **kwargs):
+        graph, arrays, out_tree = _trace(fn, args, kwargs)
+        findings, replacements = _plan(graph, options)
+        try:
+            results = graph_lib.evaluate(graph, arrays, replacements)
+        except rewrite.Unsupported:  # found late (while building a call): run unfused
+            results = graph_lib.evaluate(graph, arrays, _Replacements())
+        if explain:
+            print(_describe(findings))
+        return jax.tree.unflatten(out_tree, results)
+    return fused
+
+
+def explain_fuse(fn, *args, **kwargs) -> str:
+    """What `pf.fuse(fn)(*args, **kwargs)` fuses: one line per softmax found."""
+    graph, arrays, _ = _trace(fn, args, kwargs)
+    findings, replacements = _plan(graph, {"backend": "xla", "kernel_options": None})
+    try:
+        jax.eval_shape(lambda *a: graph_lib.evaluate(graph, list(a), replacements),
+                       *[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays])
+    except rewrite.Unsupported:
+        pass
+    return _describe(findings)
+
+
+def _describe(findings):
+    if not findings:
+        return "no softmax found"
+    lines = []
+    for finding in findings:
+        attention = finding.attention
+        if attention is None:
+            lines.append(f"{finding.where}: not fused: {finding.reason}")
+            continue
+        parts = [f"mask_mod from {len(attention.predicates)} predicate(s)"
+                 if attention.predicates else "no mask",
+                 "score_mod" if attention.score_value is not attention.qk.outputs[0]
+                 else "no score_mod"]
+        if attention.masks_saturate:
+            parts.append("finite mask constant: fully masked rows give zeros, not a "
+                         "uniform average")
+        lines.append(f"{finding.where}: fused into pf.attention ({'; '.join(parts)})")
+    return "\n".join(lines)

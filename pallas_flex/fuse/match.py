@@ -1,0 +1,343 @@
+"""Finding attention in a flat graph (`graph.py`): each softmax, and whether it is the
+middle of `dot_general(q, k) -> elementwise ops -> softmax -> dot_general(., v)` that a
+pallas_flex call can take over.
+
+Every value computed from the scores carries *roles*, one per dimension: `("b", i)` for
+the i-th batch dimension of the q.k product, "L" / "R" for its left and right operand's
+free (sequence) dimension, None for a dimension of size 1. Elementwise ops, transposes
+and reshapes that only add or drop size-1 dimensions pass roles on; the softmax's
+reduced dimension says which of L and R is the key axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from pallas_flex.fuse.graph import Const, Graph, Node, Value
+
+ELEMENTWISE = frozenset("""
+    abs acos acosh add and asin asinh atan atan2 atanh cbrt ceil clamp convert_element_type
+    copy copy_p cos cosh div eq erf erf_inv erfc exp exp2 expm1 floor ge gt integer_pow
+    is_finite le log log1p logistic lt max min mul ne neg nextafter not or pow
+    reduce_precision rem round rsqrt select_n shift_left shift_right_arithmetic
+    shift_right_logical sign sin sinh sqrt square stop_gradient sub tan tanh xor
+""".split())
+# Softmax plumbing between a reduction and its use: keepdims broadcasts, the
+# stop_gradient and `max(-inf, .)` of jax.nn.softmax, casts.
+PASS_THROUGH = frozenset(("broadcast_in_dim", "reshape", "stop_gradient",
+                          "convert_element_type", "max", "squeeze"))
+# A constant at or below this, selected where a predicate is false, is a mask.
+MASK_LIMIT = -1e9
+
+
+@dataclasses.dataclass
+class Attention:
+    """One fusable attention: its q.k and p.v products, the roles of every value computed
+    from the scores, the masking predicates (value, negate) found on top of the logits,
+    the logits under them (`score_value`), and the nodes the fused call replaces."""
+
+    qk: Node
+    pv: Node
+    q_operand: int  # which operand of qk is q (the other is k)
+    roles: dict  # Value -> tuple of roles ("q"/"kv" in place of L/R)
+    logits: Value
+    score_value: Value
+    predicates: list  # (Value | Const, negate)
+    probabilities: Value
+    p_operand: int  # which operand of pv is the probabilities (the other is v)
+    nodes: set
+    masks_saturate: bool  # a mask constant was finite (-1e9 style), not -inf
+
+
+@dataclasses.dataclass
+class Finding:
+    """A softmax found: fused (with its `attention`) or not, and why not."""
+
+    where: str
+    attention: Attention | None
+    reason: str | None
+
+
+def find(graph: Graph) -> list[Finding]:
+    producers, consumers = graph.producers(), graph.consumers()
+    outputs = {x for x in graph.outputs if isinstance(x, Value)}
+    findings = []
+    for node in graph.nodes:
+        if node.name != "exp":
+            continue
+        softmax = _softmax_at(node, producers, consumers)
+        if softmax is None:
+            continue
+        logits, axis, probabilities, softmax_nodes = softmax
+        where = f"softmax over axis {axis} of a {list(logits.shape)} array"
+        try:
+            attention = _attention(graph, logits, axis, probabilities, softmax_nodes,
+                                   producers, consumers, outputs)
+            findings.append(Finding(where, attention, None))
+        except _NotFusable as reason:
+            findings.append(Finding(where, None, str(reason)))
+    return findings
+
+
+class _NotFusable(Exception):
+    pass
+
+
+def _single_axis(node):
+    axes = tuple(node.params.get("axes", ()))
+    return axes[0] if len(axes) == 1 else None
+
+
+def _through(value, producers, names=PASS_THROUGH):
+    """The value under any chain of pass-through ops (and the nodes passed)."""
+    passed = []
+    while isinstance(value, Value) and value in producers and \
+            producers[value].name in names:
+        node = producers[value]
+        if node.name == "max":  # jax.nn.softmax's max(-inf, m): keep the non-constant side
+            side = [x for x in node.inputs if not isinstance(x, Const)]
+            if len(side) != 1:
+                break
+            passed.append(node)
+            value = side[0]
+            continue
+        passed.append(node)
+        value = node.inputs[0]
+    return value, passed
+
+
+def _softmax_at(exp_node, producers, consumers):
+    """(logits, axis, probabilities, nodes) if `exp` is the middle of
+    exp(x - max(x)) / sum(exp(x - max(x))) over one axis, else None."""
+    shifted = exp_node.inputs[0]
+    sub = producers.get(shifted)
+    if sub is None or sub.name != "sub":
+        return None
+    logits, row_max = sub.inputs
+    if not isinstance(logits, Value):
+        return None
+    reduced, passed_max = _through(row_max, producers)
+    reduce_max = producers.get(reduced)
+    if reduce_max is None or reduce_max.name != "reduce_max" or \
+            reduce_max.inputs[0] is not logits:
+        return None
+    axis = _single_axis(reduce_max)
+    exponentials = exp_node.outputs[0]
+    users = consumers.get(exponentials, [])
+    reduce_sum = next((n for n in users if n.name == "reduce_sum"), None)
+    divide = next((n for n in users if n.name == "div" and n.inputs[0] is exponentials),
+                  None)
+    if axis is None or reduce_sum is None or divide is None or \
+            _single_axis(reduce_sum) != axis:
+        return None
+    total, passed_sum = _through(divide.inputs[1], producers)
+    if total is not reduce_sum.outputs[0]:
+        return None
+    nodes = {sub, reduce_max, exp_node, reduce_sum, divide, *passed_max, *passed_sum}
+    return logits, axis, divide.outputs[0], nodes
+
+
+def _free_dims(shape, contracting, batch):
+    return [d for d in range(len(shape)) if d not in contracting and d not in batch]
+
+
+def _product_roles(node):
+    """Roles of a dot_general's output: batch dims, then the left operand's free dims,
+    then the right's; exactly one free dim of each operand may be longer than 1."""
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    lhs, rhs = node.inputs
+    roles = [("b", i) for i in range(len(lb))]
+    for operand, contracting, batch, name in ((lhs, lc, lb, "L"), (rhs, rc, rb, "R")):
+        free = _free_dims(operand.shape, contracting, batch)
+        long = [d for d in free if operand.shape[d] != 1]
+        if len(long) != 1:
+            return None
+        roles += [name if operand.shape[d] != 1 else None for d in free]
+    return tuple(roles)
+
+
+def _propagate(graph, start, roles):
+    """Roles of every value computed from `start` through elementwise ops, transposes and
+    size-1 reshapes; values reached another way are left out (`poisoned`)."""
+    known = {start: roles}
+    poisoned = set()
+    for node in graph.nodes:
+        dependent = [x for x in node.inputs if x in known or x in poisoned]
+        if not dependent:
+            continue
+        out = node.outputs[0] if len(node.outputs) == 1 else None
+        result = None
+        if any(x in poisoned for x in dependent) or out is None:
+            result = None
+        elif node.name in ELEMENTWISE:
+            result = _elementwise_roles(node, known, out)
+        elif node.name == "transpose":
+            source = known[node.inputs[0]]
+            result = tuple(source[p] for p in node.params["permutation"])
+        elif node.name in ("reshape", "squeeze"):
+            result = _reshape_roles(known[node.inputs[0]], node.inputs[0].shape, out.shape)
+        if result is None:
+            poisoned.update(node.outputs)
+        else:
+            known[out] = result
+    return known, poisoned
+
+
+def _elementwise_roles(node, known, out):
+    result = [None if size == 1 else "?" for size in out.shape]
+    for x in node.inputs:
+        if x not in known:
+            continue
+        if len(x.shape) != len(out.shape):
+            return None
+        for d, (size, role) in enumerate(zip(x.shape, known[x])):
+            if size == out.shape[d]:
+                if result[d] not in ("?", None, role) and size != 1:
+                    return None
+                if size != 1:
+                    result[d] = role
+    if "?" in result:
+        return None
+    return tuple(result)
+
+
+def _reshape_roles(roles, in_shape, out_shape):
+    """Roles through a reshape that only adds or drops size-1 dims, else None."""
+    long_in = [(s, r) for s, r in zip(in_shape, roles) if s != 1]
+    long_out = [s for s in out_shape if s != 1]
+    if [s for s, _ in long_in] != long_out:
+        return None
+    it = iter(r for _, r in long_in)
+    return tuple(next(it) if s != 1 else None for s in out_shape)
+
+
+def _constant(x, producers):
+    """The value of a constant built from a scalar literal (broadcasts, casts), or None."""
+    x, _ = _through(x, producers, ("broadcast_in_dim", "convert_element_type", "reshape"))
+    if isinstance(x, Const) and math.prod(x.shape) == 1:
+        return float(x.value if not x.shape else x.value.reshape(()))
+    return None
+
+
+def _attention(graph, logits, axis, probabilities, softmax_nodes, producers, consumers,
+               outputs):
+    users = [n for n in consumers.get(probabilities, [])]
+    cast = None
+    if len(users) == 1 and users[0].name == "convert_element_type":
+        cast = users[0]
+        users = consumers.get(cast.outputs[0], [])
+    pv = users[0] if len(users) == 1 and users[0].name == "dot_general" else None
+    if pv is None:
+        raise _NotFusable("the probabilities are not used by exactly one product with "
+                          "the values (" + ", ".join(sorted({n.name for n in users})) + ")")
+    fed = cast.outputs[0] if cast else probabilities
+    p_operand = 0 if pv.inputs[0] is fed else 1
+    candidates = []
+    for qk in graph.nodes:
+        if qk.name != "dot_general" or qk is pv:
+            continue
+        roles = _product_roles(qk)
+        if roles is None:
+            continue
+        known, _ = _propagate(graph, qk.outputs[0], roles)
+        if logits in known:
+            candidates.append((qk, known))
+    if not candidates:
+        raise _NotFusable("the logits are not computed from one q.k product by "
+                          "elementwise ops (each sequence dimension one axis)")
+    qk, known = candidates[-1]
+    logit_roles = known[logits]
+    if logit_roles[axis] not in ("L", "R"):
+        raise _NotFusable("the softmax does not run over the key axis of the q.k product")
+    key_side = logit_roles[axis]
+    rename = {key_side: "kv", ("R" if key_side == "L" else "L"): "q"}
+    roles = {v: tuple(rename.get(r, r) for r in rs) for v, rs in known.items()}
+    roles[probabilities] = roles[logits]
+    if cast is not None:
+        roles[cast.outputs[0]] = roles[logits]
+
+    # Everything computed from the scores must feed only this p.v product.
+    nodes = {qk, pv, *softmax_nodes} | ({cast} if cast else set())
+    region = _downstream(qk.outputs[0], consumers, stop=pv)
+    upstream = _upstream(pv, producers)
+    for node in region:
+        if node is pv:
+            continue
+        if any(x in outputs for x in node.outputs):
+            raise _NotFusable(f"an intermediate ({node.name}) is also an output")
+        if node not in upstream:
+            raise _NotFusable(f"the scores also feed {node.name} outside the softmax")
+        nodes.add(node)
+
+    _check_pv(pv, p_operand, roles[logits])
+    score_value, predicates, saturating = _strip_masks(logits, roles, producers)
+    return Attention(qk=qk, pv=pv, q_operand=0 if key_side == "R" else 1, roles=roles,
+                     logits=logits, score_value=score_value, predicates=predicates,
+                     probabilities=fed, p_operand=p_operand, nodes=nodes,
+                     masks_saturate=saturating)
+
+
+def _downstream(start, consumers, stop):
+    seen, todo = set(), [start]
+    while todo:
+        value = todo.pop()
+        for node in consumers.get(value, []):
+            if node in seen:
+                continue
+            seen.add(node)
+            if node is not stop:
+                todo.extend(node.outputs)
+    return seen
+
+
+def _upstream(node, producers):
+    seen, todo = set(), [node]
+    while todo:
+        for x in todo.pop().inputs:
+            producer = producers.get(x) if isinstance(x, Value) else None
+            if producer is not None and producer not in seen:
+                seen.add(producer)
+                todo.append(producer)
+    return seen
+
+
+def _check_pv(pv, p_operand, p_roles):
+    (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
+    contracting, batch = (lc, lb) if p_operand == 0 else (rc, rb)
+    v = pv.inputs[1 - p_operand]
+    v_contracting, v_batch = (rc, rb) if p_operand == 0 else (lc, lb)
+    if len(contracting) != 1 or p_roles[contracting[0]] != "kv":
+        raise _NotFusable("the product with the values does not contract the key axis")
+    batch_roles = {r for r in p_roles if isinstance(r, tuple)}
+    if {p_roles[d] for d in batch} != batch_roles or len(batch) != len(batch_roles):
+        raise _NotFusable("the product with the values does not keep every batch/head "
+                          "dimension of the scores")
+    long_free = [d for d in _free_dims(v.shape, v_contracting, v_batch) if v.shape[d] != 1]
+    if len(long_free) != 1:
+        raise _NotFusable("the values have more than one feature dimension")
+
+
+def _strip_masks(logits, roles, producers):
+    """(the logits under `where(mask, ., very negative)` selects, [(predicate, negate)],
+    whether a mask constant was finite)."""
+    predicates, saturating = [], False
+    value = logits
+    while value in producers and producers[value].name == "select_n" and \
+            len(producers[value].inputs) == 3:
+        predicate, if_false, if_true = producers[value].inputs
+        if predicate in roles:  # the predicate depends on the scores: not a mask
+            break
+        false_constant = _constant(if_false, producers)
+        true_constant = _constant(if_true, producers)
+        if false_constant is not None and false_constant <= MASK_LIMIT and if_true in roles:
+            predicates.append((predicate, False))
+            saturating |= false_constant != -math.inf
+            value = if_true
+        elif true_constant is not None and true_constant <= MASK_LIMIT and if_false in roles:
+            predicates.append((predicate, True))
+            saturating |= true_constant != -math.inf
+            value = if_false
+        else:
+            break
+    return value, predicates, saturating

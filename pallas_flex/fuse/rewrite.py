@@ -1,0 +1,215 @@
+"""A matched attention (`match.Attention`) as one `pf.attention` call: q, k, v laid out
+[B, S, H, D], the masking predicates as a mask_mod and the elementwise ops on the scores
+as a score_mod, both evaluated at scalar (b, h, q_idx, kv_idx) by re-binding the graph's
+own primitives; arrays read on the way become captured arrays (with their gradients)."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from pallas_flex.fuse.graph import Const, Value, bind
+from pallas_flex.fuse.match import ELEMENTWISE, _free_dims, _reshape_roles
+
+SUPPORTED = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+class Unsupported(Exception):
+    pass
+
+
+def _batch_count(roles):
+    return sum(1 for r in roles if isinstance(r, tuple))
+
+
+def _canonical(x, batch_dims, sequence_dims, feature_dims):
+    """x transposed to (batch dims..., sequence, feature), size-1 free dims dropped."""
+    (sequence,), (feature,) = sequence_dims, feature_dims
+    others = [d for d in range(x.ndim) if d not in (*batch_dims, sequence, feature)]
+    x = jnp.transpose(x, (*batch_dims, sequence, feature, *others))
+    return x.reshape(x.shape[:len(batch_dims) + 2])
+
+
+def _to_bshd(x, batch_sizes):
+    """(batch dims..., S, D) -> [B, S, H, D]: the last batch dim is the head."""
+    if not batch_sizes:
+        x = x[None, None]
+    elif len(batch_sizes) == 1:
+        x = x[None]
+    else:
+        x = x.reshape((math.prod(batch_sizes[:-1]), batch_sizes[-1]) + x.shape[-2:])
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _operand_dims(node, operand, roles_of_output):
+    """(batch dims in canonical order, [long free dim], contracting dims) of a product's
+    operand."""
+    (lc, rc), (lb, rb) = node.params["dimension_numbers"]
+    contracting, batch = (lc, lb) if operand == 0 else (rc, rb)
+    x = node.inputs[operand]
+    free = [d for d in _free_dims(x.shape, contracting, batch) if x.shape[d] != 1]
+    return list(batch), free, list(contracting)
+
+
+def build(attention, read, options, producers):
+    """The p.v product's outputs, computed by pf.attention (`read` gives the runtime
+    value of a graph Value)."""
+    from pallas_flex.api import attention as pf_attention
+
+    qk, pv = attention.qk, attention.pv
+    logit_roles = attention.roles[attention.logits]
+    batch_sizes = [None] * _batch_count(logit_roles)
+    for size, role in zip(attention.logits.shape, logit_roles):
+        if isinstance(role, tuple):
+            batch_sizes[role[1]] = size
+
+    q_batch, q_free, q_contract = _operand_dims(qk, attention.q_operand, logit_roles)
+    k_batch, k_free, k_contract = _operand_dims(qk, 1 - attention.q_operand, logit_roles)
+    if len(q_contract) != 1:
+        raise Unsupported("q.k contracts more than one feature dimension")
+    q = _to_bshd(_canonical(read(qk.inputs[attention.q_operand]), q_batch, q_free,
+                            q_contract), batch_sizes)
+    k = _to_bshd(_canonical(read(qk.inputs[1 - attention.q_operand]), k_batch, k_free,
+                            k_contract), batch_sizes)
+    (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
+    p_operand = attention.p_operand
+    p_batch, v_batch = (lb, rb) if p_operand == 0 else (rb, lb)
+    v_contract = rc if p_operand == 0 else lc
+    p_roles = attention.roles[attention.probabilities]
+    v_value = pv.inputs[1 - p_operand]
+    order = sorted(range(len(p_batch)), key=lambda j: p_roles[p_batch[j]][1])
+    v_free = [d for d in _free_dims(v_value.shape, v_contract, v_batch)
+              if v_value.shape[d] != 1]
+    v = _to_bshd(_canonical(read(v_value), [v_batch[j] for j in order], list(v_contract),
+                            v_free), batch_sizes)
+    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
+    if len(dtypes) != 1 or dtypes.pop() not in map(jnp.dtype, SUPPORTED):
+        raise Unsupported(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: pallas_flex "
+                          "takes one of float32, bfloat16, float16 for all three")
+
+    mods = _Mods(attention, read, batch_sizes, producers)
+    out = pf_attention(q, k, v, mask_mod=mods.mask_mod(), score_mod=mods.score_mod(),
+                       scale=1.0, **options)
+    # [B, Sq, H, Dv] -> (batch..., Sq, Dv) -> the p.v product's own layout.
+    out = jnp.swapaxes(out, 1, 2).reshape(tuple(batch_sizes) + out.shape[1:2] +
+                                          out.shape[3:])
+    result = pv.outputs[0]
+    target = _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch)
+    canonical = [("b", i) for i in range(len(batch_sizes))] + ["q", "dv"]
+    out = jnp.transpose(out, [canonical.index(r) for r in target if r is not None])
+    return [out.reshape(result.shape).astype(result.dtype)]
+
+
+def _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch):
+    (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
+    p_value = pv.inputs[p_operand]
+    p_contract, p_batch = (lc, lb) if p_operand == 0 else (rc, rb)
+    batch = [p_roles[d] for d in p_batch]
+    p_free = [p_roles[d] for d in _free_dims(p_value.shape, p_contract, p_batch)]
+    v_free = ["dv" if v_value.shape[d] != 1 else None
+              for d in _free_dims(v_value.shape, v_contract, v_batch)]
+    return batch + (p_free + v_free if p_operand == 0 else v_free + p_free)
+
+
+class _Mods:
+    """The mask_mod and score_mod of a matched attention, from its graph."""
+
+    def __init__(self, attention, read, batch_sizes, producers):
+        self.attention = attention
+        self.read = read
+        self.batch_sizes = batch_sizes
+        self.producers = producers
+
+    def mask_mod(self):
+        if not self.attention.predicates:
+            return None
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            index = self._index(b, h, q_idx, kv_idx)
+            keep = None
+            for predicate, negate in self.attention.predicates:
+                value = self._scalar(predicate, self.attention.roles[self.attention.logits],
+                                     index, None).astype(bool)
+                value = ~value if negate else value
+                keep = value if keep is None else keep & value
+            return keep
+        return mask_mod
+
+    def score_mod(self):
+        attention = self.attention
+        if attention.score_value is attention.qk.outputs[0]:
+            return None
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            index = self._index(b, h, q_idx, kv_idx)
+            value = self._scalar(attention.score_value, attention.roles[attention.score_value],
+                                 index, score)
+            return value.astype(jnp.float32)
+        return score_mod
+
+    def _index(self, b, h, q_idx, kv_idx):
+        sizes = self.batch_sizes
+        index = {"q": q_idx, "kv": kv_idx, None: jnp.int32(0)}
+        if len(sizes) == 1:
+            index[("b", 0)] = h
+        elif sizes:
+            index[("b", len(sizes) - 1)] = h
+            stride = 1
+            for i in reversed(range(len(sizes) - 1)):
+                index[("b", i)] = (b // stride) % sizes[i]
+                stride *= sizes[i]
+        return index
+
+    def _scalar(self, x, roles, index, score):
+        """x's element at the dims' indices (roles say which index each dim takes)."""
+        attention = self.attention
+        if isinstance(x, Const) and not x.shape:
+            return jnp.asarray(x.value)
+        if x is attention.qk.outputs[0]:  # the scores, in the product's dtype
+            return score.astype(x.dtype)
+        node = self.producers.get(x) if isinstance(x, Value) else None
+        if node is not None:
+            result = self._through(node, x, roles, index, score)
+            if result is not None:
+                return result
+        if x in attention.roles:
+            raise Unsupported(f"the scores pass through {node.name if node else '?'}")
+        value = x.value if isinstance(x, Const) else self.read(x)
+        if not jnp.shape(value):
+            return jnp.asarray(value)
+        return value[tuple(index[r] for r in roles)]  # a captured array, read at (b, h, q, kv)
+
+    def _through(self, node, x, roles, index, score):
+        name = node.name
+        if name == "broadcast_in_dim":
+            source = node.inputs[0]
+            dims = node.params["broadcast_dimensions"]
+            inner = tuple(roles[d] if source.shape[i] == x.shape[d] else None
+                          for i, d in enumerate(dims))
+            return self._scalar(source, inner, index, score)
+        if name == "iota":
+            return index[roles[node.params["dimension"]]].astype(node.params["dtype"])
+        if name == "transpose":
+            inner = [None] * len(roles)
+            for j, p in enumerate(node.params["permutation"]):
+                inner[p] = roles[j]
+            return self._scalar(node.inputs[0], tuple(inner), index, score)
+        if name in ("reshape", "squeeze"):
+            inner = _reshape_roles(roles, x.shape, node.inputs[0].shape)
+            if inner is None:
+                return None
+            return self._scalar(node.inputs[0], inner, index, score)
+        if name in ELEMENTWISE and len(node.outputs) == 1:
+            arguments = []
+            for source in node.inputs:
+                if not source.shape:
+                    arguments.append(self._scalar(source, (), index, score))
+                    continue
+                if len(source.shape) != len(x.shape):
+                    return None
+                inner = tuple(r if s == t else None
+                              for r, s, t in zip(roles, source.shape, x.shape))
+                arguments.append(self._scalar(source, inner, index, score))
+            return bind(node, arguments)[0]
+        return None
