@@ -144,16 +144,21 @@ def _free_dims(shape, contracting, batch):
 
 def _product_roles(node):
     """Roles of a dot_general's output: batch dims, then the left operand's free dims,
-    then the right's; exactly one free dim of each operand may be longer than 1."""
+    then the right's. One free dim of each operand longer than 1 is its sequence ("L" or
+    "R"); a second one is a group of query heads sharing a KV head ("gL", "gR": GQA
+    written as a reshape of q), the longer of the two taken as the sequence (either
+    choice computes the same rows; this one keeps a mask's blocks on the sequence)."""
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     lhs, rhs = node.inputs
     roles = [("b", i) for i in range(len(lb))]
     for operand, contracting, batch, name in ((lhs, lc, lb, "L"), (rhs, rc, rb, "R")):
         free = _free_dims(operand.shape, contracting, batch)
         long = [d for d in free if operand.shape[d] != 1]
-        if len(long) != 1:
+        if len(long) not in (1, 2):
             return None
-        roles += [name if operand.shape[d] != 1 else None for d in free]
+        sequence = max(long, key=lambda d: (operand.shape[d], d))
+        roles += [None if operand.shape[d] == 1 else name if d == sequence else "g" + name
+                  for d in free]
     return tuple(roles)
 
 
@@ -251,7 +256,10 @@ def _attention(graph, logits, axis, probabilities, softmax_nodes, producers, con
     if logit_roles[axis] not in ("L", "R"):
         raise _NotFusable("the softmax does not run over the key axis of the q.k product")
     key_side = logit_roles[axis]
-    rename = {key_side: "kv", ("R" if key_side == "L" else "L"): "q"}
+    if "g" + key_side in logit_roles:
+        raise _NotFusable("the keys have two free dimensions")
+    query_side = "R" if key_side == "L" else "L"
+    rename = {key_side: "kv", query_side: "q", "g" + query_side: ("g", 0)}
     roles = {v: tuple(rename.get(r, r) for r in rs) for v, rs in known.items()}
     roles[probabilities] = roles[logits]
     if cast is not None:
@@ -309,7 +317,7 @@ def _check_pv(pv, p_operand, p_roles):
     v_contracting, v_batch = (rc, rb) if p_operand == 0 else (lc, lb)
     if len(contracting) != 1 or p_roles[contracting[0]] != "kv":
         raise _NotFusable("the product with the values does not contract the key axis")
-    batch_roles = {r for r in p_roles if isinstance(r, tuple)}
+    batch_roles = {r for r in p_roles if isinstance(r, tuple) and r[0] == "b"}
     if {p_roles[d] for d in batch} != batch_roles or len(batch) != len(batch_roles):
         raise _NotFusable("the product with the values does not keep every batch/head "
                           "dimension of the scores")
@@ -323,8 +331,14 @@ def _strip_masks(logits, roles, producers):
     whether a mask constant was finite)."""
     predicates, saturating = [], False
     value = logits
-    while value in producers and producers[value].name == "select_n" and \
-            len(producers[value].inputs) == 3:
+    while value in producers and producers[value].name in ("select_n", "convert_element_type"):
+        if producers[value].name == "convert_element_type":  # -inf stays -inf
+            if producers[value].inputs[0] not in roles:
+                break
+            value = producers[value].inputs[0]
+            continue
+        if len(producers[value].inputs) != 3:
+            break
         predicate, if_false, if_true = producers[value].inputs
         if predicate in roles:  # the predicate depends on the scores: not a mask
             break

@@ -20,36 +20,34 @@ class Unsupported(Exception):
 
 
 def _batch_count(roles):
-    return sum(1 for r in roles if isinstance(r, tuple))
+    return sum(1 for r in roles if isinstance(r, tuple) and r[0] == "b")
 
 
-def _canonical(x, batch_dims, sequence_dims, feature_dims):
-    """x transposed to (batch dims..., sequence, feature), size-1 free dims dropped."""
+def _canonical(x, leading_dims, sequence_dims, feature_dims):
+    """x transposed to (leading dims..., sequence, feature), size-1 free dims dropped."""
     (sequence,), (feature,) = sequence_dims, feature_dims
-    others = [d for d in range(x.ndim) if d not in (*batch_dims, sequence, feature)]
-    x = jnp.transpose(x, (*batch_dims, sequence, feature, *others))
-    return x.reshape(x.shape[:len(batch_dims) + 2])
+    others = [d for d in range(x.ndim) if d not in (*leading_dims, sequence, feature)]
+    x = jnp.transpose(x, (*leading_dims, sequence, feature, *others))
+    return x.reshape(x.shape[:len(leading_dims) + 2])
 
 
-def _to_bshd(x, batch_sizes):
-    """(batch dims..., S, D) -> [B, S, H, D]: the last batch dim is the head."""
-    if not batch_sizes:
-        x = x[None, None]
-    elif len(batch_sizes) == 1:
-        x = x[None]
-    else:
-        x = x.reshape((math.prod(batch_sizes[:-1]), batch_sizes[-1]) + x.shape[-2:])
-    return jnp.swapaxes(x, 1, 2)
+def _to_bshd(x, batch, heads):
+    """(leading dims..., S, D) with batch * heads elements in the leading dims ->
+    [B, S, H, D]."""
+    return jnp.swapaxes(x.reshape((batch, heads) + x.shape[-2:]), 1, 2)
 
 
-def _operand_dims(node, operand, roles_of_output):
-    """(batch dims in canonical order, [long free dim], contracting dims) of a product's
-    operand."""
+def _operand_dims(node, operand, group_size):
+    """(batch dims in canonical order + the group dim, [sequence dim], contracting dims)
+    of a product's operand; the group dim is the long free dim that is not the sequence
+    (`match._product_roles` took the longer as the sequence)."""
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     contracting, batch = (lc, lb) if operand == 0 else (rc, rb)
     x = node.inputs[operand]
     free = [d for d in _free_dims(x.shape, contracting, batch) if x.shape[d] != 1]
-    return list(batch), free, list(contracting)
+    sequence = max(free, key=lambda d: (x.shape[d], d))
+    group = [d for d in free if d != sequence]
+    return list(batch) + group, [sequence], list(contracting)
 
 
 def build(attention, read, options, producers):
@@ -64,14 +62,19 @@ def build(attention, read, options, producers):
         if isinstance(role, tuple):
             batch_sizes[role[1]] = size
 
-    q_batch, q_free, q_contract = _operand_dims(qk, attention.q_operand, logit_roles)
-    k_batch, k_free, k_contract = _operand_dims(qk, 1 - attention.q_operand, logit_roles)
+    group = next((size for size, role in zip(attention.logits.shape, logit_roles)
+                  if role == ("g", 0)), None)
+    batch = math.prod(batch_sizes[:-1])
+    kv_heads = batch_sizes[-1] if batch_sizes else 1
+    q_heads = kv_heads * (group or 1)
+    q_batch, q_free, q_contract = _operand_dims(qk, attention.q_operand, group)
+    k_batch, k_free, k_contract = _operand_dims(qk, 1 - attention.q_operand, None)
     if len(q_contract) != 1:
         raise Unsupported("q.k contracts more than one feature dimension")
     q = _to_bshd(_canonical(read(qk.inputs[attention.q_operand]), q_batch, q_free,
-                            q_contract), batch_sizes)
+                            q_contract), batch, q_heads)
     k = _to_bshd(_canonical(read(qk.inputs[1 - attention.q_operand]), k_batch, k_free,
-                            k_contract), batch_sizes)
+                            k_contract), batch, kv_heads)
     (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
     p_operand = attention.p_operand
     p_batch, v_batch = (lb, rb) if p_operand == 0 else (rb, lb)
@@ -82,23 +85,51 @@ def build(attention, read, options, producers):
     v_free = [d for d in _free_dims(v_value.shape, v_contract, v_batch)
               if v_value.shape[d] != 1]
     v = _to_bshd(_canonical(read(v_value), [v_batch[j] for j in order], list(v_contract),
-                            v_free), batch_sizes)
+                            v_free), batch, kv_heads)
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or dtypes.pop() not in map(jnp.dtype, SUPPORTED):
         raise Unsupported(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: pallas_flex "
                           "takes one of float32, bfloat16, float16 for all three")
 
-    mods = _Mods(attention, read, batch_sizes, producers)
+    mods = _Mods(attention, read, batch_sizes, group, producers)
     out = pf_attention(q, k, v, mask_mod=mods.mask_mod(), score_mod=mods.score_mod(),
                        scale=1.0, **options)
-    # [B, Sq, H, Dv] -> (batch..., Sq, Dv) -> the p.v product's own layout.
-    out = jnp.swapaxes(out, 1, 2).reshape(tuple(batch_sizes) + out.shape[1:2] +
-                                          out.shape[3:])
+    # [B, Sq, H, Dv] -> (batch..., [group], Sq, Dv) -> the p.v product's own layout.
+    out = jnp.swapaxes(out, 1, 2).reshape(tuple(batch_sizes) + ((group,) if group else ())
+                                          + out.shape[1:2] + out.shape[3:])
     result = pv.outputs[0]
     target = _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch)
-    canonical = [("b", i) for i in range(len(batch_sizes))] + ["q", "dv"]
+    canonical = ([("b", i) for i in range(len(batch_sizes))] +
+                 ([("g", 0)] if group else []) + ["q", "dv"])
     out = jnp.transpose(out, [canonical.index(r) for r in target if r is not None])
     return [out.reshape(result.shape).astype(result.dtype)]
+
+
+class _Index:
+    """The index each role takes at pallas_flex's (b, h, q_idx, kv_idx), computed when
+    read (a mod that never reads b must not compute from it: its BlockMask would be built
+    per batch row): b is the batch dims but the last, flattened; h the last batch dim
+    (times the group of query heads sharing a KV head, if any)."""
+
+    def __init__(self, b, h, q_idx, kv_idx, batch_sizes, group):
+        self.values = {"q": q_idx, "kv": kv_idx}
+        self.b, self.h, self.sizes, self.group = b, h, batch_sizes, group
+
+    def __getitem__(self, role):
+        if role is None:
+            return jnp.int32(0)
+        if role in self.values:
+            return self.values[role]
+        kind, i = role
+        if kind == "g":
+            return self.h % self.group
+        last = len(self.sizes) - 1
+        if i == last:
+            return self.h // self.group if self.group else self.h
+        if last == 1:  # two batch dims: b is the first one itself
+            return self.b
+        stride = math.prod(self.sizes[i + 1:last])
+        return (self.b // stride) % self.sizes[i]
 
 
 def _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch):
@@ -115,10 +146,11 @@ def _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch):
 class _Mods:
     """The mask_mod and score_mod of a matched attention, from its graph."""
 
-    def __init__(self, attention, read, batch_sizes, producers):
+    def __init__(self, attention, read, batch_sizes, group, producers):
         self.attention = attention
         self.read = read
         self.batch_sizes = batch_sizes
+        self.group = group
         self.producers = producers
 
     def mask_mod(self):
@@ -149,17 +181,7 @@ class _Mods:
         return score_mod
 
     def _index(self, b, h, q_idx, kv_idx):
-        sizes = self.batch_sizes
-        index = {"q": q_idx, "kv": kv_idx, None: jnp.int32(0)}
-        if len(sizes) == 1:
-            index[("b", 0)] = h
-        elif sizes:
-            index[("b", len(sizes) - 1)] = h
-            stride = 1
-            for i in reversed(range(len(sizes) - 1)):
-                index[("b", i)] = (b // stride) % sizes[i]
-                stride *= sizes[i]
-        return index
+        return _Index(b, h, q_idx, kv_idx, self.batch_sizes, self.group)
 
     def _scalar(self, x, roles, index, score):
         """x's element at the dims' indices (roles say which index each dim takes)."""

@@ -1,0 +1,229 @@
+"""pf.fuse: attention written as plain JAX code runs as pallas_flex calls, with the
+outputs and gradients of the written code (each pattern of issue 21 against the unfused
+function), and explain_fuse says what was fused and why not."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import api
+
+B, S, H, D = 2, 48, 4, 16  # S not a multiple of the 128-blocks: padding included
+
+
+def _inputs(seed=0, heads=H, kv_heads=H, length=S):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return (jax.random.normal(keys[0], (B, length, heads, D), jnp.float32),
+            jax.random.normal(keys[1], (B, length, kv_heads, D), jnp.float32),
+            jax.random.normal(keys[2], (B, length, kv_heads, D), jnp.float32),
+            jax.random.normal(keys[3], (B, length, heads, D), jnp.float32))
+
+
+def _attend(q, k, v, logits_fn):
+    """Plain attention: q.k scaled, logits_fn, softmax, .v (layout [B, S, H, D])."""
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    p = jax.nn.softmax(logits_fn(s), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """How many pf.attention calls pf.fuse made."""
+    made = []
+    original = api.attention
+
+    def counting(*args, **kwargs):
+        made.append(kwargs)
+        return original(*args, **kwargs)
+    monkeypatch.setattr(api, "attention", counting)
+    return made
+
+
+def _check(fn, args, calls, argnums=(0, 1, 2), expected_calls=1, backend="xla",
+           atol=2e-5):
+    """fuse(fn) equals fn (outputs, gradients of sum(out * cotangent) wrt argnums)
+    under jit, and made `expected_calls` pallas_flex calls."""
+    fused = pf.fuse(fn, backend=backend)
+    got, want = jax.jit(fused)(*args), fn(*args)
+    assert len(calls) == expected_calls, pf.explain_fuse(fn, *args)
+    np.testing.assert_allclose(got, want, atol=atol, rtol=atol)
+    cotangent = jax.random.normal(jax.random.key(9), want.shape, want.dtype)
+
+    def gradients(f):
+        return jax.grad(lambda *a: jnp.sum(f(*a) * cotangent), argnums=argnums)(*args)
+    for a, b in zip(gradients(jax.jit(fused)), gradients(fn)):
+        np.testing.assert_allclose(a, b, atol=10 * atol, rtol=10 * atol)
+
+
+def test_vanilla_with_a_scale(calls):
+    q, k, v, _ = _inputs()
+    _check(lambda q, k, v: _attend(q, k, v, lambda s: s), (q, k, v), calls)
+    assert calls[0]["mask_mod"] is None and calls[0]["score_mod"] is not None  # the scale
+
+
+def test_causal_written_with_tril_through_the_interpreted_kernels(calls):
+    q, k, v, _ = _inputs(1)
+    causal = jnp.tril(jnp.ones((S, S), bool))
+    _check(lambda q, k, v: _attend(q, k, v, lambda s: jnp.where(causal, s, -jnp.inf)),
+           (q, k, v), calls, backend="interpret")
+    assert calls[0]["mask_mod"] is not None
+
+
+def test_sliding_window_on_iotas_gives_a_sparse_block_mask(calls, monkeypatch):
+    q, k, v, _ = _inputs(2, length=512)
+
+    def window(s):
+        rows, cols = jnp.arange(512)[:, None], jnp.arange(512)[None, :]
+        return jnp.where((rows >= cols) & (rows - cols < 100), s, -jnp.inf)
+    built = []
+    original = api.build_block_mask
+
+    def recording(*args, **kwargs):
+        built.append(original(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(api, "build_block_mask", recording)
+    pf.fuse(lambda q, k, v: _attend(q, k, v, window), backend="xla")(q, k, v)  # eagerly
+    counts = built[0].kv_num_blocks + built[0].full_kv_num_blocks
+    assert int(jnp.sum(counts)) < 4 * 4 / 2 + 4  # 4x4 blocks of 128: a band, not all
+    _check(lambda q, k, v: _attend(q, k, v, window), (q, k, v), calls, expected_calls=2)
+
+
+def test_alibi_as_broadcast_arithmetic_with_learnable_slopes(calls):
+    q, k, v, _ = _inputs(3)
+    slopes = jnp.linspace(0.1, 0.8, H)
+
+    def alibi(q, k, v, slopes):
+        distance = jnp.arange(S)[None, :] - jnp.arange(S)[:, None]
+        return _attend(q, k, v, lambda s: s + slopes[None, :, None, None] * distance)
+    _check(alibi, (q, k, v, slopes), calls, argnums=(0, 1, 2, 3))
+
+
+def test_soft_cap(calls):
+    q, k, v, _ = _inputs(4)
+    _check(lambda q, k, v: _attend(q, k, v, lambda s: 5.0 * jnp.tanh(s / 5.0)), (q, k, v),
+           calls)
+
+
+def test_an_additive_bias_tensor_gets_its_gradient(calls):
+    q, k, v, _ = _inputs(5)
+    bias = jax.random.normal(jax.random.key(6), (1, H, S, S))
+    _check(lambda q, k, v, bias: _attend(q, k, v, lambda s: s + bias), (q, k, v, bias),
+           calls, argnums=(0, 1, 2, 3))
+
+
+def test_a_padding_mask_from_lengths(calls):
+    q, k, v, _ = _inputs(7)
+    lengths = jnp.array([30, 48])
+
+    def padded(q, k, v, lengths):
+        keep = jnp.arange(S)[None, :] < lengths[:, None]  # [B, Skv]
+        return _attend(q, k, v, lambda s: jnp.where(keep[:, None, None, :], s, -1e30))
+    _check(padded, (q, k, v, lengths), calls)
+
+
+@pytest.mark.parametrize("written", ["repeat", "reshape"])
+def test_gqa_written_with_repeat_or_a_reshape(calls, written):
+    q, k, v, _ = _inputs(8, heads=H, kv_heads=2)
+
+    def gqa(q, k, v):
+        if written == "repeat":
+            k, v = (jnp.repeat(x, H // 2, axis=2) for x in (k, v))
+            return _attend(q, k, v, lambda s: s)
+        grouped = q.reshape(B, S, 2, H // 2, D)  # [B, S, Hkv, G, D]
+        s = jnp.einsum("bqgrd,bkgd->bgrqk", grouped, k) / np.sqrt(D)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bgrqk,bkgd->bqgrd", p, v).reshape(B, S, H, D)
+    _check(gqa, (q, k, v), calls)
+
+
+@pytest.mark.parametrize("extra", ["causal", "mask", "bias"])
+def test_jax_nn_dot_product_attention(calls, extra):
+    q, k, v, _ = _inputs(9)
+    mask = jnp.tril(jnp.ones((1, 1, S, S), bool)) | (jnp.arange(S) % 5 == 0)
+    bias = jax.random.normal(jax.random.key(10), (1, H, S, S))
+    options = {"causal": {"is_causal": True}, "mask": {"mask": mask},
+               "bias": {"bias": bias}}[extra]
+    _check(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **options), (q, k, v),
+           calls)
+
+
+def test_under_vmap_around_jit(calls):
+    q, k, v, _ = _inputs(11)
+
+    def one_example(q, k, v):  # [S, H, D]: the product's only batch dim is the head
+        s = jnp.einsum("qhd,khd->hqk", q, k)
+        return jnp.einsum("hqk,khd->qhd", jax.nn.softmax(s, axis=-1), v)
+    got = jax.vmap(jax.jit(pf.fuse(one_example, backend="xla")))(q, k, v)
+    np.testing.assert_allclose(got, jax.vmap(one_example)(q, k, v), atol=2e-5)
+    assert len(calls) == 1
+
+
+def test_unfusable_code_runs_as_written_and_is_explained(calls):
+    q, k, v, _ = _inputs(12)
+
+    def with_weights(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(s, axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v), p  # the weights are an output too
+    text = pf.explain_fuse(with_weights, q, k, v)
+    assert "not fused" in text and "output" in text, text
+    got = pf.fuse(with_weights, backend="xla")(q, k, v)
+    for a, b in zip(got, with_weights(q, k, v)):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    assert not calls
+    assert pf.explain_fuse(lambda x: x * 2, q) == "no softmax found"
+
+
+def test_flax_nnx_multi_head_attention_unmodified(calls):
+    from flax import nnx
+    layer = nnx.MultiHeadAttention(num_heads=H, in_features=32, qkv_features=H * D,
+                                   decode=False, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(13), (B, S, 32))
+    mask = nnx.make_causal_mask(jnp.ones((B, S)))
+    got = pf.fuse(lambda x: layer(x, mask=mask), backend="xla")(x)
+    np.testing.assert_allclose(got, layer(x, mask=mask), atol=2e-5)
+    assert len(calls) == 1
+
+
+def test_a_linen_model(calls):
+    import flax.linen as nn
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(
+                x, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+            return nn.Dense(8)(y)
+    x = jax.random.normal(jax.random.key(14), (B, S, 32))
+    model = Block()
+    params = model.init(jax.random.key(15), x)
+
+    def loss(params, x):
+        return jnp.sum(model.apply(params, x) ** 2)
+    got = jax.value_and_grad(pf.fuse(loss, backend="xla"))(params, x)
+    want = jax.value_and_grad(loss)(params, x)
+    assert len(calls) >= 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_bfloat16_with_the_softmax_in_float32(calls):
+    """Logits cast to float32 for the softmax and the probabilities back to bfloat16, as
+    mixed-precision code does: the mask under the cast is still the mask_mod."""
+    q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(16)[:3])
+    causal = jnp.tril(jnp.ones((S, S), bool))
+
+    def mixed(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        s = jnp.where(causal, 30.0 * jnp.tanh(s / 30.0), -jnp.inf)
+        p = jax.nn.softmax(s.astype(jnp.float32), axis=-1).astype(jnp.bfloat16)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    assert "mask_mod from 1 predicate" in pf.explain_fuse(mixed, q, k, v)
+    got = jax.jit(pf.fuse(mixed, backend="xla"))(q, k, v).astype(jnp.float32)
+    want = mixed(q, k, v).astype(jnp.float32)
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    assert calls[0]["mask_mod"] is not None
