@@ -42,7 +42,10 @@ def ratio(row, column, ours, metric):
 
 def table(result: dict) -> list[str]:
     """One results file as a Markdown table: each column's value, then, for timings, each
-    peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s."""
+    peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (the
+    multi-GPU suite: its own tables)."""
+    if result["suite"] == "multi_device":
+        return multi_device_table(result)
     columns, metric = result["columns"], result["metric"]
     ours, peers = columns[0], columns[1:]
     ratios = metric == "ms" and peers
@@ -165,7 +168,7 @@ def results_readme(results: list[dict]) -> str:
     for result in results:
         parts += table(result) + [""]
     for result in multi:
-        parts += multi_device_table(result)
+        parts += table(result)
     return "\n".join(parts)
 
 
