@@ -26,7 +26,8 @@ SUITES = {  # each suite and what it is compared with
     "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas paged_attention",
     "paged": "the same call on a contiguous cache", "ragged": "the op's XLA loop",
     "cascade": "pf.attention over concatenated caches", "memory": "-",
-    "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)"}
+    "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)",
+    "fuse": "the hand-written pf.attention call, XLA on the plain code"}
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
 
 

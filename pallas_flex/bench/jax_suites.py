@@ -240,6 +240,59 @@ def score_mods(options):
         "ms", rows
 
 
+def plain_attention(variant: cases.Variant, shape: cases.Shape):
+    """The variant as plain JAX code (what pf.fuse takes): einsums, `where` on a `tril`,
+    ALiBi as broadcast arithmetic, a tanh cap, GQA by `jnp.repeat`, the softmax in
+    float32 as mixed-precision code writes it."""
+    length, group = shape.seq_len, shape.q_heads // shape.kv_heads
+    scale = shape.scale or 1 / np.sqrt(shape.head_dim)
+    slopes = jnp.asarray(pf.scores.alibi_slopes(shape.q_heads))
+
+    def attend(q, k, v):
+        k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * scale
+        if variant.score == "alibi":
+            distance = jnp.arange(length)[None, :] - jnp.arange(length)[:, None]
+            s = s + slopes[None, :, None, None] * distance
+        if variant.score == "softcap":
+            s = variant.cap * jnp.tanh(s / variant.cap)
+        s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return attend
+
+
+def fuse(options):
+    """pf.fuse on plain JAX attention (forward+backward) against the hand-written
+    pf.attention call of the same variant and XLA on the plain code (skipped past 8192
+    tokens: its [B, H, S, S] scores do not fit)."""
+    rows = []
+    variants = [v for v in cases.VARIANTS if v.name in ("causal", "alibi", "softcap_30")]
+    for shape in options.shapes:
+        q, k, v, d_out = _bf16(*cases.inputs(shape))
+        for variant in variants:
+            row = {"case": f"{shape.name} {variant.name}", "params": {
+                **dataclasses.asdict(shape), "shape": shape.name, "variant": variant.name,
+                "mode": "fwd_bwd", "flops": cases.flops(variant, shape, "fwd_bwd")}}
+            plain = plain_attention(variant, shape)
+            mask_mod, score_mod = mods(variant, shape)
+            hand_written = functools.partial(pf.attention, mask_mod=mask_mod,
+                                             score_mod=score_mod, scale=shape.scale,
+                                             backend=options.backend)
+            fused = pf.fuse(plain, backend=options.backend)
+            ours = _measure(row, OURS, _step(fused, "fwd_bwd"), (q, k, v, d_out), options)
+            _measure(row, "hand_written", _step(hand_written, "fwd_bwd"), (q, k, v, d_out),
+                     options, ours)
+            if shape.seq_len > 8192:
+                row["xla_unfused"] = {"status": "skipped",
+                                      "reason": "[B, H, S, S] float32 scores"}
+            else:
+                _measure(row, "xla_unfused", _step(plain, "fwd_bwd"), (q, k, v, d_out),
+                         options, ours)
+            rows.append(row)
+    return [OURS, "hand_written", "xla_unfused"], "ms", rows
+
+
 # -- paged, ragged, cascade ------------------------------------------------------------------
 
 def paged(options):
@@ -437,5 +490,5 @@ SUITES = {
     "fwd_bwd": lambda options: attention(options, "fwd_bwd"), "score_mods": score_mods,
     "decode": lambda options: attention(options, "fwd", decode=True),
     "paged": paged, "ragged": ragged, "cascade": cascade, "memory": memory,
-    "block_mask": block_mask, "compile": compile_time,
+    "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
 }
