@@ -10,7 +10,8 @@ kernels:
 
 from pallas_flex import context_parallel, masks, paged, scores, variants
 from pallas_flex.api import (
-    BACKENDS, attention, default_backend, explain, flex_attention, merge_attention_states)
+    BACKENDS, AuxOutput, AuxRequest, attention, default_backend, explain, flex_attention,
+    merge_attention_states)
 from pallas_flex.cascade import cascade_attention
 from pallas_flex.context_parallel import ContextParallel, context_parallel_attention
 from pallas_flex.fuse import explain_fuse, fuse
@@ -21,7 +22,7 @@ from pallas_flex.masks.combinators import and_masks, noop_mask, not_mask, or_mas
 __version__ = "0.1.0"
 
 __all__ = [
-    "BACKENDS", "BlockMask", "ContextParallel", "KernelOptions", "and_masks", "attention",
+    "AuxOutput", "AuxRequest", "BACKENDS", "BlockMask", "ContextParallel", "KernelOptions", "and_masks", "attention",
     "create_block_mask", "cascade_attention", "context_parallel", "context_parallel_attention",
     "default_backend", "explain", "explain_fuse", "flex_attention", "fuse", "masks", "merge_attention_states", "noop_mask",
     "not_mask", "or_masks", "paged", "scores", "variants",

@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -127,24 +128,27 @@ def resolve_scale(scale, head_dim):
     return float(scale)
 
 
-def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None):
-    """(out in out_dtype (default q's), lse) of the kernel `pallas_flex.dispatch` picks,
-    run per shard where q, k, v are sharded over batch or heads (`pallas_flex.sharding`)."""
+def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
+                  with_max=False):
+    """(out in out_dtype (default q's), lse), and with_max the row max of the logits, of
+    the kernel `pallas_flex.dispatch` picks, run per shard where q, k, v are sharded over
+    batch or heads (`pallas_flex.sharding`)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
-                                     options=options, out_dtype=out_dtype)
+                                     options=options, out_dtype=out_dtype, with_max=with_max)
 
     def forward(operands, offsets):
         q, k, v, block_mask, score_program = operands
         block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
         return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
                                     options=options, interpret=backend == "interpret",
-                                    out_dtype=out_dtype)
+                                    out_dtype=out_dtype, with_max=with_max)
 
     return sharding.call(
         forward, (q, k, v, block_mask, score_program),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.roles_of(block_mask, None),
-         sharding.WHOLE), lambda results: (sharding.QUERY, sharding.ROW),
+         sharding.WHOLE), lambda results: (sharding.QUERY,) + (sharding.ROW,) * (
+             len(results) - 1),
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
 
 
@@ -154,10 +158,11 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _fused_attention(q, k, v, block_mask, score_program, config):
-    """(out, lse) with gradients from the fused backward kernels; residuals are out, lse."""
-    return _forward_impl(q, k, v, block_mask, score_program, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _fused_attention(q, k, v, block_mask, score_program, config, with_max=False):
+    """(out, lse), and with_max the row max of the logits (no gradient: a statistic),
+    with gradients from the fused backward kernels; residuals are out, lse."""
+    return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max)
 
 
 def _unwrap_primals(tree):
@@ -180,15 +185,16 @@ class _StaticFlags:
         return cls(flags)
 
 
-def _fused_attention_forward(q, k, v, block_mask, score_program, config):
+def _fused_attention_forward(q, k, v, block_mask, score_program, config, with_max=False):
     # symbolic_zeros=True: each primal says whether it is differentiated, so captured
     # arrays nobody differentiates (constant ALiBi slopes, say) cost no gradient work.
     wanted = _StaticFlags(primal.perturbed for primal in (
         score_program.consts if score_program is not None else ()))
     q, k, v, block_mask, score_program = _unwrap_primals((q, k, v, block_mask, score_program))
     if not any(wanted.flags):
-        out, lse = _forward_impl(q, k, v, block_mask, score_program, config)
-        return (out, lse), (q, k, v, block_mask, score_program, out, lse, wanted)
+        out, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
+                                           with_max=with_max)
+        return (out, lse, *row_max), (q, k, v, block_mask, score_program, out, lse, wanted)
     # A captured array's gradient sums dS over whole rows, where each row's dS sums to
     # rowsum(P * dP) - delta, zero only if delta = rowsum(dO * out) is taken from the
     # exact output. From the output rounded to 16 bits, every row keeps its rounding
@@ -196,15 +202,16 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, config):
     # thousands (relative error 0.37 at 3000 bidirectional tokens in bfloat16, against
     # 0.005 for plain JAX attention). So the forward keeps its float32 output as the
     # residual and rounds a copy for the caller.
-    out_unrounded, lse = _forward_impl(q, k, v, block_mask, score_program, config,
-                                       out_dtype=jnp.float32)
-    return ((out_unrounded.astype(q.dtype), lse),
+    out_unrounded, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
+                                                 out_dtype=jnp.float32, with_max=with_max)
+    return ((out_unrounded.astype(q.dtype), lse, *row_max),
             (q, k, v, block_mask, score_program, out_unrounded, lse, wanted))
 
 
-def _fused_attention_backward(config, residuals, cotangents):
+def _fused_attention_backward(config, with_max, residuals, cotangents):
+    del with_max  # the row max is a statistic: its cotangent is dropped
     q, k, v, block_mask, score_program, out, lse, wanted = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse = cotangents[:2]
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, q.dtype)
     if isinstance(d_lse, SymbolicZero):
@@ -283,22 +290,57 @@ _fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,
                         symbolic_zeros=True)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _attention(q, k, v, block_mask, score_program, sinks=None, *, config):
+@functools.partial(jax.jit, static_argnames=("config", "with_max"))
+def _attention(q, k, v, block_mask, score_program, sinks=None, *, config, with_max=False):
+    """(out, lse), and with_max the row max of the logits (sinks not included)."""
     backend, scale, _ = config
     if backend == "reference":  # dense, differentiated by plain autodiff: the oracle
-        out, lse = reference_attention(q, k, v, mask_mod=block_mask.mask_mod,
-                                       score_mod=score_program, scale=scale)
+        out, lse, *row_max = reference_attention(
+            q, k, v, mask_mod=block_mask.mask_mod, score_mod=score_program, scale=scale,
+            return_max=with_max)
         out = out.astype(q.dtype)
+        row_max = [jax.lax.stop_gradient(x) for x in row_max]
     else:
-        out, lse = _fused_attention(q, k, v, block_mask, score_program, config)
+        out, lse, *row_max = _fused_attention(q, k, v, block_mask, score_program, config,
+                                              with_max)
     if sinks is not None:
         out, lse = merge_sinks(out, lse, sinks)
-    return out, lse
+    return (out, lse, *row_max)
+
+
+class AuxRequest(NamedTuple):
+    """Which auxiliary outputs `return_aux=` asks for (as PyTorch FlexAttention's):
+    lse, and max_scores, the row max of the logits after score_mod and mask (for QK-clip
+    or logit-growth monitoring; -inf for a fully masked row, attention sinks not
+    included; no gradient)."""
+
+    lse: bool = False
+    max_scores: bool = False
+
+
+class AuxOutput(NamedTuple):
+    """The auxiliary outputs asked for (None for the others): lse [B, Hq, Sq] and
+    max_scores [B, Hq, Sq], float32."""
+
+    lse: Any = None
+    max_scores: Any = None
+
+
+def _check_aux(return_aux, return_lse):
+    if return_aux is None:
+        return False
+    if not isinstance(return_aux, AuxRequest):
+        raise ValueError(f"return_aux must be a pf.AuxRequest, got "
+                         f"{type(return_aux).__name__}")
+    if return_lse:
+        raise ValueError("pass return_lse=True or return_aux=pf.AuxRequest(lse=True), "
+                         "not both")
+    return bool(return_aux.max_scores)
 
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
-                   return_lse=False, backend=None, kernel_options=None, sinks=None):
+                   return_lse=False, backend=None, kernel_options=None, sinks=None,
+                   return_aux=None):
     """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
@@ -318,17 +360,27 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
       sinks: None, or float [Hq]: a logit per query head taking part in every row's
         softmax with no value (attention sinks, as gpt-oss): weights become
         exp(s) / (sum exp(s) + exp(sink)); differentiable (learnable); lse includes it.
+      return_aux: a `pf.AuxRequest(lse=, max_scores=)`: also return a `pf.AuxOutput`
+        with those (max_scores: the row max of the logits, from the forward kernel's
+        running max; the Triton forward and the XLA path write it, so on Hopper such a
+        call runs the Triton forward; Sq <= 16 skips the decode kernel).
     Returns:
-      out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True.
+      out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
+      (out, AuxOutput) with return_aux.
 
     Example:
       >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
       >>> out = pf.flex_attention(q, k, v, block_mask=bm)
     """
+    with_max = _check_aux(return_aux, return_lse)
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)
-    out, lse = _attention(q, k, v, block_mask, score_program, check_sinks(sinks, q.shape[2]),
-                          config=config)
+    out, lse, *row_max = _attention(q, k, v, block_mask, score_program,
+                                    check_sinks(sinks, q.shape[2]), config=config,
+                                    with_max=with_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None,
+                              row_max[0] if with_max else None)
     return (out, lse) if return_lse else out
 
 
@@ -394,14 +446,14 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
               return_lse=False, backend=None, kernel_options=None, context_parallel=None,
-              sinks=None):
+              sinks=None, return_aux=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
 
-    sinks: as in `flex_attention`.
+    sinks, return_aux: as in `flex_attention`.
 
     context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
     q, k, v the shards of a sequence split over that mesh axis: runs
@@ -420,13 +472,17 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         if block_mask is not None:
             raise ValueError("context_parallel builds each shard pair's BlockMask from "
                              "mask_mod: pass mask_mod, not block_mask")
+        if return_aux is not None:
+            raise ValueError("return_aux is not supported with context_parallel (yet): "
+                             "use return_lse")
         return parallel.context_parallel_attention(
             q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
             sinks=sinks, **dataclasses.asdict(context_parallel))
     block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
-                          backend=backend, kernel_options=kernel_options, sinks=sinks)
+                          backend=backend, kernel_options=kernel_options, sinks=sinks,
+                          return_aux=return_aux)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -86,7 +86,8 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
 
 
 def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
-                   options: KernelOptions, paged: bool = False, out_dtype=None) -> Choice:
+                   options: KernelOptions, paged: bool = False, out_dtype=None,
+                   with_max: bool = False) -> Choice:
     """The forward kernel of a call (see the module docstring's table). k / v are pages
     [num_pages, Hkv, page_size, D] when `paged`. A ValueError when kernel_options name
     the Mosaic kernel and it does not take the call."""
@@ -94,6 +95,13 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
         return Choice("xla_blockwise", f'backend "{backend}": the blockwise XLA loop')
     interpret = backend == "interpret"
     q_len = q.shape[1]
+    if with_max:  # the row max is written by the Triton forward only (so far)
+        if options.forward_kernel == "mosaic":
+            raise ValueError("kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
+                             "GPU forward does not write the row max (return_aux "
+                             "max_scores): the Triton forward does")
+        return Choice("triton_forward", "the row max of the logits is asked for "
+                                        "(return_aux): the Triton forward writes it")
     if uses_decode_kernel(q_len, block_mask, options):
         return Choice("decode", f"Sq = {q_len} <= decode_max_q_len = "
                                 f"{options.decode_max_q_len} in one BlockMask query block: "
@@ -118,13 +126,13 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
                 options: KernelOptions, interpret: bool, page_table=None, lengths=None,
-                out_dtype=None):
-    """(out, lse) of the kernel `choice` names (arguments as `choose_forward`'s, plus the
-    paged ones: page_table, lengths)."""
+                out_dtype=None, with_max=False):
+    """(out, lse), and with_max the row max, of the kernel `choice` names (arguments as
+    `choose_forward`'s, plus the paged ones: page_table, lengths)."""
     paging = dict(page_table=page_table, lengths=lengths)
     if choice.kernel == "xla_blockwise":
         return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
-                                   out_dtype=out_dtype)
+                                   out_dtype=out_dtype, with_max=with_max)
     if choice.kernel == "decode":
         return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
                            interpret=interpret, out_dtype=out_dtype, **paging)
@@ -133,7 +141,7 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret, **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
-                                  **paging)
+                                  with_max=with_max, **paging)
 
 
 def choose_backward(q, k, v, block_mask, score_program, *, backend: str,

@@ -32,14 +32,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
-                    interpret, group=1, paged=None):
+                    interpret, group=1, paged=None, with_max=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables."""
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref) = split_captured_refs(refs, mask_program,
-                                                                    score_program)
+    mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
+        refs, mask_program, score_program)
 
     q_tile = pl.num_programs(0) - 1 - pl.program_id(0)
     head, batch = pl.program_id(1), pl.program_id(2)
@@ -132,6 +132,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         for (start, width), out in zip(value_chunks, outs):
             out_ref[:, pl.ds(start, width)] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
+    if with_max:  # the running max is in registers already: one more row store
+        max_ref[0][...] = online_softmax.row_max(state)
 
 
 def _fit_to_shared_memory(options: KernelOptions, q, v, block_mask, score_program, *,
@@ -159,8 +161,9 @@ def _reverse(tile, num_tiles):
 
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                            options: KernelOptions, interpret: bool, page_table=None,
-                           lengths=None, out_dtype=None):
-    """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32).
+                           lengths=None, out_dtype=None, with_max=False):
+    """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32),
+    and with_max the row max of the logits [B, Hq, Sq] (float32, -inf where masked).
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
@@ -217,22 +220,23 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
-        paged=paged_config, interpret=interpret)
+        paged=paged_config, interpret=interpret, with_max=with_max)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
     ] + kv_specs + [whole] * (len(tables) + len(paging) + len(captured))
+    row_spec = pl.BlockSpec((None, None, block_q),
+                            lambda i, h, b: (b, h, _reverse(i, num_q_tiles)))
+    row_shape = jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32)
     out_specs = [
         pl.BlockSpec((None, block_q, None, padded_value_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-        pl.BlockSpec((None, None, block_q), lambda i, h, b: (b, h, _reverse(i, num_q_tiles))),
-    ]
+    ] + [row_spec] * (2 if with_max else 1)
     out_shape = [
         jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, padded_value_dim), out_dtype),
-        jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
-    ]
-    out, lse = pl.pallas_call(
+    ] + [row_shape] * (2 if with_max else 1)
+    out, *rows = pl.pallas_call(
         kernel,
         grid=(num_q_tiles, q_heads, batch),
         in_specs=in_specs,
@@ -244,5 +248,5 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         interpret=interpret,
         name="flex_attention_forward_paged" if paged else "flex_attention_forward",
     )(q, k, v, *tables, *paging, *captured)
-    return out[:, :q_len, :, :value_dim], lse[:, :, :q_len]
+    return (out[:, :q_len, :, :value_dim],) + tuple(row[:, :, :q_len] for row in rows)
 

@@ -47,6 +47,12 @@ def finalize(state):
     return out, lse
 
 
+def row_max(state):
+    """The row maximum of the logits folded in (natural units; -inf for a row that saw
+    only masked scores): the running max is kept in the exponent's base-2 units."""
+    return state[0] * LN_2
+
+
 def dot_precision(dtype, interpret: bool = True):
     """The dot precision of a kernel's tiles: 16-bit inputs need no hint; float32 inputs
     get float32-accurate dots, not one TF32 pass. In a GPU kernel that is three TF32

@@ -20,15 +20,17 @@ def _dense_over_batch_and_heads(function, batch, heads):
         jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32))
 
 
-def reference_attention(q, k, v, *, mask_mod=None, score_mod=None, scale=None):
+def reference_attention(q, k, v, *, mask_mod=None, score_mod=None, scale=None,
+                        return_max=False):
     """Dense `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
       q: [B, Sq, Hq, D]; k: [B, Skv, Hkv, D]; v: [B, Skv, Hkv, Dv], Hq a multiple of Hkv.
       mask_mod, score_mod: callables with scalar semantics (or traced ModPrograms).
     Returns:
-      out [B, Sq, Hq, Dv] in the compute dtype, lse [B, Hq, Sq] (natural log). Fully
-      masked rows give zeros and lse = -inf.
+      out [B, Sq, Hq, Dv] in the compute dtype, lse [B, Hq, Sq] (natural log), and with
+      return_max the row max of the logits [B, Hq, Sq]. Fully masked rows give zeros,
+      lse = -inf and max = -inf.
     """
     compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
     batch, q_len, q_heads, head_dim = q.shape
@@ -52,10 +54,11 @@ def reference_attention(q, k, v, *, mask_mod=None, score_mod=None, scale=None):
                                            batch, q_heads)
         scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
+    logits_max = row_max[..., 0]
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(scores - row_max)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
     probabilities = jnp.where(row_sum > 0, weights / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", probabilities, v, precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(row_sum[..., 0] > 0, jnp.log(row_sum[..., 0]) + row_max[..., 0], -jnp.inf)
-    return out, lse
+    return (out, lse, logits_max) if return_max else (out, lse)

@@ -17,8 +17,9 @@ from pallas_flex.masks.mod_program import vmap_mask, vmap_score
 
 
 def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
-                        out_dtype=None):
-    """out [B, Sq, Hq, Dv] (out_dtype, default q's) and lse [B, Hq, Sq] (float32)."""
+                        out_dtype=None, with_max=False):
+    """out [B, Sq, Hq, Dv] (out_dtype, default q's) and lse [B, Hq, Sq] (float32), and
+    with_max the row max of the logits [B, Hq, Sq]."""
     batch, q_len, q_heads, _ = q.shape
     kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     block_q, block_kv = block_mask.block_size
@@ -62,16 +63,19 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
         state = online_softmax.initial_state(block_q, value_dim)
         state = walk(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, state, False)
         state = walk(block_mask.kv_num_blocks, block_mask.kv_indices, state, True)
-        return online_softmax.finalize(state)
+        return online_softmax.finalize(state) + (online_softmax.row_max(state),)
 
     def one_head(b, h):
-        out, lse = lax.map(lambda row: one_query_block(b, h, row),
-                           jnp.arange(num_q_blocks, dtype=jnp.int32))
-        return out.reshape(-1, value_dim), lse.reshape(-1)
+        out, lse, row_max = lax.map(lambda row: one_query_block(b, h, row),
+                                    jnp.arange(num_q_blocks, dtype=jnp.int32))
+        return out.reshape(-1, value_dim), lse.reshape(-1), row_max.reshape(-1)
 
     heads = jnp.arange(q_heads, dtype=jnp.int32)
     batches = jnp.arange(batch, dtype=jnp.int32)
-    out, lse = jax.vmap(jax.vmap(one_head, in_axes=(None, 0)), in_axes=(0, None))(batches, heads)
+    out, lse, row_max = jax.vmap(jax.vmap(one_head, in_axes=(None, 0)),
+                                 in_axes=(0, None))(batches, heads)
     # out [B, Hq, Sq_pad, Dv] -> [B, Sq, Hq, Dv]
     out = jnp.swapaxes(out, 1, 2)[:, :q_len].astype(out_dtype or q.dtype)
+    if with_max:
+        return out, lse[:, :, :q_len], row_max[:, :, :q_len]
     return out, lse[:, :, :q_len]

@@ -1,0 +1,98 @@
+"""return_aux=pf.AuxRequest(lse=, max_scores=): the row max of the logits from the forward
+kernels' running max (issue 21), against the dense reference; it carries no gradient and
+leaves the others unchanged."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pallas_flex as pf
+from pallas_flex.kernels.reference import reference_attention
+
+
+def _mask(b, h, q_idx, kv_idx):  # causal, with row 5 fully masked
+    return (q_idx >= kv_idx) & (q_idx != 5)
+
+
+def _inputs(dtype=jnp.float32, q_len=200, kv_len=200, heads=4, kv_heads=2, dim=32):
+    keys = jax.random.split(jax.random.key(0), 3)
+    return (jax.random.normal(keys[0], (2, q_len, heads, dim), dtype),
+            jax.random.normal(keys[1], (2, kv_len, kv_heads, dim), dtype),
+            jax.random.normal(keys[2], (2, kv_len, kv_heads, dim), dtype))
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret", "reference"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_max_scores_equal_the_reference_row_max(backend, dtype):
+    q, k, v = _inputs(dtype, q_len=150, kv_len=200)  # Sq != Skv, GQA, ragged blocks
+    score_mod = pf.scores.alibi(pf.scores.alibi_slopes(4))
+    out, aux = pf.attention(q, k, v, mask_mod=_mask, score_mod=score_mod, backend=backend,
+                            return_aux=pf.AuxRequest(lse=True, max_scores=True))
+    _, lse, expected = reference_attention(q, k, v, mask_mod=_mask, score_mod=score_mod,
+                                           return_max=True)
+    assert aux.max_scores.shape == (2, 4, 150) and aux.max_scores.dtype == jnp.float32
+    assert bool(jnp.all(jnp.isneginf(aux.max_scores[:, :, 5])))  # the fully masked row
+    finite = jnp.isfinite(expected)
+    np.testing.assert_allclose(jnp.where(finite, aux.max_scores, 0),
+                               jnp.where(finite, expected, 0),
+                               atol=2e-5 if dtype == jnp.float32 else 2e-2)
+    assert bool(jnp.all(finite == jnp.isfinite(aux.max_scores)))
+    _, lse = pf.attention(q, k, v, mask_mod=_mask, score_mod=score_mod, backend=backend,
+                          return_lse=True)
+    np.testing.assert_allclose(aux.lse, lse, atol=1e-6)
+
+
+def test_short_queries_skip_the_decode_kernel_and_still_give_the_max():
+    q, k, v = _inputs(q_len=3)
+    out, aux = pf.attention(q, k, v, backend="interpret",
+                            return_aux=pf.AuxRequest(max_scores=True))
+    assert aux.lse is None
+    _, _, expected = reference_attention(q, k, v, return_max=True)
+    np.testing.assert_allclose(aux.max_scores, expected, atol=2e-5)
+    np.testing.assert_allclose(out, pf.attention(q, k, v, backend="interpret"), atol=2e-6)
+
+
+def test_the_max_has_no_gradient_and_the_others_are_unchanged():
+    q, k, v = _inputs()
+
+    def loss(q, with_aux):
+        if not with_aux:
+            return jnp.sum(pf.attention(q, k, v, mask_mod=_mask, backend="interpret") ** 2)
+        out, aux = pf.attention(q, k, v, mask_mod=_mask, backend="interpret",
+                                return_aux=pf.AuxRequest(max_scores=True))
+        return jnp.sum(out ** 2)
+    np.testing.assert_array_equal(jax.grad(loss)(q, True), jax.grad(loss)(q, False))
+    only_max = jax.grad(lambda q: jnp.sum(jnp.where(jnp.isfinite(m := pf.attention(
+        q, k, v, mask_mod=_mask, backend="interpret",
+        return_aux=pf.AuxRequest(max_scores=True))[1].max_scores), m, 0.0)))(q)
+    assert not bool(jnp.any(only_max))
+
+
+def test_batch_sharded_calls_give_each_shard_s_max():
+    q, k, v = _inputs()
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    placed = [jax.device_put(x, NamedSharding(mesh, P("data"))) for x in (q, k, v)]
+    call = jax.jit(lambda q, k, v: pf.attention(q, k, v, mask_mod=_mask, backend="xla",
+                                                return_aux=pf.AuxRequest(max_scores=True)))
+    np.testing.assert_allclose(call(*placed)[1].max_scores, call(q, k, v)[1].max_scores,
+                               atol=1e-6)
+
+
+def test_bad_requests_are_value_errors():
+    q, k, v = _inputs()
+    with pytest.raises(ValueError, match="not both"):
+        pf.attention(q, k, v, return_lse=True, return_aux=pf.AuxRequest(lse=True))
+    with pytest.raises(ValueError, match="AuxRequest"):
+        pf.attention(q, k, v, return_aux={"max_scores": True})
+    with pytest.raises(ValueError, match="row max"):
+        pf.attention(q, k, v, backend="interpret", kernel_options={"forward_kernel": "mosaic"},
+                     return_aux=pf.AuxRequest(max_scores=True))
+    with pytest.raises(ValueError, match="context_parallel"):
+        pf.attention(q, k, v, context_parallel=pf.ContextParallel("cp"),
+                     return_aux=pf.AuxRequest(max_scores=True))
