@@ -95,14 +95,9 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
         return Choice("xla_blockwise", f'backend "{backend}": the blockwise XLA loop')
     interpret = backend == "interpret"
     q_len = q.shape[1]
-    if with_max:  # the row max is written by the Triton forward only (so far)
-        if options.forward_kernel == "mosaic":
-            raise ValueError("kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
-                             "GPU forward does not write the row max (return_aux "
-                             "max_scores): the Triton forward does")
-        return Choice("triton_forward", "the row max of the logits is asked for "
-                                        "(return_aux): the Triton forward writes it")
-    if uses_decode_kernel(q_len, block_mask, options):
+    if uses_decode_kernel(q_len, block_mask, options) and not with_max:
+        # (the decode kernel's split-KV parts do not keep their row max: a call asking
+        # for it runs a forward kernel)
         return Choice("decode", f"Sq = {q_len} <= decode_max_q_len = "
                                 f"{options.decode_max_q_len} in one BlockMask query block: "
                                 "the split-KV decode kernel")
@@ -138,7 +133,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
                            interpret=interpret, out_dtype=out_dtype, **paging)
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
-            q, k, v, block_mask, score_program, scale=scale, interpret=interpret, **paging)
+            q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
+            with_max=with_max, **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
                                   with_max=with_max, **paging)

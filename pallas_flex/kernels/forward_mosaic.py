@@ -80,15 +80,16 @@ _GRID_AXES = ("heads", "q_seq", "batch")
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
-            mask_reads, score_reads, paged, interpret):
-    """mask_reads, score_reads: the mods' `contiguous_reads`. paged: whether k_ref / v_ref
+            mask_reads, score_reads, paged, interpret, with_max=False):
+    """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
+    the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables)."""
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref, scratch) = split_captured_refs(
+    mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
-    (qo_smem2, k_smem, v_smem, lse_smem2), barriers = scratch
+    (qo_smem2, k_smem, v_smem, lse_smem2, *max_smem2), barriers = scratch
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -288,12 +289,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         if row_term is not None:
             lse = lse + row_term
         lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
+        if with_max:  # the running max, in the exponent's base-2 units, plus the row term
+            row_max = running_max * online_softmax.LN_2
+            if row_term is not None:
+                row_max = row_max + row_term
+            max_smem2[0].at[warpgroup][...] = row_max
         qo_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(qo_smem,
                                 out_ref.at[batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head])
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
+        if with_max:
+            plgpu.copy_smem_to_gmem(
+                max_smem2[0].at[warpgroup],
+                max_ref[0].at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
@@ -393,17 +403,17 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
-                                  lengths=None):
-    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), as `forward.flex_attention_forward`
-    (also on a paged cache: page_table given, k / v pages); only for calls
-    `unsupported_reason` accepts."""
+                                  lengths=None, with_max: bool = False):
+    """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
+    logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
+    page_table given, k / v pages); only for calls `unsupported_reason` accepts."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
               else (page_table.astype(jnp.int32), lengths.astype(jnp.int32)))
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
-                               num_stages=num_stages)
+                               num_stages=num_stages, with_max=with_max)
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program)
 
 
@@ -437,9 +447,9 @@ def _vmappable(launch):
             tables = tuple(t if t.shape[0] == 1
                            else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
                            for t in tables)
-            out, lse = run(*merged, tables, paging, mask_program, score_program)
-            return ((out.reshape((axis_size, batch) + out.shape[1:]),
-                     lse.reshape((axis_size, batch) + lse.shape[1:])), (True, True))
+            results = run(*merged, tables, paging, mask_program, score_program)
+            return (tuple(x.reshape((axis_size, batch) + x.shape[1:]) for x in results),
+                    tuple(True for _ in results))
 
         return map_each_element(run, axis_size, in_batched, args)
 
@@ -447,7 +457,7 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks, kv_len,
-            scale, interpret, num_stages):
+            scale, interpret, num_stages, with_max=False):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
     (logical) key length."""
     batch, q_len, q_heads, head_dim = q.shape
@@ -477,13 +487,15 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
-        mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret)
+        mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
+        with_max=with_max)
+    row_buffers = 2 if with_max else 1  # lse (and the row max)
 
     def entry(*refs):
         inputs_and_outputs = refs
 
         def scoped(*scratch):
-            smem, barriers = scratch[:4], scratch[4:]
+            smem, barriers = scratch[:3 + row_buffers], scratch[3 + row_buffers:]
             kernel(*inputs_and_outputs, (smem, barriers))
 
         pl.run_scoped(
@@ -492,7 +504,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
                        transforms=transforms),
             plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
             plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32),
+            *[plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32)
+              for _ in range(row_buffers)],
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
@@ -503,10 +516,11 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
         )
 
     out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32))
+                ) + (jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
+                     ) * row_buffers
     grid = {"q_seq": num_q_blocks, "heads": q_heads, "batch": batch}
     names = _GRID_AXES
-    out, lse = plgpu.kernel(
+    out, *rows = plgpu.kernel(
         entry,
         out_type=out_type,
         grid=tuple(grid[name] for name in names),
@@ -516,4 +530,4 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, *tables, *paging, *captured)
-    return out[:, :q_len], lse[:, :, :q_len]
+    return (out[:, :q_len],) + tuple(row[:, :, :q_len] for row in rows)
