@@ -227,3 +227,13 @@ def test_bfloat16_with_the_softmax_in_float32(calls):
     want = mixed(q, k, v).astype(jnp.float32)
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
     assert calls[0]["mask_mod"] is not None
+
+
+def test_explain_prints_at_trace_time_and_keywords_are_static(calls, capsys):
+    q, k, v, _ = _inputs(17)
+
+    def scaled(q, k, v, *, temperature):
+        return _attend(q, k, v, lambda s: s / temperature)
+    out = pf.fuse(scaled, explain=True, backend="xla")(q, k, v, temperature=2.0)
+    assert "fused into pf.attention (no mask; score_mod)" in capsys.readouterr().out
+    np.testing.assert_allclose(out, scaled(q, k, v, temperature=2.0), atol=2e-5)
