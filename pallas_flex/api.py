@@ -6,7 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -322,8 +322,8 @@ class AuxOutput(NamedTuple):
     """The auxiliary outputs asked for (None for the others): lse [B, Hq, Sq] and
     max_scores [B, Hq, Sq], float32."""
 
-    lse: Any = None
-    max_scores: Any = None
+    lse: object = None
+    max_scores: object = None
 
 
 def _check_aux(return_aux, return_lse):
