@@ -361,9 +361,8 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         softmax with no value (attention sinks, as gpt-oss): weights become
         exp(s) / (sum exp(s) + exp(sink)); differentiable (learnable); lse includes it.
       return_aux: a `pf.AuxRequest(lse=, max_scores=)`: also return a `pf.AuxOutput`
-        with those (max_scores: the row max of the logits, from the forward kernel's
-        running max; the Triton forward and the XLA path write it, so on Hopper such a
-        call runs the Triton forward; Sq <= 16 skips the decode kernel).
+        with those (max_scores: the row max of the logits, from the kernel's running
+        max, in the forward kernels and the decode kernel alike).
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
       (out, AuxOutput) with return_aux.

@@ -95,9 +95,7 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
         return Choice("xla_blockwise", f'backend "{backend}": the blockwise XLA loop')
     interpret = backend == "interpret"
     q_len = q.shape[1]
-    if uses_decode_kernel(q_len, block_mask, options) and not with_max:
-        # (the decode kernel's split-KV parts do not keep their row max: a call asking
-        # for it runs a forward kernel)
+    if uses_decode_kernel(q_len, block_mask, options):
         return Choice("decode", f"Sq = {q_len} <= decode_max_q_len = "
                                 f"{options.decode_max_q_len} in one BlockMask query block: "
                                 "the split-KV decode kernel")
@@ -130,7 +128,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
                                    out_dtype=out_dtype, with_max=with_max)
     if choice.kernel == "decode":
         return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
-                           interpret=interpret, out_dtype=out_dtype, **paging)
+                           interpret=interpret, out_dtype=out_dtype, with_max=with_max,
+                           **paging)
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,

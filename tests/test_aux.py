@@ -47,8 +47,9 @@ def test_max_scores_equal_the_reference_row_max(backend, dtype):
     np.testing.assert_allclose(aux.lse, lse, atol=1e-6)
 
 
-def test_short_queries_skip_the_decode_kernel_and_still_give_the_max():
-    q, k, v = _inputs(q_len=3)
+def test_the_decode_kernel_gives_the_max_of_its_split_kv_parts():
+    q, k, v = _inputs(q_len=3, kv_len=1000)  # Sq <= 16: the split-KV decode kernel
+    assert "decode" in pf.explain(q, k, v, backend="interpret")
     out, aux = pf.attention(q, k, v, backend="interpret",
                             return_aux=pf.AuxRequest(max_scores=True))
     assert aux.lse is None

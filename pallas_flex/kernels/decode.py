@@ -46,12 +46,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                    full_kv_num_blocks_ref, full_kv_indices_ref, *refs, mask_program,
                    score_program, scale, q_len, kv_len, rows, heads_per_program, group,
                    block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
-                   dim_chunks, value_chunks, page_size, mask_every_tile, interpret):
+                   dim_chunks, value_chunks, page_size, mask_every_tile, interpret,
+                   with_max=False):
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref) = split_captured_refs(refs, mask_program,
-                                                                    score_program)
+    mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
+        refs, mask_program, score_program)
 
     batch, program_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first_head = program_head * heads_per_program
@@ -134,6 +135,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     for (start, width), out in zip(value_chunks, outs):
         out_ref[batch, program_head, split, :, pl.ds(start, width)] = out
     lse_ref[batch, program_head, split, :] = lse
+    if with_max:  # this part's row max; the parts' maximum is the row's
+        max_ref[0][batch, program_head, split, :] = online_softmax.row_max(state)
 
 
 def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int, *, dtype,
@@ -152,8 +155,10 @@ def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int
 
 
 def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: KernelOptions,
-                interpret: bool, page_table=None, lengths=None, out_dtype=None):
-    """(out [B, Sq, Hq, Dv] in out_dtype (default q's), lse [B, Hq, Sq] float32) for
+                interpret: bool, page_table=None, lengths=None, out_dtype=None,
+                with_max=False):
+    """(out [B, Sq, Hq, Dv] in out_dtype (default q's), lse [B, Hq, Sq] float32), and
+    with_max the row max of the logits [B, Hq, Sq] (the split-KV parts' maximum), for
     short Sq.
 
     Contiguous: k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], Skv = the BlockMask's KV_LEN.
@@ -230,19 +235,20 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         broadcast_batch=mask_batch == 1, broadcast_heads=broadcast_heads,
         num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), page_size=page_size,
-        mask_every_tile=kv_len % block_kv != 0, interpret=interpret)
+        mask_every_tile=kv_len % block_kv != 0, interpret=interpret, with_max=with_max)
     whole = pl.no_block_spec
-    partial_out, partial_lse = pl.pallas_call(
+    row_shape = jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),
+                                     jnp.float32)
+    partial_out, partial_lse, *partial_max = pl.pallas_call(
         kernel,
         grid=(batch, num_head_programs, num_splits),
         in_specs=[pl.BlockSpec((None, None) + q_rows.shape[2:], lambda b, p, s: (b, p, 0, 0)),
                   whole, whole] + [whole] * (len(tables) + len(paging) + len(captured)),
-        out_specs=[whole, whole],
+        out_specs=[whole] * (3 if with_max else 2),
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows,
                                   padded_value_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),
-                                 jnp.float32)],
+            row_shape] + [row_shape] * with_max,
         compiler_params=plgpu.CompilerParams(num_warps=options.decode_num_warps,
                                              num_stages=num_stages),
         interpret=interpret,
@@ -254,4 +260,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     out = out.reshape(batch, num_head_programs, heads_per_program, q_len, value_dim)
     out = out.transpose(0, 3, 1, 2, 4).reshape(batch, q_len, q_heads, value_dim)
     lse = lse.reshape(batch, q_heads, q_len)
+    if with_max:
+        row_max = jnp.max(partial_max[0][:, :, :, :rows], axis=2).reshape(batch, q_heads,
+                                                                           q_len)
+        return out.astype(out_dtype or q.dtype), lse, row_max
     return out.astype(out_dtype or q.dtype), lse
