@@ -237,3 +237,36 @@ def test_explain_prints_at_trace_time_and_keywords_are_static(calls, capsys):
     out = pf.fuse(scaled, explain=True, backend="xla")(q, k, v, temperature=2.0)
     assert "fused into pf.attention (no mask; score_mod)" in capsys.readouterr().out
     np.testing.assert_allclose(out, scaled(q, k, v, temperature=2.0), atol=2e-5)
+
+
+def test_softmax_written_with_logsumexp_and_look_alikes_that_are_not(calls):
+    q, k, v, _ = _inputs(18)
+    causal = jnp.tril(jnp.ones((S, S), bool))
+
+    def log_space(q, k, v):
+        s = jnp.where(causal, jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.3, -jnp.inf)
+        p = jnp.exp(s - jax.nn.logsumexp(s, axis=-1, keepdims=True))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    _check(log_space, (q, k, v), calls)
+
+    def mean_shifted(q, k, v):  # exp(s - mean s) is no softmax: left alone
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jnp.exp(s - jnp.mean(s, axis=-1, keepdims=True))
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    assert pf.explain_fuse(mean_shifted, q, k, v) == "no softmax found"
+
+
+def test_programs_without_attention_run_as_written():
+    """Custom derivatives (relu, gelu), scan, cond, checkpoint and fori_loop go through
+    pf.fuse's evaluator unchanged, values and gradients."""
+    x = jax.random.normal(jax.random.key(19), (4, 8))
+
+    def program(x):
+        y = jax.nn.relu(x) + jax.nn.gelu(x)
+        carry, ys = jax.lax.scan(lambda c, xi: (c + jnp.sin(xi), c * 2), jnp.zeros(8), y)
+        z = jax.lax.cond(carry.sum() > 0, lambda a: a * 2, lambda a: a - 1, ys)
+        w = jax.checkpoint(lambda a: jnp.tanh(a) ** 2)(z)
+        return w.sum() + jax.lax.fori_loop(0, 3, lambda i, a: a + i, 0.0)
+    fused = pf.fuse(program)
+    np.testing.assert_allclose(jax.jit(fused)(x), program(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(fused)(x), jax.grad(program)(x), rtol=1e-6)

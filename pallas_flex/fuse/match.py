@@ -66,7 +66,8 @@ def find(graph: Graph) -> list[Finding]:
     for node in graph.nodes:
         if node.name != "exp":
             continue
-        softmax = _softmax_at(node, producers, consumers)
+        softmax = (_softmax_at(node, producers, consumers)
+                   or _log_softmax_at(node, producers))
         if softmax is None:
             continue
         logits, axis, probabilities, softmax_nodes = softmax
@@ -90,11 +91,17 @@ def _single_axis(node):
 
 
 def _through(value, producers, names=PASS_THROUGH):
-    """The value under any chain of pass-through ops (and the nodes passed)."""
+    """The value under any chain of pass-through ops (and the nodes passed), including
+    logsumexp's guard `where(is_finite(m), m, 0)`."""
     passed = []
-    while isinstance(value, Value) and value in producers and \
-            producers[value].name in names:
+    while isinstance(value, Value) and value in producers and (
+            producers[value].name in names or _finite_guard(producers[value], producers)):
         node = producers[value]
+        if node.name == "select_n":
+            is_finite = producers[node.inputs[0]]
+            passed += [node, is_finite]
+            value = node.inputs[2]
+            continue
         if node.name == "max":  # jax.nn.softmax's max(-inf, m): keep the non-constant side
             side = [x for x in node.inputs if not isinstance(x, Const)]
             if len(side) != 1:
@@ -105,6 +112,63 @@ def _through(value, producers, names=PASS_THROUGH):
         passed.append(node)
         value = node.inputs[0]
     return value, passed
+
+
+def _finite_guard(node, producers):
+    """Whether `node` is `select_n(is_finite(m), 0, m)` (m where finite, else 0)."""
+    if node.name != "select_n" or len(node.inputs) != 3:
+        return False
+    predicate, if_false, if_true = node.inputs
+    test = producers.get(predicate) if isinstance(predicate, Value) else None
+    return (test is not None and test.name == "is_finite" and test.inputs[0] is if_true
+            and _constant(if_false, producers) == 0.0)
+
+
+def _row_max_of(value, logits, axis, producers):
+    """The nodes of `value` = max(logits) over `axis` (through pass-through ops), or None."""
+    reduced, passed = _through(value, producers)
+    reduce_max = producers.get(reduced)
+    if reduce_max is None or reduce_max.name != "reduce_max" or \
+            reduce_max.inputs[0] is not logits or _single_axis(reduce_max) != axis:
+        return None
+    return {reduce_max, *passed}
+
+
+def _log_softmax_at(exp_node, producers):
+    """(logits, axis, probabilities, nodes) if `exp` is exp(x - logsumexp(x)) over one
+    axis, logsumexp as jax.nn.logsumexp writes it:
+    log(|sum(exp(x - m))|) + m with m the guarded row max; else None."""
+    sub = producers.get(exp_node.inputs[0])
+    if sub is None or sub.name != "sub" or not isinstance(sub.inputs[0], Value):
+        return None
+    logits = sub.inputs[0]
+    total, passed = _through(sub.inputs[1], producers, ("broadcast_in_dim", "reshape",
+                                                         "stop_gradient"))
+    add = producers.get(total)
+    if add is None or add.name != "add":
+        return None
+    log_value, shift = add.inputs
+    log = producers.get(log_value)
+    if log is None or log.name != "log":
+        return None
+    summed, passed_sum = _through(log.inputs[0], producers, ("abs", "broadcast_in_dim",
+                                                             "reshape"))
+    reduce_sum = producers.get(summed)
+    if reduce_sum is None or reduce_sum.name != "reduce_sum":
+        return None
+    axis = _single_axis(reduce_sum)
+    inner_exp = producers.get(reduce_sum.inputs[0])
+    inner_sub = producers.get(inner_exp.inputs[0]) if inner_exp is not None and \
+        inner_exp.name == "exp" else None
+    if inner_sub is None or inner_sub.name != "sub" or inner_sub.inputs[0] is not logits \
+            or inner_sub.inputs[1] is not shift:
+        return None
+    max_nodes = _row_max_of(shift, logits, axis, producers)
+    if max_nodes is None:
+        return None
+    nodes = {sub, add, log, reduce_sum, inner_exp, inner_sub, exp_node, *passed,
+             *passed_sum, *max_nodes}
+    return logits, axis, exp_node.outputs[0], nodes
 
 
 def _softmax_at(exp_node, producers, consumers):
@@ -274,7 +338,8 @@ def _attention(graph, logits, axis, probabilities, softmax_nodes, producers, con
             continue
         if any(x in outputs for x in node.outputs):
             raise _NotFusable(f"an intermediate ({node.name}) is also an output")
-        if node not in upstream:
+        dead = not any(consumers.get(x) for x in node.outputs)  # (logsumexp's sign)
+        if node not in upstream and not dead:
             raise _NotFusable(f"the scores also feed {node.name} outside the softmax")
         nodes.add(node)
 
