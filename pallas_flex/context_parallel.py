@@ -26,7 +26,9 @@ from pallas_flex.api import (
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
 from pallas_flex.sinks import check_sinks, merge_sinks
 
-__all__ = ["ContextParallel", "choose_strategy", "context_parallel_attention", "zigzag_order"]
+__all__ = ["ContextParallel", "choose_strategy", "context_parallel_attention", "layout_order",
+           "striped_order", "zigzag_order"]
+LAYOUTS = ("contiguous", "zig-zag", "striped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,12 +44,16 @@ class ContextParallel:
 
 def _positions(index, length, devices, layout):
     """Global position of each local index of device `index`'s shard of `length` rows:
-    contiguous (device i holds [i * length, (i + 1) * length)) or zig-zag (two chunks of
+    contiguous (device i holds [i * length, (i + 1) * length)), zig-zag (two chunks of
     length / 2: chunk i and chunk 2N - 1 - i, so every device gets as much of a causal
-    mask's work as every other)."""
+    mask's work as every other) or striped (every N-th position from i: local row r is
+    position r * N + i, which also spreads every document over all devices)."""
     if layout == "contiguous":
         offset = (index * length).astype(jnp.int32)
         return lambda local: local + offset
+    if layout == "striped":
+        offset = jnp.asarray(index).astype(jnp.int32)
+        return lambda local: local * devices + offset
     half = length // 2
     first = (index * half).astype(jnp.int32)
     second = ((2 * devices - 1 - index) * half).astype(jnp.int32)
@@ -69,6 +75,29 @@ def _at_global_positions(mod, q_position, kv_position, is_score, head=lambda h: 
         return lambda score, b, h, q_idx, kv_idx: mod(score, b, head(h), q_position(q_idx),
                                                        kv_position(kv_idx))
     return lambda b, h, q_idx, kv_idx: mod(b, head(h), q_position(q_idx), kv_position(kv_idx))
+
+
+def striped_order(seq_len, devices):
+    """int32 [seq_len]: the global positions in striped layout order, so that
+    `x[:, striped_order(S, N)]` sharded N ways gives device i positions i, i + N,
+    i + 2N, ...; `x[:, jnp.argsort(order)]` undoes it."""
+    if seq_len % devices:
+        raise ValueError(f"a striped layout deals the sequence to {devices} devices: "
+                         f"seq_len {seq_len} is not a multiple of {devices}")
+    return jnp.arange(seq_len, dtype=jnp.int32).reshape(-1, devices).T.reshape(-1)
+
+
+def layout_order(seq_len, devices, layout):
+    """The positions in `layout`'s order (`x[:, layout_order(S, N, layout)]` lays inputs
+    out for it): identity, `zigzag_order` or `striped_order`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got "
+                         f"{layout!r}")
+    if layout == "zig-zag":
+        return zigzag_order(seq_len, devices)
+    if layout == "striped":
+        return striped_order(seq_len, devices)
+    return jnp.arange(seq_len, dtype=jnp.int32)
 
 
 def zigzag_order(seq_len, devices):
@@ -97,10 +126,13 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       mask_mod, score_mod: as in `pf.attention`, at global positions (`q_idx`, `kv_idx`
         are positions in the whole sequence); arrays they capture are read whole on
         every device (pass them replicated), and get gradients as in `pf.attention`.
-      layout: "contiguous" (above) or "zig-zag" (device i holds chunks i and 2N - 1 - i of
-        the sequence cut in 2N: lay the inputs out with `x[:, zigzag_order(S, N)]`, and
-        the outputs come back in that order). The mods still see original positions.
-        Zig-zag balances a causal mask's work across the devices.
+      layout: "contiguous" (above), "zig-zag" (device i holds chunks i and 2N - 1 - i of
+        the sequence cut in 2N) or "striped" (device i holds positions i, i + N, ...):
+        lay the inputs out with `x[:, layout_order(S, N, layout)]`, and the outputs come
+        back in that order. The mods still see original positions. Both balance a causal
+        mask's work across the devices; striped also deals every document of a packed
+        sequence out to all of them (zig-zag leaves a device whichever documents its two
+        chunks hold).
       strategy: "ring" (K/V shards passed round the ring, one step per device, each
         transfer overlapped with the previous step's kernels), "all_gather" (every device
         gathers the whole K/V once, `jax.lax.all_gather`, and runs one call: what Llama 3
@@ -135,8 +167,9 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must be 4-D shards [B, S, H, D], got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    if layout not in ("contiguous", "zig-zag"):
-        raise ValueError(f"layout must be 'contiguous' or 'zig-zag', got {layout!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got "
+                         f"{layout!r}")
     if layout == "zig-zag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"a zig-zag shard holds two equal chunks: shard lengths "
                          f"{q.shape[1]} and {k.shape[1]} must be even")
@@ -390,7 +423,7 @@ def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, optio
 
 def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options):
     """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (put back in sequence
-    order under the zig-zag layout), one call, and the outputs trade back.
+    order under the zig-zag and striped layouts), one call, and the outputs trade back.
 
     The call sees the whole sequence in order, so the mods run at their own positions,
     with no position arithmetic: the call is the one-device call on H / N heads (the
@@ -403,8 +436,8 @@ def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod,
     head_offset = (index * (q.shape[2] // devices)).astype(jnp.int32)
     q, k, v = (jax.lax.all_to_all(x, axis_name, 2, 1, tiled=True) for x in (q, k, v))
     order = None
-    if layout == "zig-zag":  # rows in device order -> sequence order, and back after
-        order = zigzag_order(q.shape[1], devices)
+    if layout != "contiguous":  # rows in device order -> sequence order, and back after
+        order = layout_order(q.shape[1], devices, layout)
         restore = jnp.argsort(order)
         q, k, v = (jnp.take(x, restore, axis=1) for x in (q, k, v))
 

@@ -49,7 +49,9 @@ from pallas_flex.bench.cli import gpu_name
 from pallas_flex.bench.timing import error_entry, time_calls
 
 STRATEGIES = {"ring": ("ring", "zig-zag"), "ring_contiguous": ("ring", "contiguous"),
-              "all_gather": ("all_gather", "zig-zag"), "all_to_all": ("all_to_all", "zig-zag")}
+              "ring_striped": ("ring", "striped"), "all_gather": ("all_gather", "zig-zag"),
+              "all_gather_striped": ("all_gather", "striped"),
+              "all_to_all": ("all_to_all", "zig-zag")}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                "all-to-all")
 
@@ -214,8 +216,7 @@ class Suite:
                 row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
                        "S": length}
                 try:
-                    order = (np.asarray(pf.context_parallel.zigzag_order(length, n))
-                             if layout == "zig-zag" else np.arange(length))
+                    order = np.asarray(pf.context_parallel.layout_order(length, n, layout))
                     restore = np.argsort(order)
                     sharded = NamedSharding(mesh, P(None, "cp"))
                     args = [jax.device_put(x[:, order], sharded) for x in (q, k, v, d_out)]
