@@ -25,6 +25,7 @@ import numpy as np
 from pallas_flex.kernels import device
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, require)
+from pallas_flex.paged.quantize import dequantize, is_quantized, quantize
 
 
 
@@ -34,7 +35,8 @@ def _ceil_div(a, b):
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["k_pages", "v_pages", "page_table", "lengths", "page_owner"],
+    data_fields=["k_pages", "v_pages", "page_table", "lengths", "page_owner", "k_scales",
+                 "v_scales"],
     meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
@@ -49,6 +51,9 @@ class PagedKVCache:
                  `page_table[b, p // page_size]` at offset `p % page_size`.
       lengths    int32 [max_batch]: tokens stored in each row (positions 0..lengths-1).
       page_owner int32 [num_pages]: the row holding each page, -1 = free.
+      k_scales, v_scales  float32 [num_pages, Hkv, page_size], for int8 / float8_e4m3fn
+                 pages (`create(dtype=jnp.int8)`): one scale per stored token and head
+                 (`pallas_flex.paged.quantize`); None for 16/32-bit pages.
 
     Methods return a new cache; under `jax.jit(..., donate_argnums=...)` the page
     updates are scatters done in place.
@@ -66,12 +71,16 @@ class PagedKVCache:
     page_table: jax.Array
     lengths: jax.Array
     page_owner: jax.Array
+    k_scales: jax.Array | None = None
+    v_scales: jax.Array | None = None
 
     @classmethod
     def create(cls, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
                kv_heads: int, head_dim: int, value_dim: int | None = None,
                dtype=jnp.bfloat16) -> "PagedKVCache":
-        """An empty cache: zero pages, all free; every row empty."""
+        """An empty cache: zero pages, all free; every row empty. dtype: the pages'
+        (float32, bfloat16, float16), or int8 / float8_e4m3fn for a quantized cache
+        (tokens written in 16 or 32 bits are quantized per token and head)."""
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq),
@@ -79,15 +88,18 @@ class PagedKVCache:
                             ("value_dim", value_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive Python int, got {value!r}")
-        if jnp.dtype(dtype) not in device.SUPPORTED_DTYPES:
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got "
-                             f"{jnp.dtype(dtype)}")
+        if jnp.dtype(dtype) not in device.SUPPORTED_DTYPES and not is_quantized(dtype):
+            raise ValueError(f"dtype must be float32, bfloat16, float16, int8 or "
+                             f"float8_e4m3fn, got {jnp.dtype(dtype)}")
+        scales = (jnp.ones((num_pages, kv_heads, page_size), jnp.float32)
+                  if is_quantized(dtype) else None)
         return cls(
             k_pages=jnp.zeros((num_pages, kv_heads, page_size, head_dim), dtype),
             v_pages=jnp.zeros((num_pages, kv_heads, page_size, value_dim), dtype),
             page_table=jnp.full((max_batch, max_pages_per_seq), -1, jnp.int32),
             lengths=jnp.zeros((max_batch,), jnp.int32),
-            page_owner=jnp.full((num_pages,), -1, jnp.int32))
+            page_owner=jnp.full((num_pages,), -1, jnp.int32),
+            k_scales=scales, v_scales=scales)
 
     # -- configuration, from the shapes ---------------------------------------------------
 
@@ -114,6 +126,11 @@ class PagedKVCache:
     @property
     def dtype(self):
         return self.k_pages.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the pages hold int8 / float8 values with per-token scales."""
+        return self.k_scales is not None
 
     @property
     def max_batch(self) -> int:
@@ -220,7 +237,10 @@ class PagedKVCache:
             if tuple(x.shape) != expected:
                 raise ValueError(f"{name} must have shape {expected} (the cache has "
                                  f"{self.kv_heads} kv heads of dim {dim}), got {tuple(x.shape)}")
-            if x.dtype != pages.dtype:
+            if self.quantized and x.dtype not in device.SUPPORTED_DTYPES:
+                raise ValueError(f"{name} must be float32, bfloat16 or float16 (quantized "
+                                 f"to the cache's {pages.dtype} when written), got {x.dtype}")
+            if not self.quantized and x.dtype != pages.dtype:
                 raise ValueError(f"{name} must have the cache's dtype {pages.dtype}, got "
                                  f"{x.dtype}")
         if k.shape[len(leading)] != v.shape[len(leading)]:
@@ -401,9 +421,17 @@ def _writes(cache, rows, input_pos, num_tokens, steps):
 
 
 def _write(cache, page, offset, k, v):
+    """The cache's page (and scale) arrays with k, v written; a quantized cache quantizes
+    them per token and head first."""
     # Indices (page, :, offset) put the token axes first: updates are [..., S, Hkv, D].
-    return (cache.k_pages.at[page, :, offset].set(k, mode="drop"),
-            cache.v_pages.at[page, :, offset].set(v, mode="drop"))
+    if not cache.quantized:
+        return dict(k_pages=cache.k_pages.at[page, :, offset].set(k, mode="drop"),
+                    v_pages=cache.v_pages.at[page, :, offset].set(v, mode="drop"))
+    (k, k_scales), (v, v_scales) = (quantize(x, cache.dtype) for x in (k, v))
+    return dict(k_pages=cache.k_pages.at[page, :, offset].set(k, mode="drop"),
+                v_pages=cache.v_pages.at[page, :, offset].set(v, mode="drop"),
+                k_scales=cache.k_scales.at[page, :, offset].set(k_scales, mode="drop"),
+                v_scales=cache.v_scales.at[page, :, offset].set(v_scales, mode="drop"))
 
 
 @jax.jit
@@ -411,10 +439,10 @@ def _assign(cache: PagedKVCache, batch_idx, input_pos, k, v) -> PagedKVCache:
     num_tokens = jnp.int32(k.shape[0])
     page, offset, valid = _writes(cache, batch_idx, input_pos, num_tokens,
                                   jnp.arange(k.shape[0], dtype=jnp.int32))
-    k_pages, v_pages = _write(cache, page, offset, k, v)
+    written = _write(cache, page, offset, k, v)
     target = jnp.where(valid, batch_idx, cache.max_batch)
     return dataclasses.replace(
-        cache, k_pages=k_pages, v_pages=v_pages,
+        cache, **written,
         lengths=cache.lengths.at[target].max(input_pos + num_tokens, mode="drop"))
 
 
@@ -423,17 +451,17 @@ def _assign_batch(cache: PagedKVCache, input_pos, k, v, num_tokens) -> PagedKVCa
     rows = jnp.arange(cache.max_batch, dtype=jnp.int32)
     page, offset, valid = _writes(cache, rows, input_pos, num_tokens,
                                   jnp.arange(k.shape[1], dtype=jnp.int32))
-    k_pages, v_pages = _write(cache, page, offset, k, v)
+    written = _write(cache, page, offset, k, v)
     lengths = jnp.where(valid & (num_tokens > 0),
                         jnp.maximum(cache.lengths, input_pos + num_tokens), cache.lengths)
-    return dataclasses.replace(cache, k_pages=k_pages, v_pages=v_pages, lengths=lengths)
+    return dataclasses.replace(cache, **written, lengths=lengths)
 
 
 def gather_contiguous(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
     """Every row's tokens in logical order, for tests and references.
 
     Returns (k [max_batch, max_seq_len, Hkv, D], v [max_batch, max_seq_len, Hkv, Dv]),
-    zero at positions >= lengths[b]. Allocates the whole logical cache: O(max_batch *
+    zero at positions >= lengths[b]; a quantized cache's dequantized, in float32. Allocates the whole logical cache: O(max_batch *
     max_seq_len) memory, not for use on a hot path.
     """
     if not isinstance(cache, PagedKVCache):
@@ -446,10 +474,12 @@ def _gather_contiguous(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
     stored = (jnp.arange(cache.max_seq_len, dtype=jnp.int32)[None, :]
               < cache.lengths[:, None])  # [B, max_seq_len]
 
-    def gather(pages):
+    def gather(pages, scales):
+        if scales is not None:
+            pages = dequantize(pages, scales)
         rows = pages[jnp.maximum(cache.page_table, 0)]  # [B, P, Hkv, page_size, D]
         rows = jnp.swapaxes(rows, 2, 3).reshape(
             cache.max_batch, cache.max_seq_len, pages.shape[1], pages.shape[3])
         return jnp.where(stored[:, :, None, None], rows, jnp.zeros((), pages.dtype))
 
-    return gather(cache.k_pages), gather(cache.v_pages)
+    return gather(cache.k_pages, cache.k_scales), gather(cache.v_pages, cache.v_scales)
