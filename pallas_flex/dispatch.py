@@ -87,7 +87,7 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
 
 def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
                    options: KernelOptions, paged: bool = False, out_dtype=None,
-                   with_max: bool = False) -> Choice:
+                   with_max: bool = False, quantized: bool = False) -> Choice:
     """The forward kernel of a call (see the module docstring's table). k / v are pages
     [num_pages, Hkv, page_size, D] when `paged`. A ValueError when kernel_options name
     the Mosaic kernel and it does not take the call."""
@@ -102,6 +102,12 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     if options.forward_kernel == "triton":
         return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
     named = options.forward_kernel == "mosaic"
+    if quantized:
+        if named:
+            raise ValueError("kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
+                             "GPU forward does not read quantized (int8 / float8) caches")
+        return Choice("triton_forward", "a quantized cache: the Triton forward applies its "
+                                        "scales")
     if interpret and not named:
         # What the CPU suite tests; the Mosaic kernel's interpret mode is asked by name.
         return Choice("triton_forward", 'backend "interpret" runs the Triton kernel unless '
@@ -119,10 +125,13 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
                 options: KernelOptions, interpret: bool, page_table=None, lengths=None,
-                out_dtype=None, with_max=False):
+                out_dtype=None, with_max=False, k_scales=None, v_scales=None):
     """(out, lse), and with_max the row max, of the kernel `choice` names (arguments as
-    `choose_forward`'s, plus the paged ones: page_table, lengths)."""
+    `choose_forward`'s, plus the paged ones: page_table, lengths, and a quantized
+    cache's k_scales, v_scales)."""
     paging = dict(page_table=page_table, lengths=lengths)
+    if k_scales is not None:
+        paging.update(k_scales=k_scales, v_scales=v_scales)
     if choice.kernel == "xla_blockwise":
         return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
                                    out_dtype=out_dtype, with_max=with_max)

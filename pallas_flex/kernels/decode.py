@@ -32,7 +32,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
-from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
+from pallas_flex.kernels.kv_tiles import (
+    load_rows, load_scales, page_table_row, paged_scale_view, paged_tile_view)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -47,10 +48,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                    score_program, scale, q_len, kv_len, rows, heads_per_program, group,
                    block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
                    dim_chunks, value_chunks, page_size, mask_every_tile, interpret,
-                   with_max=False):
+                   with_max=False, quantized=False):
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
+    if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
+        k_scales_ref, v_scales_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -92,9 +95,19 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 for start, width in dim_chunks]
         values = [load_tile(v_ref, tile_start, in_length, start, width)
                   for start, width in value_chunks]
+        value_scale = None
+        if quantized:  # 8-bit values are exact in 16 bits; the scales apply per column
+            keys = [key.astype(q_ref.dtype) for key in keys]
+            values = [value.astype(q_ref.dtype) for value in values]
+            k_scale, value_scale = (load_scales(paged_scale_view(
+                ref, page_table_row(page_table_ref, batch), kv_head, tile_start,
+                tile=block_kv, page_size=page_size), in_length)
+                for ref in (k_scales_ref, v_scales_ref))
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
+        if quantized:
+            scores = scores * k_scale
         kv_idx = tile_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         if score_program is None:
@@ -113,7 +126,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             keep = mask if keep is None else mask & keep
         if keep is not None:
             scores = jnp.where(keep, scores, -jnp.inf)
-        return online_softmax.update_chunks(state, scores, values, precision)
+        return online_softmax.update_chunks(state, scores, values, precision,
+                                            value_scale=value_scale)
 
     # This program's share of the row's tiles: numbers [low, high) of the list that has
     # the full tiles first, then the partial ones.
@@ -156,10 +170,11 @@ def _fit_to_shared_memory(options: KernelOptions, block_kv: int, num_stages: int
 
 def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: KernelOptions,
                 interpret: bool, page_table=None, lengths=None, out_dtype=None,
-                with_max=False):
+                with_max=False, k_scales=None, v_scales=None):
     """(out [B, Sq, Hq, Dv] in out_dtype (default q's), lse [B, Hq, Sq] float32), and
     with_max the row max of the logits [B, Hq, Sq] (the split-KV parts' maximum), for
-    short Sq.
+    short Sq. k_scales, v_scales: a quantized paged cache's per-token scales
+    [num_pages, Hkv, page_size] (its pages int8 / float8).
 
     Contiguous: k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], Skv = the BlockMask's KV_LEN.
     Paged: k [num_pages, Hkv, page_size, D] (v likewise), page_table [B, max_pages] int32
@@ -235,7 +250,9 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         broadcast_batch=mask_batch == 1, broadcast_heads=broadcast_heads,
         num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), page_size=page_size,
-        mask_every_tile=kv_len % block_kv != 0, interpret=interpret, with_max=with_max)
+        mask_every_tile=kv_len % block_kv != 0, interpret=interpret, with_max=with_max,
+        quantized=k_scales is not None)
+    scales = () if k_scales is None else (k_scales, v_scales)
     whole = pl.no_block_spec
     row_shape = jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),
                                      jnp.float32)
@@ -243,7 +260,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         kernel,
         grid=(batch, num_head_programs, num_splits),
         in_specs=[pl.BlockSpec((None, None) + q_rows.shape[2:], lambda b, p, s: (b, p, 0, 0)),
-                  whole, whole] + [whole] * (len(tables) + len(paging) + len(captured)),
+                  whole, whole] + [whole] * (len(tables) + len(paging) + len(scales) +
+                                             len(captured)),
         out_specs=[whole] * (3 if with_max else 2),
         out_shape=[
             jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows,
@@ -253,7 +271,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
                                              num_stages=num_stages),
         interpret=interpret,
         name="flex_attention_decode",
-    )(q_rows, k, v, *tables, *paging, *captured)
+    )(q_rows, k, v, *tables, *paging, *scales, *captured)
 
     out, lse = online_softmax.merge_partials(partial_out[:, :, :, :rows, :value_dim],
                                              partial_lse[:, :, :, :rows], axis=2)

@@ -22,7 +22,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
-from pallas_flex.kernels.kv_tiles import load_rows, page_table_row, paged_tile_view
+from pallas_flex.kernels.kv_tiles import (
+    load_rows, load_scales, page_table_row, paged_scale_view, paged_tile_view)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -32,12 +33,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
-                    interpret, group=1, paged=None, with_max=False):
+                    interpret, group=1, paged=None, with_max=False, quantized=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables."""
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
+    if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
+        k_scales_ref, v_scales_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -81,10 +84,19 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                          ) < kv_length
             keys = [load_paged(k_ref, kv_start, valid, *chunk) for chunk in dim_chunks]
             v = [load_paged(v_ref, kv_start, valid, *chunk) for chunk in value_chunks]
+            if quantized:  # 8-bit values are exact in 16 bits; scales apply per column
+                keys = [key.astype(q_ref.dtype) for key in keys]
+                v = [value.astype(q_ref.dtype) for value in v]
+                k_scale, value_scale = (load_scales(paged_scale_view(
+                    ref, page_table_row(page_table_ref, batch), kv_head, kv_start,
+                    tile=block_kv, page_size=page_size), valid)
+                    for ref in (k_scales_ref, v_scales_ref))
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=precision)
                          for q_chunk, key in zip(q_chunks, keys))
+            if quantized:
+                scores = scores * k_scale
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         # The factor that turns scores into base-2 logits (the scale without a score_mod,
         # log2(e) after one) is applied inside the softmax's exponent, one FMA per score,
@@ -109,7 +121,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = jnp.where(keep, scores, -jnp.inf)
         if paged is not None:
             return online_softmax.update_chunks(state, scores, v, precision,
-                                                logit_scale=logit_scale)
+                                                logit_scale=logit_scale,
+                                                value_scale=value_scale if quantized else None)
         return online_softmax.update(state, scores, v, precision, logit_scale=logit_scale)
 
     def walk(num_blocks_ref, indices_ref, state, masked):
@@ -161,9 +174,12 @@ def _reverse(tile, num_tiles):
 
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                            options: KernelOptions, interpret: bool, page_table=None,
-                           lengths=None, out_dtype=None, with_max=False):
+                           lengths=None, out_dtype=None, with_max=False, k_scales=None,
+                           v_scales=None):
     """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32),
     and with_max the row max of the logits [B, Hq, Sq] (float32, -inf where masked).
+    k_scales, v_scales: a quantized paged cache's per-token scales [num_pages, Hkv,
+    page_size] (its pages int8 / float8; q stays 16-bit).
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
@@ -220,13 +236,15 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         mask_block_q=mask_block_q, mask_block_kv=mask_block_kv,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
-        paged=paged_config, interpret=interpret, with_max=with_max)
+        paged=paged_config, interpret=interpret, with_max=with_max,
+        quantized=k_scales is not None)
+    scales = () if k_scales is None else (k_scales, v_scales)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(captured))
+    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(captured))
     row_spec = pl.BlockSpec((None, None, block_q),
                             lambda i, h, b: (b, h, _reverse(i, num_q_tiles)))
     row_shape = jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32)
@@ -247,6 +265,6 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
             num_stages=options.num_stages),
         interpret=interpret,
         name="flex_attention_forward_paged" if paged else "flex_attention_forward",
-    )(q, k, v, *tables, *paging, *captured)
+    )(q, k, v, *tables, *paging, *scales, *captured)
     return (out[:, :q_len, :, :value_dim],) + tuple(row[:, :, :q_len] for row in rows)
 

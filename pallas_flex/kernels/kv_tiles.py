@@ -63,3 +63,23 @@ def load_rows(view, valid_rows):
     if valid_rows is None:
         return view[...]
     return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)
+
+
+def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int):
+    """A `[tile]` view of the per-token scales [num_pages, Hkv, page_size] of a quantized
+    cache's logical rows tile_start.. (as `paged_tile_view` finds their pages)."""
+    if page_size % tile == 0:
+        page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), scales_ref.shape[0])
+        offset = lax.rem(tile_start, jnp.int32(page_size))
+        return scales_ref.at[page, kv_head, pl.ds(offset, tile)]
+    positions = tile_start + lax.iota(jnp.int32, tile)
+    pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))), scales_ref.shape[0])
+    return scales_ref.at[pages, jnp.full((tile,), kv_head), lax.rem(positions,
+                                                                    jnp.int32(page_size))]
+
+
+def load_scales(view, valid_rows):
+    """A `[1, tile]` row of scales; rows where valid_rows [tile, 1] is False read 0."""
+    if valid_rows is None:
+        return view[...][None, :]
+    return plgpu.load(view, mask=valid_rows[:, 0], other=0.0)[None, :]

@@ -77,8 +77,12 @@ def initial_state_chunks(block_q: int, value_chunks):
         jnp.zeros((block_q, width), jnp.float32) for width in value_chunks)
 
 
-def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=None):
+def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=None,
+                  value_scale=None):
     """`update` for v given as column chunks [block_kv, width_i] (one accumulator each).
+
+    value_scale: [1, block_kv] per-key scales of a quantized cache's values: P's columns
+    are scaled before P.v (the row sums keep the unscaled P).
 
     With `logit_scale` (> 0) the scale is applied inside the exponent, `exp2(s * c - m)`,
     one fused multiply-add per score, and to the row maximum of the raw scores: for
@@ -96,6 +100,8 @@ def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=N
     else:
         probabilities = jnp.exp2(scores_log2 * logit_scale - safe_max[:, None])
     running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
+    if value_scale is not None:
+        probabilities = probabilities * value_scale
     accumulators = tuple(
         accumulator * correction[:, None] + jax.lax.dot_general(
             probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),

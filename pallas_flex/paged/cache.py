@@ -461,8 +461,9 @@ def gather_contiguous(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
     """Every row's tokens in logical order, for tests and references.
 
     Returns (k [max_batch, max_seq_len, Hkv, D], v [max_batch, max_seq_len, Hkv, Dv]),
-    zero at positions >= lengths[b]; a quantized cache's dequantized, in float32. Allocates the whole logical cache: O(max_batch *
-    max_seq_len) memory, not for use on a hot path.
+    zero at positions >= lengths[b]; a quantized cache's dequantized, in float32.
+    Allocates the whole logical cache: O(max_batch * max_seq_len) memory, not for use on
+    a hot path.
     """
     if not isinstance(cache, PagedKVCache):
         raise ValueError(f"cache must be a PagedKVCache, got {type(cache).__name__}")

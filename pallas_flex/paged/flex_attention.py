@@ -40,7 +40,10 @@ def _validate(q, cache):
                          f"got {batch}")
     if head_dim != cache.head_dim:
         raise ValueError(f"q's head dim must equal the cache's ({cache.head_dim}), got {head_dim}")
-    if q.dtype != cache.dtype:
+    if cache.quantized and q.dtype not in (jnp.bfloat16, jnp.float16, jnp.float32):
+        raise ValueError(f"q must be bfloat16, float16 or float32 over a quantized "
+                         f"({cache.dtype}) cache, got {q.dtype}")
+    if not cache.quantized and q.dtype != cache.dtype:
         raise ValueError(f"q must have the cache's dtype {cache.dtype}, got {q.dtype}")
     if q_len == 0 or q_heads == 0:
         raise ValueError(f"q must be non-empty, got shape {q.shape}")
@@ -50,13 +53,15 @@ def _validate(q, cache):
 
 
 def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
-                          score_program, config):
+                          score_program, scales, config):
+    """scales: None, or a quantized cache's (k_scales, v_scales)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k_pages, v_pages, block_mask, score_program,
-                                     backend=backend, options=options, paged=True)
+                                     backend=backend, options=options, paged=True,
+                                     quantized=scales is not None)
 
     def attend(operands, offsets):
-        q, k_pages, v_pages, page_table, lengths, block_mask, score_program = operands
+        q, k_pages, v_pages, page_table, lengths, block_mask, score_program, scales = operands
         block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
         if choice.kernel != "decode":
             # Decode checks the length on every tile: clipping the BlockMask would cost
@@ -66,23 +71,25 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
             # clipping costs about 1 % of the H100 prefill in `pallas-flex bench paged`;
             # checking the length on every tile instead cost 5-6 % on the Triton kernel).
             block_mask = block_mask.clip_to_lengths(lengths)
+        k_scales, v_scales = scales if scales is not None else (None, None)
         return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
                                     scale=scale, options=options,
                                     interpret=backend == "interpret", page_table=page_table,
-                                    lengths=lengths)
+                                    lengths=lengths, k_scales=k_scales, v_scales=v_scales)
 
     # Tensor-parallel serving: a cache split over KV heads (pages [P, Hkv, page, D])
     # runs each device's heads on its own pages; batch rows share the page pool, so a
     # batch split is gathered.
     return sharding.call(
-        attend, (q, k_pages, v_pages, page_table, lengths, block_mask, score_program),
+        attend, (q, k_pages, v_pages, page_table, lengths, block_mask, score_program, scales),
         (sharding.QUERY, sharding.PAGES, sharding.PAGES, sharding.WHOLE, sharding.WHOLE,
-         sharding.roles_of(block_mask, None), sharding.WHOLE),
+         sharding.roles_of(block_mask, None), sharding.WHOLE,
+         None if scales is None else (sharding.PAGES, sharding.PAGES)),
         lambda results: (sharding.QUERY, sharding.ROW), batch=q.shape[0],
         q_heads=q.shape[2], kv_heads=k_pages.shape[1], split_batch=False)
 
 
-_paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(7,))
+_paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(8,))
 
 
 def _no_gradients(*args):
@@ -95,9 +102,9 @@ _paged_attention.defvjp(lambda *args: (_paged_attention_impl(*args), None), _no_
 
 @functools.partial(jax.jit, static_argnames=("config",))
 def _paged_attention_jit(q, k_pages, v_pages, page_table, lengths, block_mask, score_program,
-                         sinks=None, *, config):
+                         sinks=None, scales=None, *, config):
     out, lse = _paged_attention(q, k_pages, v_pages, page_table, lengths, block_mask,
-                                score_program, config)
+                                score_program, scales, config)
     return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
 
 
@@ -123,7 +130,9 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
 
     Args:
       q: [B, Sq, Hq, D] with B = cache.max_batch (row b attends to cache row b) and the
-        cache's dtype; Hq a multiple of the cache's KV heads.
+        cache's dtype (over a quantized int8 / float8 cache: bfloat16, float16 or
+        float32, the kernels applying the per-token scales); Hq a multiple of the cache's
+        KV heads.
       cache: the `PagedKVCache`; its logical length is `cache.max_seq_len`, and
         positions >= `cache.lengths[b]` are masked.
       mask_mod / block_mask: the mask over (q_idx in [0, Sq), logical kv_idx in
@@ -171,9 +180,10 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     sinks = check_sinks(sinks, q_heads)
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
+        scales = (cache.k_scales, cache.v_scales) if cache.quantized else None
         out, lse = _paged_attention_jit(q, cache.k_pages, cache.v_pages, cache.page_table,
                                         cache.lengths, block_mask, score_program, sinks,
-                                        config=(backend, scale, options))
+                                        scales, config=(backend, scale, options))
     else:
         out, lse = _gathered_reference(q, cache, block_mask, score_program, sinks,
                                        scale=scale)

@@ -54,7 +54,8 @@ def test_create_layout_and_properties():
     ("num_pages", 0, r"num_pages must be a positive Python int, got 0"),
     ("page_size", 2.0, r"page_size must be a positive Python int, got 2.0"),
     ("value_dim", -1, r"value_dim must be a positive Python int, got -1"),
-    ("dtype", jnp.int32, r"dtype must be float32, bfloat16 or float16, got int32"),
+    ("dtype", jnp.int32,
+     r"dtype must be float32, bfloat16, float16, int8 or float8_e4m3fn, got int32"),
 ])
 def test_create_errors(argument, value, message):
     arguments = dict(num_pages=4, page_size=2, max_batch=1, max_pages_per_seq=2, kv_heads=1,

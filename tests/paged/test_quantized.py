@@ -1,0 +1,132 @@
+"""Quantized paged KV caches (int8, float8_e4m3fn with per-(token, head) scales): what
+is written is quantized, the kernels (decode and paged prefill, in interpret mode) apply
+the scales inside, and outputs equal dense attention over the dequantized values."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex.kernels.reference import reference_attention
+from pallas_flex.paged import PagedKVCache, gather_contiguous, paged_flex_attention
+from pallas_flex.paged.quantize import dequantize, quantize
+
+B, HKV, HQ, D = 2, 2, 4, 64
+LENGTHS = (70, 33)
+DTYPES = [jnp.int8, jnp.float8_e4m3fn]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_round_trip_error_is_bounded(dtype):
+    x = jax.random.normal(jax.random.key(0), (5, 3, D)) * jnp.array([0.01, 1.0, 100.0])[
+        None, :, None]
+    values, scales = quantize(x, dtype)
+    assert values.dtype == dtype and scales.shape == (5, 3) and scales.dtype == jnp.float32
+    error = jnp.abs(dequantize(values, scales) - x)
+    largest = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    # int8: half a step of max/127; float8 e4m3: 3 mantissa bits, 2^-4 relative.
+    bound = largest / 254 if dtype == jnp.int8 else jnp.abs(x) / 16 + largest / 448 / 8
+    assert bool(jnp.all(error <= bound * 1.0001 + 1e-12)), float(jnp.max(error - bound))
+    zeros, zero_scales = quantize(jnp.zeros((2, D)), dtype)
+    assert bool(jnp.all(dequantize(zeros, zero_scales) == 0))
+
+
+def _cache(dtype, page_size=16):
+    cache = PagedKVCache.create(num_pages=32, page_size=page_size, max_batch=B,
+                                max_pages_per_seq=8, kv_heads=HKV, head_dim=D, dtype=dtype)
+    keys, values = [], []
+    for b, length in enumerate(LENGTHS):
+        cache = cache.reserve(b, length)
+        k = jax.random.normal(jax.random.key(b), (length, HKV, D)).astype(jnp.bfloat16)
+        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)).astype(jnp.bfloat16)
+        cache = cache.assign(b, 0, k, v)
+        keys.append(k)
+        values.append(v)
+    return cache, keys, values
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_writes_are_quantized_per_token_and_head(dtype):
+    cache, keys, _ = _cache(dtype)
+    assert cache.quantized and cache.k_pages.dtype == dtype
+    k_all, _ = gather_contiguous(cache)
+    values, scales = quantize(keys[0], dtype)
+    np.testing.assert_allclose(k_all[0, :LENGTHS[0]], dequantize(values, scales), rtol=1e-6)
+    assert bool(jnp.all(k_all[0, LENGTHS[0]:] == 0))
+    plain = PagedKVCache.create(num_pages=4, page_size=16, max_batch=1, max_pages_per_seq=2,
+                                kv_heads=HKV, head_dim=D)
+    assert not plain.quantized and plain.k_scales is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("page_size", [16, 12])  # a tile inside a page / across pages
+@pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel / the paged prefill
+def test_kernels_equal_attention_over_the_dequantized_cache(dtype, page_size, q_len):
+    cache, keys, values = _cache(dtype, page_size)
+    k_all, v_all = gather_contiguous(cache)
+    q = jax.random.normal(jax.random.key(5), (B, q_len, HQ, D)).astype(jnp.bfloat16)
+    lengths = cache.lengths
+    mask_mod = pf.masks.offset(pf.masks.causal_mask, lengths - q_len)
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
+    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    for backend in ("interpret", "xla"):
+        out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend)
+        assert out.dtype == jnp.bfloat16
+        np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2,
+                                   err_msg=backend)
+    # Against the unquantized cache: the quantization's own loss, small.
+    unquantized = PagedKVCache.create(num_pages=32, page_size=page_size, max_batch=B,
+                                      max_pages_per_seq=8, kv_heads=HKV, head_dim=D)
+    for b, length in enumerate(LENGTHS):
+        unquantized = unquantized.reserve(b, length).assign(b, 0, keys[b], values[b])
+    exact = paged_flex_attention(q, unquantized, mask_mod=mask_mod, backend="interpret")
+    loss = float(jnp.max(jnp.abs(out.astype(jnp.float32) - exact.astype(jnp.float32))))
+    assert loss < (0.05 if dtype == jnp.int8 else 0.15), loss
+
+
+def test_quantized_cache_errors():
+    cache, _, _ = _cache(jnp.int8)
+    with pytest.raises(ValueError, match="dtype must be"):
+        PagedKVCache.create(num_pages=4, page_size=16, max_batch=1, max_pages_per_seq=2,
+                            kv_heads=1, head_dim=8, dtype=jnp.int32)
+    with pytest.raises(ValueError, match="quantized"):
+        paged_flex_attention(jnp.zeros((B, 1, HQ, D), jnp.int8), cache, backend="interpret")
+    with pytest.raises(ValueError, match="quantized"):
+        cache.assign(0, 0, jnp.zeros((1, HKV, D), jnp.int8), jnp.zeros((1, HKV, D), jnp.int8))
+    with pytest.raises(ValueError, match="Mosaic"):
+        paged_flex_attention(jnp.zeros((B, 40, HQ, D), jnp.bfloat16), cache,
+                             backend="interpret", kernel_options={"forward_kernel": "mosaic"})
+
+
+def test_assign_batch_under_jit_quantizes_every_row():
+    cache = PagedKVCache.create(num_pages=16, page_size=16, max_batch=B, max_pages_per_seq=4,
+                                kv_heads=HKV, head_dim=D, dtype=jnp.float8_e4m3fn)
+    cache = cache.reserve(0, 8).reserve(1, 8)
+    k = jax.random.normal(jax.random.key(3), (B, 8, HKV, D))
+    cache = jax.jit(lambda c, k: c.assign_batch(jnp.zeros(B, jnp.int32), k, k))(cache, k)
+    k_all, v_all = gather_contiguous(cache)
+    values, scales = quantize(k, jnp.float8_e4m3fn)
+    np.testing.assert_allclose(k_all[:, :8], dequantize(values, scales), rtol=1e-6)
+    np.testing.assert_allclose(v_all[:, :8], dequantize(values, scales), rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_the_gpu_kernels_read_quantized_pages(dtype, q_len):
+    cache, _, _ = _cache(dtype)
+    k_all, v_all = gather_contiguous(cache)
+    q = jax.random.normal(jax.random.key(6), (B, q_len, HQ, D)).astype(jnp.bfloat16)
+    lengths = cache.lengths
+    mask_mod = pf.masks.offset(pf.masks.causal_mask, lengths - q_len)
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
+    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="pallas")
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
