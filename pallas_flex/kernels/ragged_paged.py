@@ -36,7 +36,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import device, online_softmax, shared_memory
-from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view
+from pallas_flex.kernels.kv_tiles import (
+    load_rows, load_scales, paged_scale_view, paged_tile_view)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
@@ -68,8 +69,14 @@ def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
 
 def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, block_indices_ref,
                    block_begins_ref, scale_ref, window_ref, slopes_ref, q_ref, k_ref, v_ref,
-                   out_ref, lse_ref, *, group, tokens_per_item, rows, block_kv, page_size,
-                   dim_chunks, value_chunks, num_splits, interpret):
+                   *refs, group, tokens_per_item, rows, block_kv, page_size,
+                   dim_chunks, value_chunks, num_splits, interpret, quantized=False):
+    """refs: (k_scales, v_scales: a quantized cache's [num_blocks, Hkv, block_size],)
+    out, lse."""
+    if quantized:
+        k_scales_ref, v_scales_ref, out_ref, lse_ref = refs
+    else:
+        out_ref, lse_ref = refs
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
@@ -123,14 +130,24 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
 
         keys = [load(k_ref, *chunk) for chunk in dim_chunks]
         values = [load(v_ref, *chunk) for chunk in value_chunks]
+        value_scale = None
+        if quantized:  # 8-bit values are exact in 16 bits; the scales apply per column
+            keys = [key.astype(q_ref.dtype) for key in keys]
+            values = [value.astype(q_ref.dtype) for value in values]
+            k_scale, value_scale = (load_scales(paged_scale_view(
+                ref, page_of, kv_head, tile_start, tile=block_kv, page_size=page_size),
+                valid_rows) for ref in (k_scales_ref, v_scales_ref))
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
+        if quantized:
+            scores = scores * k_scale
         distance = (kv_position - q_position).astype(jnp.float32)
         scores = scores * scale_log2 + slope_log2 * distance
         visible = (kv_position <= q_position) & (kv_position >= first_visible) & real
         scores = jnp.where(visible, scores, -jnp.inf)
-        return online_softmax.update_chunks(state, scores, values, precision)
+        return online_softmax.update_chunks(state, scores, values, precision,
+                                            value_scale=value_scale)
 
     # This split's share of the item's tiles: [low, high).
     per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
@@ -210,12 +227,14 @@ def planned_num_splits(query_shape, key_cache_shape, num_seqs: int, num_listed_b
 def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence_begins,
                            block_indices, block_indices_begins, scale, sliding_window,
                            alibi_slopes, *, interpret: bool, block_kv: int = 64,
-                           num_warps: int = 4, num_stages: int = 2, num_splits: int = 0):
+                           num_warps: int = 4, num_stages: int = 2, num_splits: int = 0,
+                           cache_scales=None):
     """(out [T, Hq, Dv] in query's dtype, lse [T, Hq] float32) from caches that already
     hold the new tokens. query [T, Hq, D]; caches [num_blocks, Hkv, block_size, D/Dv];
     scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq].
     num_splits: programs per work item (0 = automatic, see `choose_num_splits`; a larger
-    request than an item's possible tiles is capped)."""
+    request than an item's possible tiles is capped). cache_scales: a quantized (int8 /
+    float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
@@ -249,7 +268,8 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
         block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), num_splits=num_splits,
-        interpret=interpret)
+        interpret=interpret, quantized=cache_scales is not None)
+    scales = tuple(cache_scales or ())
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
                      jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]
@@ -261,7 +281,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_items, kv_heads, num_splits),
-        in_specs=[whole] * 12,
+        in_specs=[whole] * (12 + len(scales)),
         out_specs=[whole, whole],
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
@@ -269,7 +289,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         name="ragged_paged_attention",
     )(work_seq, work_first, past_lens.astype(jnp.int32), subsequence_begins.astype(jnp.int32),
       block_indices.astype(jnp.int32), block_indices_begins.astype(jnp.int32), *scalars,
-      query, key_cache, value_cache)
+      query, key_cache, value_cache, *scales)
     if num_splits > 1:
         out, lse = online_softmax.merge_partials(out, lse, axis=1)
         out = out.astype(query.dtype)

@@ -29,6 +29,7 @@ from pallas_flex.sinks import check_sinks, merge_sinks
 from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged_paged as ragged_kernel
+from pallas_flex.paged.quantize import dequantize, is_quantized, quantize
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, is_traced, require)
 
@@ -39,7 +40,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                     block_indices, block_indices_begins, *, scale=None, sliding_window=0,
                     alibi_slopes=None, score_aggregation_window=None, return_scores=False,
                     backend=None, num_splits=None, rotated_block_indices=None,
-                    rotation_deltas=None, rotation_trig_lut=None, sinks=None):
+                    rotation_deltas=None, rotation_trig_lut=None, sinks=None,
+                    key_cache_scales=None, value_cache_scales=None):
     """Attention for a packed batch of new tokens over their sequences' paged history.
 
     Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
@@ -90,6 +92,11 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         no value (attention sinks, as gpt-oss and OpenVINO's `sinks` input): weights
         become exp(s) / (sum exp(s) + exp(sink)), and `scores` count the keys' weights
         only.
+      key_cache_scales, value_cache_scales: float32 [num_blocks, Hkv, block_size], for
+        int8 or float8_e4m3fn caches (KV-cache compression; `pallas_flex.paged.quantize`):
+        one scale per stored token and head; the new tokens are quantized when written
+        and their scales set; query, key and value stay 16/32-bit. Both or neither; not
+        with the rotation inputs (yet).
       num_splits: programs that share one work item's KV blocks in the Pallas kernel
         (split-KV, merged exactly), or None to choose from the work (about 256
         programs); a Python int >= 1. Ignored by "xla".
@@ -99,6 +106,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
       output: [T, Hq * Dv] in query's dtype.
       key_cache, value_cache: the caches with the new tokens written (same shapes and
         dtype; with `jax.jit(..., donate_argnums=...)` the write happens in place).
+        With quantized caches, their scales follow: `(..., key_cache, value_cache,
+        key_cache_scales, value_cache_scales)`.
       scores: float32 [num_listed_blocks * block_size]. Per sequence, in sequence
         order, `past_lens[s] + new_len[s]` entries: the softmax weight each position
         received, summed over query heads and over the counted new tokens. The spec's
@@ -137,7 +146,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         raise ValueError(f"return_scores must be a Python bool (under jit, a static argument: "
                          f"static_argnames=('return_scores',)), got "
                          f"{type(return_scores).__name__}")
-    _validate_arrays(query, key, value, key_cache, value_cache)
+    cache_scales = _validate_arrays(query, key, value, key_cache, value_cache,
+                                    key_cache_scales, value_cache_scales)
     num_seqs = _num_seqs(past_lens)
     past_lens = as_index_vector(past_lens, "past_lens", num_seqs)
     subsequence_begins = as_index_vector(subsequence_begins, "subsequence_begins", num_seqs + 1)
@@ -154,11 +164,14 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
     rotation = _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
                                  key_cache)
+    if rotation is not None and cache_scales is not None:
+        raise ValueError("the rotation inputs (13-15) are not supported on quantized caches "
+                         "(yet): rotate before quantizing")
     sinks = check_sinks(sinks, query.shape[1] // head_dim)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-        aggregation_window, rotation, sinks, return_scores=bool(return_scores),
+        aggregation_window, rotation, sinks, cache_scales, return_scores=bool(return_scores),
         backend=backend, num_splits=num_splits or 0)
 
 
@@ -175,7 +188,9 @@ def score_offsets(past_lens, subsequence_begins):
 # -- (a) validation ------------------------------------------------------------------------
 
 
-def _validate_arrays(query, key, value, key_cache, value_cache):
+def _validate_arrays(query, key, value, key_cache, value_cache, key_cache_scales=None,
+                     value_cache_scales=None):
+    """Checks the arrays; returns the caches' (key, value) scales or None."""
     arrays = (("query", query, 2, "[T, Hq * D]"), ("key", key, 2, "[T, Hkv * D]"),
               ("value", value, 2, "[T, Hkv * Dv]"),
               ("key_cache", key_cache, 4, "[num_blocks, Hkv, block_size, D]"),
@@ -184,12 +199,31 @@ def _validate_arrays(query, key, value, key_cache, value_cache):
         if not hasattr(x, "shape") or len(x.shape) != rank:
             raise ValueError(f"{name} must be a {rank}-D array {layout}, got shape "
                              f"{getattr(x, 'shape', type(x).__name__)}")
+    quantized = (key_cache_scales is not None or value_cache_scales is not None
+                 or is_quantized(key_cache.dtype) or is_quantized(value_cache.dtype))
+    checked = arrays[:3] if quantized else arrays
+    for name, x, _, _ in checked:
         if jnp.dtype(x.dtype) not in device.SUPPORTED_DTYPES:
             raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    dtypes = [x.dtype for _, x, _, _ in arrays]
+    dtypes = [x.dtype for _, x, _, _ in checked]
     if len(set(dtypes)) != 1:
-        raise ValueError("query, key, value, key_cache and value_cache must share a dtype, "
+        names = [n for n, *_ in checked]
+        raise ValueError(f"{', '.join(names[:-1])} and {names[-1]} must share a dtype, "
                          f"got {', '.join(str(d) for d in dtypes)}")
+    cache_scales = None
+    if quantized:
+        if key_cache.dtype != value_cache.dtype or not is_quantized(key_cache.dtype):
+            raise ValueError(f"quantized caches must both be int8 or float8_e4m3fn, got "
+                             f"{key_cache.dtype} and {value_cache.dtype}")
+        expected = tuple(key_cache.shape[:3])
+        for name, x in (("key_cache_scales", key_cache_scales),
+                        ("value_cache_scales", value_cache_scales)):
+            if x is None or tuple(getattr(x, "shape", ())) != expected or \
+                    jnp.dtype(x.dtype) != jnp.float32:
+                raise ValueError(f"{name} must be float32 [num_blocks, Hkv, block_size] = "
+                                 f"{list(expected)} for {key_cache.dtype} caches, got "
+                                 f"{getattr(x, 'shape', x)}")
+        cache_scales = (key_cache_scales, value_cache_scales)
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if 0 in key_cache.shape or 0 in value_cache.shape:
         raise ValueError(f"key_cache and value_cache must be non-empty, got shapes "
@@ -215,6 +249,7 @@ def _validate_arrays(query, key, value, key_cache, value_cache):
         raise ValueError(f"query's width ({query_width}) must be Hq * D with D = {head_dim} "
                          f"(key_cache's head dim) and Hq a positive multiple of Hkv = "
                          f"{kv_heads}")
+    return cache_scales
 
 
 def _num_seqs(past_lens):
@@ -470,19 +505,21 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 @functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits"))
 def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
-                         alibi_slopes, aggregation_window, rotation=None, sinks=None, *,
-                         return_scores, backend="xla", num_splits=0):
+                         alibi_slopes, aggregation_window, rotation=None, sinks=None,
+                         cache_scales=None, *, return_scores, backend="xla", num_splits=0):
     # Tensor-parallel serving: caches split over KV heads ([blocks, Hkv, block, D]) with
     # the tokens' heads (query [T, Hq * D] split between heads) run each device's heads
     # alone; the scores, summed over heads, are summed over the devices.
     operands = (query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                 block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
-                aggregation_window, rotation, sinks)
+                aggregation_window, rotation, sinks, cache_scales)
     roles = ((sharding.TOKENS, sharding.TOKEN_KV, sharding.TOKEN_KV, sharding.PAGES,
               sharding.PAGES) + (sharding.WHOLE,) * 6
-             + (sharding.PER_HEAD, sharding.WHOLE, sharding.WHOLE, sharding.PER_HEAD))
-    result_roles = ((sharding.TOKENS, sharding.SUM, sharding.PAGES, sharding.PAGES)
-                    if return_scores else (sharding.TOKENS, sharding.PAGES, sharding.PAGES))
+             + (sharding.PER_HEAD, sharding.WHOLE, sharding.WHOLE, sharding.PER_HEAD,
+                None if cache_scales is None else (sharding.PAGES, sharding.PAGES)))
+    caches = (sharding.PAGES,) * (2 if cache_scales is None else 4)
+    result_roles = ((sharding.TOKENS, sharding.SUM) + caches if return_scores
+                    else (sharding.TOKENS,) + caches)
     return sharding.call(
         lambda operands, offsets: _paged_attention_shard(
             *operands, return_scores=return_scores, backend=backend, num_splits=num_splits),
@@ -494,7 +531,7 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
 def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            subsequence_begins, block_indices, block_indices_begins, scale,
                            sliding_window, alibi_slopes, aggregation_window, rotation,
-                           sinks, *, return_scores, backend, num_splits):
+                           sinks, cache_scales, *, return_scores, backend, num_splits):
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if rotation is not None:  # (a') before the new tokens land in rotated blocks
@@ -509,22 +546,30 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     # (b) One scatter per cache; indices (block, :, offset) put the token axis first.
     in_range = (layout.write_block >= 0) & (layout.write_block < num_blocks)
     target = jnp.where(in_range, layout.write_block, num_blocks)  # out of range: dropped
-    key_cache = key_cache.at[target, :, layout.write_offset].set(
-        key.reshape(num_tokens, kv_heads, head_dim), mode="drop")
-    value_cache = value_cache.at[target, :, layout.write_offset].set(
-        value.reshape(num_tokens, kv_heads, value_dim), mode="drop")
+    key = key.reshape(num_tokens, kv_heads, head_dim)
+    value = value.reshape(num_tokens, kv_heads, value_dim)
+    if cache_scales is not None:  # quantized per token and head as they are written
+        (key, key_scales), (value, value_scales) = (
+            quantize(x, key_cache.dtype) for x in (key, value))
+        cache_scales = tuple(
+            scales.at[target, :, layout.write_offset].set(new, mode="drop")
+            for scales, new in zip(cache_scales, (key_scales, value_scales)))
+    key_cache = key_cache.at[target, :, layout.write_offset].set(key, mode="drop")
+    value_cache = value_cache.at[target, :, layout.write_offset].set(value, mode="drop")
 
     # (c)
     context = (past_lens + jnp.diff(subsequence_begins))[layout.seq]  # [T]
     pages = _PageWalk(query.reshape(num_tokens, kv_heads, group, head_dim), key_cache, layout,
-                      context, block_indices, block_indices_begins, scale, alibi_slopes)
+                      context, block_indices, block_indices_begins, scale, alibi_slopes,
+                      cache_scales)
     if backend == "xla":
         out, lse = pages.attend(value_cache)
     else:  # the Pallas kernel reads the updated caches in place
         out, lse = ragged_kernel.ragged_paged_attention(
             query.reshape(num_tokens, q_heads, head_dim), key_cache, value_cache, past_lens,
             subsequence_begins, block_indices, block_indices_begins, scale, sliding_window,
-            alibi_slopes, interpret=backend == "interpret", num_splits=num_splits)
+            alibi_slopes, interpret=backend == "interpret", num_splits=num_splits,
+            cache_scales=cache_scales)
         lse = lse.reshape(num_tokens, kv_heads, group)
     if sinks is not None:  # one more part of every row, with no value
         out, lse = merge_sinks(out.reshape(num_tokens, q_heads, value_dim),
@@ -532,8 +577,9 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                                head_axis_of_out=1, head_axis_of_lse=1)
         lse = lse.reshape(num_tokens, kv_heads, group)
     output = out.reshape(num_tokens, q_heads * value_dim).astype(query.dtype)
+    caches = (key_cache, value_cache) + tuple(cache_scales or ())
     if not return_scores:
-        return output, key_cache, value_cache
+        return (output,) + caches
 
     # (d)
     new_lens = jnp.diff(subsequence_begins)
@@ -541,7 +587,7 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     counted = (window <= 0) | (layout.index >= new_lens[layout.seq] - window)
     offsets = score_offsets(past_lens, subsequence_begins)
     scores = pages.scores(lse, counted, offsets[layout.seq], block_indices.shape[0] * block_size)
-    return output, scores, key_cache, value_cache
+    return (output, scores) + caches
 
 
 class _PageWalk:
@@ -553,9 +599,10 @@ class _PageWalk:
     """
 
     def __init__(self, query, key_cache, layout, context, block_indices, block_indices_begins,
-                 scale, alibi_slopes):
+                 scale, alibi_slopes, cache_scales=None):
         self.query = query  # [T, Hkv, G, D]
         self.key_cache = key_cache
+        self.cache_scales = cache_scales  # a quantized cache's (key, value) scales
         self.layout = layout
         self.context = context  # [T]: positions its sequence holds (past + new tokens)
         self.block_indices = block_indices
@@ -578,6 +625,8 @@ class _PageWalk:
                           logical_block)
         block = jnp.clip(block, 0, self.key_cache.shape[0] - 1)
         keys = self.key_cache[block]  # [T, Hkv, block_size, D]
+        if self.cache_scales is not None:
+            keys = dequantize(keys, self.cache_scales[0][block], self.query.dtype)
         logits = jnp.einsum("thgd,thkd->thgk", self.query, keys,
                             preferred_element_type=jnp.float32,
                             precision=self.precision) * self.scale
@@ -607,8 +656,11 @@ class _PageWalk:
             # written by this sequence) are zeroed: their weight is 0, but 0 * NaN = NaN
             # in the product. The Pallas kernel zeroes the same rows on load.
             written = key_pos < self.context[:, None]  # [T, block_size]
-            values = jnp.where(written[:, None, :, None], value_cache[block],
-                               jnp.zeros((), value_cache.dtype))  # [T, Hkv, bs, Dv]
+            values = value_cache[block]
+            if self.cache_scales is not None:
+                values = dequantize(values, self.cache_scales[1][block], self.query.dtype)
+            values = jnp.where(written[:, None, :, None], values,
+                               jnp.zeros((), values.dtype))  # [T, Hkv, bs, Dv]
             return update(state, logits, values)
 
         state = (jnp.full((num_tokens, kv_heads, group), -jnp.inf, jnp.float32),
