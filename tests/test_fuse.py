@@ -270,3 +270,20 @@ def test_programs_without_attention_run_as_written():
     fused = pf.fuse(program)
     np.testing.assert_allclose(jax.jit(fused)(x), program(x), rtol=1e-6)
     np.testing.assert_allclose(jax.grad(fused)(x), jax.grad(program)(x), rtol=1e-6)
+
+
+def test_attention_inside_jax_checkpoint_is_fused_and_stays_rematerialized(calls):
+    """A remat'd block (jax.checkpoint, as flax's nn.remat makes): its attention is fused,
+    the region is still a checkpoint, and gradients equal the written code's."""
+    q, k, v, _ = _inputs(20)
+    causal = jnp.tril(jnp.ones((S, S), bool))
+
+    def block(q, k, v):
+        return jax.checkpoint(lambda q, k, v: jnp.tanh(_attend(
+            q, k, v, lambda s: jnp.where(causal, s, -jnp.inf))) * 2,
+            policy=jax.checkpoint_policies.nothing_saveable)(q, k, v)
+    assert pf.explain_fuse(block, q, k, v).startswith("inside jax.checkpoint: ")
+    calls.clear()  # (explain_fuse traces the call too)
+    _check(block, (q, k, v), calls)
+    fused_jaxpr = jax.make_jaxpr(pf.fuse(block, backend="xla"))(q, k, v)
+    assert any(eqn.primitive.name in ("remat2", "checkpoint") for eqn in fused_jaxpr.eqns)

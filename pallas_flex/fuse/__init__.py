@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.extend
 
 from pallas_flex.fuse import graph as graph_lib
 from pallas_flex.fuse import match, rewrite
@@ -48,9 +49,27 @@ def _trace(fn, args, kwargs):
     return graph_lib.flatten(closed), arrays, jax.tree.structure(shape)
 
 
-def _plan(graph, options):
+REMAT = ("remat2", "checkpoint")
+
+
+def _plan(graph, options, where=""):
+    """(findings, replacements) of a graph, recursing into `jax.checkpoint` regions (a
+    remat'd transformer block keeps its rematerialization, with its attention fused)."""
     findings = match.find(graph)
+    for finding in findings:
+        finding.where = where + finding.where
     replacements = _Replacements()
+    for node in graph.nodes:
+        inner = node.params.get("jaxpr") if node.name in REMAT else None
+        if inner is None or inner.constvars:
+            continue
+        subgraph = graph_lib.flatten(jax.extend.core.ClosedJaxpr(inner, []))
+        inner_findings, inner_replacements = _plan(subgraph, options,
+                                                   where + "inside jax.checkpoint: ")
+        findings += inner_findings
+        if inner_replacements.calls:
+            replacements.calls[node] = functools.partial(
+                _remat, node=node, subgraph=subgraph, replacements=inner_replacements)
     producers = graph.producers()
     for finding in findings:
         attention = finding.attention
@@ -61,6 +80,14 @@ def _plan(graph, options):
             finding=finding)
         replacements.skipped |= attention.nodes - {attention.pv}
     return findings, replacements
+
+
+def _remat(read, *, node, subgraph, replacements):
+    """A `jax.checkpoint` region run with its attention fused, rematerialized as before."""
+    def region(*arguments):
+        return graph_lib.evaluate(subgraph, list(arguments), replacements)
+    return jax.checkpoint(region, prevent_cse=node.params.get("prevent_cse", True),
+                          policy=node.params.get("policy"))(*[read(x) for x in node.inputs])
 
 
 def _fused(read, *, attention, options, producers, finding):
