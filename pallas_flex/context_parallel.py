@@ -66,6 +66,10 @@ def _gathered_positions(length, devices, layout):
     return lambda g: _positions(g // length, length, devices, layout)(g % length)
 
 
+def _same(index):
+    return index
+
+
 def _at_global_positions(mod, q_position, kv_position, is_score, head=lambda h: h):
     """`mod` evaluated at global positions (and heads: `head`), from traced shard offsets
     the kernels read as captured arrays, so one program serves every device and step."""
@@ -444,10 +448,7 @@ def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod,
     def at_global_heads(mod, is_score):
         if mod is None or not make_mod_program(mod, SCORE if is_score else MASK).uses_head:
             return mod
-        if is_score:
-            return lambda score, b, h, q_idx, kv_idx: mod(score, b, h + head_offset,
-                                                           q_idx, kv_idx)
-        return lambda b, h, q_idx, kv_idx: mod(b, h + head_offset, q_idx, kv_idx)
+        return _at_global_positions(mod, _same, _same, is_score, lambda h: h + head_offset)
     out, lse = attention(q, k, v, return_lse=True, **options,
                          mask_mod=at_global_heads(mask_mod, False),
                          score_mod=at_global_heads(score_mod, True))

@@ -202,7 +202,7 @@ def _softmax_at(exp_node, producers, consumers):
     return logits, axis, divide.outputs[0], nodes
 
 
-def _free_dims(shape, contracting, batch):
+def free_dims(shape, contracting, batch):
     return [d for d in range(len(shape)) if d not in contracting and d not in batch]
 
 
@@ -216,7 +216,7 @@ def _product_roles(node):
     lhs, rhs = node.inputs
     roles = [("b", i) for i in range(len(lb))]
     for operand, contracting, batch, name in ((lhs, lc, lb, "L"), (rhs, rc, rb, "R")):
-        free = _free_dims(operand.shape, contracting, batch)
+        free = free_dims(operand.shape, contracting, batch)
         long = [d for d in free if operand.shape[d] != 1]
         if len(long) not in (1, 2):
             return None
@@ -245,7 +245,7 @@ def _propagate(graph, start, roles):
             source = known[node.inputs[0]]
             result = tuple(source[p] for p in node.params["permutation"])
         elif node.name in ("reshape", "squeeze"):
-            result = _reshape_roles(known[node.inputs[0]], node.inputs[0].shape, out.shape)
+            result = reshape_roles(known[node.inputs[0]], node.inputs[0].shape, out.shape)
         if result is None:
             poisoned.update(node.outputs)
         else:
@@ -271,7 +271,7 @@ def _elementwise_roles(node, known, out):
     return tuple(result)
 
 
-def _reshape_roles(roles, in_shape, out_shape):
+def reshape_roles(roles, in_shape, out_shape):
     """Roles through a reshape that only adds or drops size-1 dims, else None."""
     long_in = [(s, r) for s, r in zip(in_shape, roles) if s != 1]
     long_out = [s for s in out_shape if s != 1]
@@ -386,7 +386,7 @@ def _check_pv(pv, p_operand, p_roles):
     if {p_roles[d] for d in batch} != batch_roles or len(batch) != len(batch_roles):
         raise _NotFusable("the product with the values does not keep every batch/head "
                           "dimension of the scores")
-    long_free = [d for d in _free_dims(v.shape, v_contracting, v_batch) if v.shape[d] != 1]
+    long_free = [d for d in free_dims(v.shape, v_contracting, v_batch) if v.shape[d] != 1]
     if len(long_free) != 1:
         raise _NotFusable("the values have more than one feature dimension")
 

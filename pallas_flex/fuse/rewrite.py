@@ -10,7 +10,7 @@ import math
 import jax.numpy as jnp
 
 from pallas_flex.fuse.graph import Const, Value, bind
-from pallas_flex.fuse.match import ELEMENTWISE, _free_dims, _reshape_roles
+from pallas_flex.fuse.match import ELEMENTWISE, free_dims, reshape_roles
 
 SUPPORTED = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -37,14 +37,14 @@ def _to_bshd(x, batch, heads):
     return jnp.swapaxes(x.reshape((batch, heads) + x.shape[-2:]), 1, 2)
 
 
-def _operand_dims(node, operand, group_size):
+def _operand_dims(node, operand):
     """(batch dims in canonical order + the group dim, [sequence dim], contracting dims)
     of a product's operand; the group dim is the long free dim that is not the sequence
     (`match._product_roles` took the longer as the sequence)."""
     (lc, rc), (lb, rb) = node.params["dimension_numbers"]
     contracting, batch = (lc, lb) if operand == 0 else (rc, rb)
     x = node.inputs[operand]
-    free = [d for d in _free_dims(x.shape, contracting, batch) if x.shape[d] != 1]
+    free = [d for d in free_dims(x.shape, contracting, batch) if x.shape[d] != 1]
     sequence = max(free, key=lambda d: (x.shape[d], d))
     group = [d for d in free if d != sequence]
     return list(batch) + group, [sequence], list(contracting)
@@ -67,8 +67,8 @@ def build(attention, read, options, producers):
     batch = math.prod(batch_sizes[:-1])
     kv_heads = batch_sizes[-1] if batch_sizes else 1
     q_heads = kv_heads * (group or 1)
-    q_batch, q_free, q_contract = _operand_dims(qk, attention.q_operand, group)
-    k_batch, k_free, k_contract = _operand_dims(qk, 1 - attention.q_operand, None)
+    q_batch, q_free, q_contract = _operand_dims(qk, attention.q_operand)
+    k_batch, k_free, k_contract = _operand_dims(qk, 1 - attention.q_operand)
     if len(q_contract) != 1:
         raise Unsupported("q.k contracts more than one feature dimension")
     q = _to_bshd(_canonical(read(qk.inputs[attention.q_operand]), q_batch, q_free,
@@ -82,7 +82,7 @@ def build(attention, read, options, producers):
     p_roles = attention.roles[attention.probabilities]
     v_value = pv.inputs[1 - p_operand]
     order = sorted(range(len(p_batch)), key=lambda j: p_roles[p_batch[j]][1])
-    v_free = [d for d in _free_dims(v_value.shape, v_contract, v_batch)
+    v_free = [d for d in free_dims(v_value.shape, v_contract, v_batch)
               if v_value.shape[d] != 1]
     v = _to_bshd(_canonical(read(v_value), [v_batch[j] for j in order], list(v_contract),
                             v_free), batch, kv_heads)
@@ -137,9 +137,9 @@ def _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch):
     p_value = pv.inputs[p_operand]
     p_contract, p_batch = (lc, lb) if p_operand == 0 else (rc, rb)
     batch = [p_roles[d] for d in p_batch]
-    p_free = [p_roles[d] for d in _free_dims(p_value.shape, p_contract, p_batch)]
+    p_free = [p_roles[d] for d in free_dims(p_value.shape, p_contract, p_batch)]
     v_free = ["dv" if v_value.shape[d] != 1 else None
-              for d in _free_dims(v_value.shape, v_contract, v_batch)]
+              for d in free_dims(v_value.shape, v_contract, v_batch)]
     return batch + (p_free + v_free if p_operand == 0 else v_free + p_free)
 
 
@@ -218,7 +218,7 @@ class _Mods:
                 inner[p] = roles[j]
             return self._scalar(node.inputs[0], tuple(inner), index, score)
         if name in ("reshape", "squeeze"):
-            inner = _reshape_roles(roles, x.shape, node.inputs[0].shape)
+            inner = reshape_roles(roles, x.shape, node.inputs[0].shape)
             if inner is None:
                 return None
             return self._scalar(node.inputs[0], inner, index, score)

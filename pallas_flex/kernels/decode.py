@@ -33,7 +33,7 @@ from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import (
-    load_rows, load_scales, page_table_row, paged_scale_view, paged_tile_view)
+    load_rows, page_table_row, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -53,7 +53,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     if paged:
         page_table_ref, lengths_ref, *refs = refs
     if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
-        k_scales_ref, v_scales_ref, *refs = refs
+        scale_refs, refs = refs[:2], refs[2:]
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -96,18 +96,16 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         values = [load_tile(v_ref, tile_start, in_length, start, width)
                   for start, width in value_chunks]
         value_scale = None
-        if quantized:  # 8-bit values are exact in 16 bits; the scales apply per column
-            keys = [key.astype(q_ref.dtype) for key in keys]
-            values = [value.astype(q_ref.dtype) for value in values]
-            k_scale, value_scale = (load_scales(paged_scale_view(
-                ref, page_table_row(page_table_ref, batch), kv_head, tile_start,
-                tile=block_kv, page_size=page_size), in_length)
-                for ref in (k_scales_ref, v_scales_ref))
+        if quantized:
+            keys, values, key_scale, value_scale = quantized_tiles(
+                keys, values, scale_refs, page_table_row(page_table_ref, batch), kv_head,
+                tile_start, tile=block_kv, page_size=page_size, valid_rows=in_length,
+                dtype=q_ref.dtype)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
         if quantized:
-            scores = scores * k_scale
+            scores = scores * key_scale
         kv_idx = tile_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         if score_program is None:

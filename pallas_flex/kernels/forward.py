@@ -23,7 +23,7 @@ from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import (
-    load_rows, load_scales, page_table_row, paged_scale_view, paged_tile_view)
+    load_rows, page_table_row, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -40,7 +40,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
     if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
-        k_scales_ref, v_scales_ref, *refs = refs
+        scale_refs, refs = refs[:2], refs[2:]
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -84,19 +84,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                          ) < kv_length
             keys = [load_paged(k_ref, kv_start, valid, *chunk) for chunk in dim_chunks]
             v = [load_paged(v_ref, kv_start, valid, *chunk) for chunk in value_chunks]
-            if quantized:  # 8-bit values are exact in 16 bits; scales apply per column
-                keys = [key.astype(q_ref.dtype) for key in keys]
-                v = [value.astype(q_ref.dtype) for value in v]
-                k_scale, value_scale = (load_scales(paged_scale_view(
-                    ref, page_table_row(page_table_ref, batch), kv_head, kv_start,
-                    tile=block_kv, page_size=page_size), valid)
-                    for ref in (k_scales_ref, v_scales_ref))
+            value_scale = None
+            if quantized:
+                keys, v, key_scale, value_scale = quantized_tiles(
+                    keys, v, scale_refs, page_table_row(page_table_ref, batch), kv_head,
+                    kv_start, tile=block_kv, page_size=page_size, valid_rows=valid,
+                    dtype=q_ref.dtype)
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=precision)
                          for q_chunk, key in zip(q_chunks, keys))
             if quantized:
-                scores = scores * k_scale
+                scores = scores * key_scale
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         # The factor that turns scores into base-2 logits (the scale without a score_mod,
         # log2(e) after one) is applied inside the softmax's exponent, one FMA per score,
@@ -122,7 +121,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         if paged is not None:
             return online_softmax.update_chunks(state, scores, v, precision,
                                                 logit_scale=logit_scale,
-                                                value_scale=value_scale if quantized else None)
+                                                value_scale=value_scale)
         return online_softmax.update(state, scores, v, precision, logit_scale=logit_scale)
 
     def walk(num_blocks_ref, indices_ref, state, masked):

@@ -83,3 +83,18 @@ def load_scales(view, valid_rows):
     if valid_rows is None:
         return view[...][None, :]
     return plgpu.load(view, mask=valid_rows[:, 0], other=0.0)[None, :]
+
+
+def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, tile: int,
+                    page_size: int, valid_rows, dtype):
+    """A quantized (int8 / float8) cache's tiles ready for the matmuls: (key and value
+    column chunks in the queries' 16-bit `dtype`, exact for both formats; the keys'
+    scales [1, tile], which multiply the score columns after q.k; the values' scales,
+    which multiply P's columns before P.v). scale_refs: (k_scales, v_scales)
+    [num_pages, Hkv, page_size]."""
+    key_scale, value_scale = (
+        load_scales(paged_scale_view(ref, page_of, kv_head, tile_start, tile=tile,
+                                     page_size=page_size), valid_rows)
+        for ref in scale_refs)
+    return ([key.astype(dtype) for key in keys], [value.astype(dtype) for value in values],
+            key_scale, value_scale)

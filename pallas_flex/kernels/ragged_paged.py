@@ -36,8 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import device, online_softmax, shared_memory
-from pallas_flex.kernels.kv_tiles import (
-    load_rows, load_scales, paged_scale_view, paged_tile_view)
+from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view, quantized_tiles
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
@@ -73,10 +72,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                    dim_chunks, value_chunks, num_splits, interpret, quantized=False):
     """refs: (k_scales, v_scales: a quantized cache's [num_blocks, Hkv, block_size],)
     out, lse."""
-    if quantized:
-        k_scales_ref, v_scales_ref, out_ref, lse_ref = refs
-    else:
-        out_ref, lse_ref = refs
+    scale_refs, (out_ref, lse_ref) = refs[:-2], refs[-2:]
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
@@ -131,17 +127,15 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
         keys = [load(k_ref, *chunk) for chunk in dim_chunks]
         values = [load(v_ref, *chunk) for chunk in value_chunks]
         value_scale = None
-        if quantized:  # 8-bit values are exact in 16 bits; the scales apply per column
-            keys = [key.astype(q_ref.dtype) for key in keys]
-            values = [value.astype(q_ref.dtype) for value in values]
-            k_scale, value_scale = (load_scales(paged_scale_view(
-                ref, page_of, kv_head, tile_start, tile=block_kv, page_size=page_size),
-                valid_rows) for ref in (k_scales_ref, v_scales_ref))
+        if quantized:
+            keys, values, key_scale, value_scale = quantized_tiles(
+                keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
+                page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype)
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
         if quantized:
-            scores = scores * k_scale
+            scores = scores * key_scale
         distance = (kv_position - q_position).astype(jnp.float32)
         scores = scores * scale_log2 + slope_log2 * distance
         visible = (kv_position <= q_position) & (kv_position >= first_visible) & real

@@ -61,19 +61,24 @@ def test_writes_are_quantized_per_token_and_head(dtype):
     assert not plain.quantized and plain.k_scales is None
 
 
+def _decode_step(cache, q_len, seed):
+    """(q, its offset causal mask_mod, dense attention over the dequantized cache)."""
+    k_all, v_all = gather_contiguous(cache)
+    q = jax.random.normal(jax.random.key(seed), (B, q_len, HQ, D)).astype(jnp.bfloat16)
+    lengths = cache.lengths
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
+    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    return q, pf.masks.offset(pf.masks.causal_mask, lengths - q_len), expected
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("page_size", [16, 12])  # a tile inside a page / across pages
 @pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel / the paged prefill
 def test_kernels_equal_attention_over_the_dequantized_cache(dtype, page_size, q_len):
     cache, keys, values = _cache(dtype, page_size)
-    k_all, v_all = gather_contiguous(cache)
-    q = jax.random.normal(jax.random.key(5), (B, q_len, HQ, D)).astype(jnp.bfloat16)
-    lengths = cache.lengths
-    mask_mod = pf.masks.offset(pf.masks.causal_mask, lengths - q_len)
-
-    def dense_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
-    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    q, mask_mod, expected = _decode_step(cache, q_len, 5)
     for backend in ("interpret", "xla"):
         out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend)
         assert out.dtype == jnp.bfloat16
@@ -120,13 +125,6 @@ def test_assign_batch_under_jit_quantizes_every_row():
 @pytest.mark.parametrize("q_len", [1, 40])
 def test_the_gpu_kernels_read_quantized_pages(dtype, q_len):
     cache, _, _ = _cache(dtype)
-    k_all, v_all = gather_contiguous(cache)
-    q = jax.random.normal(jax.random.key(6), (B, q_len, HQ, D)).astype(jnp.bfloat16)
-    lengths = cache.lengths
-    mask_mod = pf.masks.offset(pf.masks.causal_mask, lengths - q_len)
-
-    def dense_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
-    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    q, mask_mod, expected = _decode_step(cache, q_len, 6)
     out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="pallas")
     np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
