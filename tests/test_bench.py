@@ -82,6 +82,23 @@ def test_a_table_gives_values_ratios_statuses_and_failures():
     assert "- b4_s4096_d128 softcap, cudnn: boom" in lines
 
 
+def test_a_quantized_table_gives_each_columns_tb_per_s_and_accuracy():
+    """Entries that count their own bytes (8-bit caches read fewer) get a TB/s each, and
+    accuracy keys a second table, with the reference the row names."""
+    entry = {"ms": 0.1, "bytes": 2.5e8, "max_abs_error_vs_float64": 1e-3,
+             "max_abs_diff_vs_bf16": 2e-2}
+    result = _result([{"case": "b8 page_16", "params": {"bytes": 5e8, "reference": "row 0"},
+                       "bf16": {"ms": 0.2, "bytes": 5e8, "max_abs_error_vs_float64": 5e-4},
+                       "int8": entry, "float8_e4m3fn": {"status": "error", "reason": "boom"}}],
+                     suite="quantized", columns=["bf16", "int8", "float8_e4m3fn"])
+    lines = report.table(result)
+    assert "| b8 page_16 | 0.2 | 0.1 | error | 0.5× | – | 2.5 | 2.5 | – |" in lines
+    assert ("| case | max abs error vs float64: bf16 | max abs error vs float64: int8 | "
+            "max abs diff vs bf16's output: int8 |") in lines
+    assert "| b8 page_16 | 5.00e-04 | 1.00e-03 | 2.00e-02 |" in lines
+    assert "- reference: row 0" in lines and "- b8 page_16, float8_e4m3fn: boom" in lines
+
+
 def test_write_keeps_the_other_cases_of_a_suite_run_in_parts(tmp_path):
     first = _result([_row("causal", 2.0, 3.0, 5.0), _row("alibi", 4.0, 3.0, 2.0)],
                     commands=["first"])
@@ -119,7 +136,8 @@ def test_the_committed_tables_match_the_committed_results(monkeypatch, capsys):
     assert on_h100 <= set(cli.SUITES)
     # Every suite measured on the H100, but a suite added in a session with no device time
     # left, named here until its first run (which must then remove it).
-    not_yet = {"fuse"}  # 2026-11-26: `pallas-flex bench fuse` not yet run on the H100
+    not_yet = {"fuse",  # 2026-11-26: `pallas-flex bench fuse` not yet run on the H100
+               "quantized"}  # 2026-11-26: `pallas-flex bench quantized` not yet run on the H100
     assert not (not_yet & on_h100), "measured now: take it out of not_yet"
     assert on_h100 == set(cli.SUITES) - not_yet
     for result in results:
@@ -161,6 +179,33 @@ def test_quick_runs_a_suite_end_to_end(tmp_path):
     for row in written["rows"]:
         assert row["cascade"]["ms"] > 0
         assert row["concatenated"]["max_rel_diff_vs_ours"] < 2e-2
+
+
+def test_quick_runs_the_quantized_suite(tmp_path):
+    """`pallas-flex bench quantized --quick`: int8 and float8 pages against bf16 ones,
+    each entry with its stored bytes (values plus two float32 scales per token and head),
+    its error against the float64 reference on the dequantized values (as small as
+    bf16's: the kernels add no error of their own) and its distance from bf16's output."""
+    assert cli.main(["quantized", "--quick", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "cpu" / "quantized.json").read_text())
+    assert written["columns"] == ["bf16", "int8", "float8_e4m3fn"]
+    assert [row["case"] for row in written["rows"]] == ["tiny_b2_s512 page_16",
+                                                        "tiny_b1_s2048 page_16"]
+    for row in written["rows"]:
+        params = row["params"]
+        tokens_heads = params["batch"] * params["seq_len"] * params["kv_heads"]
+        assert row["bf16"]["bytes"] == params["bytes"] == tokens_heads * 2 * 64 * 2
+        assert row["bf16"]["max_abs_error_vs_float64"] < 2e-3
+        for column, loss in (("int8", 0.05), ("float8_e4m3fn", 0.15)):
+            entry = row[column]
+            assert entry["bytes"] == tokens_heads * (2 * 64 + 8)
+            assert entry["tb_per_s"] == pytest.approx(entry["bytes"] / entry["ms"] / 1e9)
+            assert entry["speedup_vs_bf16"] == pytest.approx(row["bf16"]["ms"] / entry["ms"])
+            assert entry["max_abs_error_vs_float64"] < 2e-3
+            assert 0 < entry["max_abs_diff_vs_bf16"] < loss
+    assert "reference" in written["rows"][0]["params"]
+    text = "\n".join(report.table(written))
+    assert "TB/s float8_e4m3fn" in text and "max abs diff vs bf16's output: int8" in text
 
 
 def test_bench_quick_works_from_a_plain_install(tmp_path):

@@ -24,7 +24,8 @@ SUITES = {  # each suite and what it is compared with
     "fwd_bwd": "cuDNN, tokamax, PyTorch FlexAttention",
     "score_mods": "the same causal call without the mod",
     "decode": "cuDNN, PyTorch FlexAttention, JAX's Pallas paged_attention",
-    "paged": "the same call on a contiguous cache", "ragged": "the op's XLA loop",
+    "paged": "the same call on a contiguous cache",
+    "quantized": "the same paged decode on a bfloat16 cache", "ragged": "the op's XLA loop",
     "cascade": "pf.attention over concatenated caches", "memory": "-",
     "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)",
     "fuse": "the hand-written pf.attention call, XLA on the plain code"}

@@ -20,6 +20,7 @@ import numpy as np
 import pallas_flex as pf
 from pallas_flex.bench import cases
 from pallas_flex.bench.timing import error_entry, time_calls, time_paired
+from pallas_flex.paged.quantize import quantize
 
 OURS = "pallas_flex"
 
@@ -329,6 +330,116 @@ def paged(options):
     return columns, "ms", rows
 
 
+QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
+
+
+def quantized(options):
+    """Decode (one query at the end, causal through the BlockMask) on a paged cache of
+    bfloat16 pages against the same pages quantized to int8 and float8_e4m3fn
+    (pallas_flex/paged/quantize.py: per (token, head) scales), in paired rounds. Each
+    entry: ms per decode step, the stored bytes a step reads (every page's values, plus
+    the scales), their TB/s, the speedup over bf16, the largest |error| against a float64
+    reference on the values the cache holds (dequantized; bf16's own values for bf16) and,
+    quantized, the largest |difference| from the bf16 column's output: the accuracy the
+    8-bit cache costs. Each timed call chains `steps` dependent decode steps (a step's
+    output is the next query) in one jitted function: a ~0.1 ms call timed back to back
+    from Python would measure the host (docs/gpu-notes.md, Measuring)."""
+    page_sizes = (16,) if options.quick else (16, 64)
+    columns = ["bf16", *QUANTIZED_DTYPES]
+    steps = 2 if options.quick else 8
+    shapes = ((("tiny_b2_s512", 2, 512, 8, 2, 64), ("tiny_b1_s2048", 1, 2048, 8, 2, 64))
+              if options.quick else (("b8_s16384", 8, 16384, 32, 8, 128),
+                                     ("b1_s131072", 1, 131072, 32, 8, 128)))
+
+    @jax.jit
+    def decode_steps(q, cache, block_mask):
+        """(the first step's output, the last's): one compile serves accuracy and time."""
+        outs = [q]
+        for _ in range(steps):  # Dv = D: the output is the next step's query
+            outs.append(pf.paged.paged_flex_attention(outs[-1], cache, block_mask=block_mask,
+                                                      backend=options.backend))
+        return outs[1], outs[-1]
+    rows = []
+    for name, batch, length, q_heads, kv_heads, dim in shapes:
+        shape = cases.Shape(name, batch, q_heads, kv_heads, length, dim, q_len=1)
+        q, k, v, _ = _bf16(*cases.inputs(shape))
+        block_mask = pf.create_block_mask(mods(cases.VARIANTS[1], shape)[0], None, None, 1,
+                                          length)
+        # The float64 reference on the host: every row of a small batch, else row 0 (all
+        # heads); a few hundred MiB of float64 per KV head at most.
+        reference_rows = list(range(batch)) if batch * length <= 65536 else [0]
+        for size in page_sizes:
+            print(f"[quantized] {name} page_{size}", flush=True)
+            (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, size)
+                                                        for x in (k, v))
+            lengths = jnp.full((batch,), length, jnp.int32)
+            caches = {"bf16": pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner)}
+            for dtype in QUANTIZED_DTYPES:
+                (k_values, k_scales), (v_values, v_scales) = (
+                    quantize(x, jnp.dtype(dtype)) for x in (k_pages, v_pages))
+                caches[dtype] = pf.paged.PagedKVCache(k_values, v_values, table, lengths,
+                                                      owner, k_scales, v_scales)
+            row = {"case": f"{name} page_{size}", "params": {
+                **dataclasses.asdict(shape), "page_size": size, "steps_per_call": steps,
+                "bytes": shape.kv_bytes, "reference": (
+                    f"float64 on the dequantized values of batch rows {reference_rows} of "
+                    f"{batch}, all {q_heads} query heads")}}
+            outs, calls = {}, {}
+            for column, cache in caches.items():
+                try:
+                    outs[column] = jax.block_until_ready(
+                        decode_steps(q, cache, block_mask))[0]
+                    calls[column] = (decode_steps, (q, cache, block_mask))
+                except Exception as error:
+                    traceback.print_exc()
+                    row[column] = error_entry(error)
+            for column, entry in time_paired(calls, rounds=3 if options.quick else 9).items():
+                cache = caches[column]
+                stored = batch * length * kv_heads * (
+                    (cache.head_dim + cache.value_dim) * cache.dtype.itemsize
+                    + (2 * 4 if cache.quantized else 0))  # two float32 scales per token, head
+                ms = entry["ms"] / steps
+                row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
+                               "bytes": stored, "tb_per_s": stored / ms / 1e9,
+                               "max_abs_error_vs_float64": _error_vs_float64(
+                                   outs[column], q, cache, reference_rows)}
+            for column in columns:
+                if "ms" in row.get(column, {}) and "ms" in row.get("bf16", {}):
+                    row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
+                if column != "bf16" and column in outs and "bf16" in outs:
+                    row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
+                        outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
+            rows.append(row)
+            del caches, calls, outs
+    return columns, "ms", rows
+
+
+def _error_vs_float64(out, q, cache, batch_rows) -> float:
+    """Largest |out - attention in float64| over `batch_rows` and every head: the one query
+    attends to all of its row's keys (causal at the last position), on the values the cache
+    holds (quantized ones times their scales, in float64)."""
+    q_heads, kv_heads = q.shape[2], cache.kv_heads
+    group, scale = q_heads // kv_heads, cache.head_dim ** -0.5
+    worst = 0.0
+    for b in batch_rows:
+        pages = cache.page_table[b][: -(-int(cache.lengths[b]) // cache.page_size)]
+        query = np.asarray(q[b, 0], np.float64)
+        got = np.asarray(out[b, 0].astype(jnp.float32), np.float64)
+        for h in range(kv_heads):
+            def logical(values, scales):  # [tokens, D] of KV head h, in float64
+                x = np.asarray(values[pages, h]).astype(np.float64)
+                if scales is not None:
+                    x = x * np.asarray(scales[pages, h], np.float64)[..., None]
+                return x.reshape(-1, x.shape[-1])
+            k = logical(cache.k_pages, cache.k_scales)
+            v = logical(cache.v_pages, cache.v_scales)
+            s = query[h * group:(h + 1) * group] @ k.T * scale
+            p = np.exp(s - s.max(axis=-1, keepdims=True))
+            expected = (p @ v) / p.sum(axis=-1, keepdims=True)
+            worst = max(worst, float(np.max(np.abs(got[h * group:(h + 1) * group] - expected))))
+    return worst
+
+
 RAGGED_MIXES = {  # name: [(past_len, new_len)] per sequence
     "decode_64x4096": [(4096, 1)] * 64,
     "mixed_4prefill1024_60decode4096": [(1024, 1024)] * 4 + [(4096, 1)] * 60,
@@ -489,6 +600,6 @@ SUITES = {
     "forward": lambda options: attention(options, "fwd"),
     "fwd_bwd": lambda options: attention(options, "fwd_bwd"), "score_mods": score_mods,
     "decode": lambda options: attention(options, "fwd", decode=True),
-    "paged": paged, "ragged": ragged, "cascade": cascade, "memory": memory,
-    "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
+    "paged": paged, "quantized": quantized, "ragged": ragged, "cascade": cascade,
+    "memory": memory, "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
 }

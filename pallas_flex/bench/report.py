@@ -13,6 +13,9 @@ from pathlib import Path
 START, END = "<!-- performance-table:start -->", "<!-- performance-table:end -->"
 MAIN_GPU, MAIN_SHAPE = "h100", "b4_s4096_d128"
 UNITS = {"ms": "ms", "s": "s", "peak_mib": "MiB"}
+ACCURACY = {  # entry keys an accuracy table shows (the `quantized` suite's)
+    "max_abs_error_vs_float64": "max abs error vs float64",
+    "max_abs_diff_vs_bf16": "max abs diff vs bf16's output"}
 
 
 def load(results_dir) -> list[dict]:
@@ -42,8 +45,9 @@ def ratio(row, column, ours, metric):
 
 def table(result: dict) -> list[str]:
     """One results file as a Markdown table: each column's value, then, for timings, each
-    peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (the
-    multi-GPU suite: its own tables)."""
+    peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (every column's
+    TB/s where each entry counts its own bytes: quantized caches), and the entries'
+    accuracy (ACCURACY) in a second table (the multi-GPU suite: its own tables)."""
     if result["suite"] == "multi_device":
         return multi_device_table(result)
     columns, metric = result["columns"], result["metric"]
@@ -54,7 +58,10 @@ def table(result: dict) -> list[str]:
                  and key in rows[0]["params"]), None)
     header = ["case"] + [f"{c} ({UNITS[metric]})" for c in columns]
     header += [f"{c} / {ours}" for c in peers] if ratios else []
-    header += [{"flops": "TFLOP/s", "bytes": "TB/s"}[rate]] if rate else []
+    own_bytes = rate == "bytes" and any(isinstance(row.get(c), dict) and "bytes" in row[c]
+                                        for row in rows for c in columns)
+    header += ([f"TB/s {c}" for c in columns] if own_bytes else
+               [{"flops": "TFLOP/s", "bytes": "TB/s"}[rate]] if rate else [])
     lines = [f"### {result['suite']} — {result['device']}",
              "", f"{result['date']}, commit {result.get('git_commit')}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
@@ -66,14 +73,36 @@ def table(result: dict) -> list[str]:
         if ratios:
             cells += [_number(ratio(row, c, ours, metric)) + ("×" if ratio(row, c, ours, metric)
                                                               else "") for c in peers]
-        if rate:
+        if own_bytes:
+            cells += [_number(value(row.get(c), "bytes") / value(row.get(c), metric) / 1e9
+                              if value(row.get(c), "bytes") and value(row.get(c), metric)
+                              else None) for c in columns]
+        elif rate:
             ms = value(row.get(ours), metric)
             cells.append(_number(row["params"][rate] / ms / 1e9 if ms else None))
         lines.append("| " + " | ".join(cells) + " |")
         notes += [f"- {row['case']}, {c}: {row[c]['reason'][:200]}" for c in columns
                   if isinstance(row.get(c), dict) and row[c].get("status") in
                   ("error", "unsupported", "timeout")]
-    return lines + ([""] + notes if notes else [])
+    return lines + accuracy_table(result) + ([""] + notes if notes else [])
+
+
+def accuracy_table(result: dict) -> list[str]:
+    """Each ACCURACY key the entries carry, per column, and the rows' reference notes."""
+    rows, columns = result["rows"], result["columns"]
+    shown = [(key, c) for key in ACCURACY for c in columns
+             if any(value(row.get(c), key) is not None for row in rows)]
+    if not shown:
+        return []
+    header = ["case"] + [f"{ACCURACY[key]}: {c}" for key, c in shown]
+    lines = ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in rows:
+        lines.append("| " + " | ".join([row["case"]] + [
+            "–" if value(row.get(c), key) is None else f"{value(row.get(c), key):.2e}"
+            for key, c in shown]) + " |")
+    references = dict.fromkeys(row["params"]["reference"] for row in rows
+                               if "reference" in row["params"])
+    return lines + ([""] + [f"- reference: {r}" for r in references] if references else [])
 
 
 def multi_device_table(result: dict) -> list[str]:
