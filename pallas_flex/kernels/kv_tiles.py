@@ -57,12 +57,22 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
 
 
+def _is_float8(dtype) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8
+
+
 def load_rows(view, valid_rows):
     """Loads a `[rows, width]` view; rows where valid_rows [rows, 1] is False read 0 (and
-    are not read at all, so a view past the end of an array is safe)."""
+    are not read at all, so a view past the end of an array is safe). Float8 rows there
+    are left undefined: `quantized_tiles` zeroes them after converting the tile (Pallas's
+    Triton lowering casts a load's fill value to 16/32/64-bit floats only: "cannot cast
+    ... to f8E4M3FN" on the H100)."""
     if valid_rows is None:
         return view[...]
-    return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)
+    mask = jnp.broadcast_to(valid_rows, view.shape)
+    if _is_float8(view.dtype):
+        return plgpu.load(view, mask=mask)
+    return plgpu.load(view, mask=mask, other=0)
 
 
 def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int):
@@ -96,5 +106,10 @@ def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, t
         load_scales(paged_scale_view(ref, page_of, kv_head, tile_start, tile=tile,
                                      page_size=page_size), valid_rows)
         for ref in scale_refs)
-    return ([key.astype(dtype) for key in keys], [value.astype(dtype) for value in values],
+    def converted(tile):
+        tile_16 = tile.astype(dtype)
+        if valid_rows is None or not _is_float8(tile.dtype):
+            return tile_16
+        return jnp.where(valid_rows, tile_16, jnp.zeros_like(tile_16))  # see load_rows
+    return ([converted(key) for key in keys], [converted(value) for value in values],
             key_scale, value_scale)
