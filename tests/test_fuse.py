@@ -287,3 +287,80 @@ def test_attention_inside_jax_checkpoint_is_fused_and_stays_rematerialized(calls
     _check(block, (q, k, v), calls)
     fused_jaxpr = jax.make_jaxpr(pf.fuse(block, backend="xla"))(q, k, v)
     assert any(eqn.primitive.name in ("remat2", "checkpoint") for eqn in fused_jaxpr.eqns)
+
+
+def _benchmark_attention(score, group, length):
+    """pallas_flex.bench.jax_suites.plain_attention's code: q.k cast to float32 and
+    scaled, a score mod, `where` on a `tril`, the probabilities cast back to v's dtype,
+    GQA by `jnp.repeat` of k and v."""
+    slopes = jnp.linspace(0.1, 0.8, H)
+
+    def attend(q, k, v):
+        k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) * (1 / np.sqrt(D))
+        if score == "alibi":
+            distance = jnp.arange(length)[None, :] - jnp.arange(length)[:, None]
+            s = s + slopes[None, :, None, None] * distance
+        if score == "softcap":
+            s = 5.0 * jnp.tanh(s / 5.0)
+        s = jnp.where(jnp.tril(jnp.ones((length, length), bool)), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    return attend
+
+
+def _one_row(seed, kv_heads=H, dtype=jnp.float32):
+    """q, k, v of a batch of one (as the benchmarks run): its size-1 dims lose their
+    roles on the way to the softmax."""
+    return tuple(x[:1].astype(dtype) for x in _inputs(seed, kv_heads=kv_heads)[:3])
+
+
+@pytest.mark.parametrize("score, kv_heads, backend", [
+    ("none", H, "interpret"), ("alibi", H, "xla"), ("softcap", H, "xla"),
+    ("none", 2, "xla")])
+def test_the_benchmark_code_with_a_batch_of_one(calls, score, kv_heads, backend):
+    args = _one_row(21, kv_heads)
+    attend = _benchmark_attention(score, H // kv_heads, S)
+    assert "fused into pf.attention (mask_mod" in pf.explain_fuse(attend, *args)
+    calls.clear()  # (explain_fuse traces the call too)
+    _check(attend, args, calls, backend=backend)
+
+
+def test_the_benchmark_code_in_bfloat16(calls):
+    """The benchmarks' own inputs: bf16 q, k, v of a batch of one, the softmax in
+    float32; and the softmax left in bf16 (jax.nn.softmax then sums in float32)."""
+    args = _one_row(22, 2, jnp.bfloat16)
+    attend = _benchmark_attention("softcap", H // 2, S)
+    _check(attend, args, calls, atol=2e-2)
+
+    def bf16_softmax(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * 0.25
+        return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    q, k, v = _one_row(23, dtype=jnp.bfloat16)
+    assert "fused" in pf.explain_fuse(bf16_softmax, q, k, v)
+    calls.clear()
+    _check(bf16_softmax, (q, k, v), calls, atol=2e-2)
+
+
+@pytest.mark.parametrize("scores, pv", [
+    ("bqhd,bkhd->bhqk", "bhqk,bkhd->bqhd"), ("bkhd,bqhd->bhqk", "bkhd,bhqk->bqhd"),
+    ("bqhd,bkhd->bhkq", "bhkq,bkhd->bqhd"), ("bkhd,bqhd->bqhk", "bkhd,bqhk->bhdq")])
+@pytest.mark.parametrize("batch", [1, B])
+def test_einsum_operand_orders(calls, scores, pv, batch):
+    """k before q, v before p, the key axis before the query axis, the output in another
+    order: each einsum spelling of the two products is fused."""
+    q, k, v, _ = (x[:batch] for x in _inputs(24))
+    layout = scores.split("->")[1]
+
+    def along(axis):  # an index along one axis of the scores' layout
+        return jnp.arange(S).reshape([S if c == axis else 1 for c in layout])
+
+    def attend(q, k, v):
+        s = jnp.einsum(scores, *((q, k) if scores.startswith("bq") else (k, q))) * 0.25
+        s = jnp.where(along("q") >= along("k"), s, -jnp.inf)
+        p = jax.nn.softmax(s, axis=layout.index("k"))
+        out = jnp.einsum(pv, *((p, v) if pv.startswith(layout) else (v, p)))
+        return jnp.einsum(pv.split("->")[1] + "->bqhd", out)
+    assert "fused into pf.attention (mask_mod" in pf.explain_fuse(attend, q, k, v)
+    calls.clear()
+    _check(attend, (q, k, v), calls)

@@ -189,7 +189,7 @@ def _softmax_at(exp_node, producers, consumers):
     axis = _single_axis(reduce_max)
     exponentials = exp_node.outputs[0]
     users = consumers.get(exponentials, [])
-    reduce_sum = next((n for n in users if n.name == "reduce_sum"), None)
+    reduce_sum, widen = _row_sum_of(exponentials, consumers)
     divide = next((n for n in users if n.name == "div" and n.inputs[0] is exponentials),
                   None)
     if axis is None or reduce_sum is None or divide is None or \
@@ -198,8 +198,23 @@ def _softmax_at(exp_node, producers, consumers):
     total, passed_sum = _through(divide.inputs[1], producers)
     if total is not reduce_sum.outputs[0]:
         return None
-    nodes = {sub, reduce_max, exp_node, reduce_sum, divide, *passed_max, *passed_sum}
+    nodes = {sub, reduce_max, exp_node, reduce_sum, divide, *widen, *passed_max,
+             *passed_sum}
     return logits, axis, divide.outputs[0], nodes
+
+
+def _row_sum_of(exponentials, consumers):
+    """(the reduce_sum of `exponentials`, [the cast under it]) or (None, []): on 16-bit
+    logits jax.nn.softmax sums in float32 (exp -> convert_element_type -> reduce_sum)."""
+    for node in consumers.get(exponentials, []):
+        if node.name == "reduce_sum":
+            return node, []
+        if node.name == "convert_element_type":
+            widened = consumers.get(node.outputs[0], [])
+            reduce_sum = next((n for n in widened if n.name == "reduce_sum"), None)
+            if reduce_sum is not None:
+                return reduce_sum, [node]
+    return None, []
 
 
 def free_dims(shape, contracting, batch):
@@ -382,8 +397,14 @@ def _check_pv(pv, p_operand, p_roles):
     v_contracting, v_batch = (rc, rb) if p_operand == 0 else (lc, lb)
     if len(contracting) != 1 or p_roles[contracting[0]] != "kv":
         raise _NotFusable("the product with the values does not contract the key axis")
-    batch_roles = {r for r in p_roles if isinstance(r, tuple) and r[0] == "b"}
-    if {p_roles[d] for d in batch} != batch_roles or len(batch) != len(batch_roles):
+    # Size-1 dims are left out: their roles are not kept (elementwise ops, reshapes),
+    # and any layout of them is the same array (a batch of one, as benchmarks run).
+    p_shape = pv.inputs[p_operand].shape
+    long_batch = [d for d in batch if p_shape[d] != 1]
+    batch_roles = {r for r, size in zip(p_roles, p_shape)
+                   if isinstance(r, tuple) and r[0] == "b" and size != 1}
+    if {p_roles[d] for d in long_batch} != batch_roles or \
+            len(long_batch) != len(batch_roles):
         raise _NotFusable("the product with the values does not keep every batch/head "
                           "dimension of the scores")
     long_free = [d for d in free_dims(v.shape, v_contracting, v_batch) if v.shape[d] != 1]

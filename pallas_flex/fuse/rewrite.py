@@ -19,16 +19,18 @@ class Unsupported(Exception):
     pass
 
 
-def _batch_count(roles):
-    return sum(1 for r in roles if isinstance(r, tuple) and r[0] == "b")
-
-
 def _canonical(x, leading_dims, sequence_dims, feature_dims):
     """x transposed to (leading dims..., sequence, feature), size-1 free dims dropped."""
     (sequence,), (feature,) = sequence_dims, feature_dims
     others = [d for d in range(x.ndim) if d not in (*leading_dims, sequence, feature)]
     x = jnp.transpose(x, (*leading_dims, sequence, feature, *others))
     return x.reshape(x.shape[:len(leading_dims) + 2])
+
+
+def _batch_index(role):
+    """Where a batch dim of p goes among the product's batch dims: its own index, or
+    first for a size-1 dim whose role was lost (any place holds a dim of one)."""
+    return role[1] if isinstance(role, tuple) else -1
 
 
 def _to_bshd(x, batch, heads):
@@ -57,10 +59,10 @@ def build(attention, read, options, producers):
 
     qk, pv = attention.qk, attention.pv
     logit_roles = attention.roles[attention.logits]
-    batch_sizes = [None] * _batch_count(logit_roles)
-    for size, role in zip(attention.logits.shape, logit_roles):
-        if isinstance(role, tuple):
-            batch_sizes[role[1]] = size
+    # From the product itself (its batch dims lead): the logits lose the roles of
+    # size-1 dims, the product has them all.
+    (_, _), (qk_batch, _) = qk.params["dimension_numbers"]
+    batch_sizes = list(qk.outputs[0].shape[:len(qk_batch)])
 
     group = next((size for size, role in zip(attention.logits.shape, logit_roles)
                   if role == ("g", 0)), None)
@@ -81,7 +83,7 @@ def build(attention, read, options, producers):
     v_contract = rc if p_operand == 0 else lc
     p_roles = attention.roles[attention.probabilities]
     v_value = pv.inputs[1 - p_operand]
-    order = sorted(range(len(p_batch)), key=lambda j: p_roles[p_batch[j]][1])
+    order = sorted(range(len(p_batch)), key=lambda j: _batch_index(p_roles[p_batch[j]]))
     v_free = [d for d in free_dims(v_value.shape, v_contract, v_batch)
               if v_value.shape[d] != 1]
     v = _to_bshd(_canonical(read(v_value), [v_batch[j] for j in order], list(v_contract),
@@ -101,7 +103,11 @@ def build(attention, read, options, producers):
     target = _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch)
     canonical = ([("b", i) for i in range(len(batch_sizes))] +
                  ([("g", 0)] if group else []) + ["q", "dv"])
-    out = jnp.transpose(out, [canonical.index(r) for r in target if r is not None])
+    # Size-1 dims dropped on both sides (the target may not know their roles), the
+    # final reshape puts them back where the product has them.
+    long = [r for r, size in zip(canonical, out.shape) if size != 1]
+    out = out.reshape([size for size in out.shape if size != 1])
+    out = jnp.transpose(out, [long.index(r) for r in target if r in long])
     return [out.reshape(result.shape).astype(result.dtype)]
 
 
