@@ -62,7 +62,23 @@ def _check(fn, args, calls, argnums=(0, 1, 2), expected_calls=1, backend="xla",
 def test_vanilla_with_a_scale(calls):
     q, k, v, _ = _inputs()
     _check(lambda q, k, v: _attend(q, k, v, lambda s: s), (q, k, v), calls)
-    assert calls[0]["mask_mod"] is None and calls[0]["score_mod"] is not None  # the scale
+    # The division by sqrt(D) is pf.attention's scale, not a score_mod.
+    assert calls[0]["mask_mod"] is None and calls[0]["score_mod"] is None
+    assert calls[0]["scale"] == pytest.approx(1 / np.sqrt(D))
+
+
+def test_a_scale_beside_other_uses_of_the_unscaled_scores(calls):
+    """`s * c` becomes the call's scale; the score_mod still sees the unscaled s where the
+    code uses it (the kernel's scaled score divided back)."""
+    q, k, v, _ = _inputs()
+
+    def attend(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        p = jax.nn.softmax(s * 0.2 + 0.5 * jnp.tanh(s), axis=-1)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    _check(attend, (q, k, v), calls)
+    assert calls[0]["score_mod"] is not None
+    assert calls[0]["scale"] == pytest.approx(0.2)
 
 
 def test_causal_written_with_tril_through_the_interpreted_kernels(calls):
@@ -235,7 +251,7 @@ def test_explain_prints_at_trace_time_and_keywords_are_static(calls, capsys):
     def scaled(q, k, v, *, temperature):
         return _attend(q, k, v, lambda s: s / temperature)
     out = pf.fuse(scaled, explain=True, backend="xla")(q, k, v, temperature=2.0)
-    assert "fused into pf.attention (no mask; score_mod)" in capsys.readouterr().out
+    assert "fused into pf.attention (no mask; score_mod; scale 0.25)" in capsys.readouterr().out
     np.testing.assert_allclose(out, scaled(q, k, v, temperature=2.0), atol=2e-5)
 
 

@@ -158,8 +158,9 @@ def _describe(findings):
             continue
         parts = [f"mask_mod from {len(attention.predicates)} predicate(s)"
                  if attention.predicates else "no mask",
-                 "score_mod" if attention.score_value is not attention.qk.outputs[0]
-                 else "no score_mod"]
+                 "score_mod" if attention.has_score_mod else "no score_mod"]
+        if attention.scale != 1.0:
+            parts.append(f"scale {attention.scale:.6g}")
         if attention.masks_saturate:
             parts.append("finite mask constant: fully masked rows give zeros, not a "
                          "uniform average")

@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax.numpy as jnp
+
 from pallas_flex.fuse.graph import Const, Graph, Node, Value
 
 ELEMENTWISE = frozenset("""
@@ -48,6 +50,14 @@ class Attention:
     p_operand: int  # which operand of pv is the probabilities (the other is v)
     nodes: set
     masks_saturate: bool  # a mask constant was finite (-1e9 style), not -inf
+    # The q.k product times a constant, the first op on it (`_leading_scale`): pf.attention's
+    # scale. None and 1.0 where there is none.
+    scaled: Value | None = None
+    scale: float = 1.0
+
+    @property
+    def has_score_mod(self) -> bool:
+        return not any(self.score_value is x for x in (self.qk.outputs[0], self.scaled))
 
 
 @dataclasses.dataclass
@@ -360,10 +370,42 @@ def _attention(graph, logits, axis, probabilities, softmax_nodes, producers, con
 
     _check_pv(pv, p_operand, roles[logits])
     score_value, predicates, saturating = _strip_masks(logits, roles, producers)
+    scaled, scale = _leading_scale(qk.outputs[0], nodes)
     return Attention(qk=qk, pv=pv, q_operand=0 if key_side == "R" else 1, roles=roles,
                      logits=logits, score_value=score_value, predicates=predicates,
                      probabilities=fed, p_operand=p_operand, nodes=nodes,
-                     masks_saturate=saturating)
+                     masks_saturate=saturating, scaled=scaled, scale=scale)
+
+
+def _leading_scale(scores, nodes):
+    """(the scaled scores, the factor) where the first operation on the q.k product
+    (through a cast to float32) multiplies it by a positive constant (or divides by one),
+    else (None, 1.0). The factor becomes pf.attention's `scale`, so that plain `s * scale`
+    code makes the call a user writes, with no score_mod: as a score_mod the same
+    multiplication cost the H100 10-17 % of the hand-written call's forward+backward
+    (benchmarks/results/h100/fuse.json before this), through the kernels' choices for
+    calls with a mod (the Mosaic forward's hand-over, the backward's dS times the mod's
+    derivative). Other uses of the unscaled scores still see them (`rewrite._Mods._scalar`
+    divides the kernel's scaled score back). nodes: the fused region's.."""
+    sources = {id(scores)} | {
+        id(node.outputs[0]) for node in nodes
+        if node.name == "convert_element_type" and node.inputs[0] is scores
+        and jnp.dtype(node.outputs[0].dtype) == jnp.float32}
+    found = []
+    for node in nodes:
+        if node.name not in ("mul", "div") or len(node.inputs) != 2:
+            continue
+        for position, (operand, other) in enumerate((node.inputs, node.inputs[::-1])):
+            if node.name == "div" and position == 1:
+                continue  # c / s is no scaling
+            if (id(operand) in sources and isinstance(other, Const) and not other.shape
+                    and jnp.dtype(node.outputs[0].dtype) == jnp.float32):
+                factor = float(other.value)
+                factor = 1.0 / factor if node.name == "div" and factor else factor
+                if math.isfinite(factor) and factor > 0:
+                    found.append((node.outputs[0], factor))
+    return found[0] if len(found) == 1 else (None, 1.0)
+
 
 
 def _downstream(start, consumers, stop):

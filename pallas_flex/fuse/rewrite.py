@@ -95,7 +95,7 @@ def build(attention, read, options, producers):
 
     mods = _Mods(attention, read, batch_sizes, group, producers)
     out = pf_attention(q, k, v, mask_mod=mods.mask_mod(), score_mod=mods.score_mod(),
-                       scale=1.0, **options)
+                       scale=attention.scale, **options)
     # [B, Sq, H, Dv] -> (batch..., [group], Sq, Dv) -> the p.v product's own layout.
     out = jnp.swapaxes(out, 1, 2).reshape(tuple(batch_sizes) + ((group,) if group else ())
                                           + out.shape[1:2] + out.shape[3:])
@@ -176,7 +176,7 @@ class _Mods:
 
     def score_mod(self):
         attention = self.attention
-        if attention.score_value is attention.qk.outputs[0]:
+        if not attention.has_score_mod:
             return None
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -194,8 +194,12 @@ class _Mods:
         attention = self.attention
         if isinstance(x, Const) and not x.shape:
             return jnp.asarray(x.value)
-        if x is attention.qk.outputs[0]:  # the scores, in the product's dtype
+        # The kernel's score is the product times attention.scale: the graph's `scaled`.
+        if attention.scaled is not None and x is attention.scaled:
             return score.astype(x.dtype)
+        if x is attention.qk.outputs[0]:  # the scores, in the product's dtype
+            scale = attention.scale
+            return (score if scale == 1.0 else score / scale).astype(x.dtype)
         node = self.producers.get(x) if isinstance(x, Value) else None
         if node is not None:
             result = self._through(node, x, roles, index, score)
