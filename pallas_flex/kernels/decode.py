@@ -210,7 +210,12 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         # 32-row tiles take 66 registers. H100, B8 S16384 D128: 128-row tiles cost
         # +14 / +13 / +1 % over contiguous at pages 16 / 64 / 128, 32-row tiles
         # -1 / +0 / -1 % (f908cd9:benchmarks/results/2026-11-23-h100-paged-small-pages.json).
-        default_tile = min(default_tile, 32)
+        # 8-bit pages (a quantized cache) hold half the registers per row: there 128-row
+        # tiles won (H100, Hq 32 Hkv 8 D 128, pages of 64, ms per step, 128 / 32 rows:
+        # int8 0.136 / 0.196 at B8 S16384 and 0.129 / 0.144 at B1 S131072; float8
+        # 0.187 / 0.256 and 0.171 / 0.187; 64 rows and 3 stages or 8 warps were slower).
+        if k.dtype.itemsize > 1:
+            default_tile = min(default_tile, 32)
     block_kv = options.decode_block_kv or default_tile
     block_kv = min(block_kv, mask_block_kv)
 
