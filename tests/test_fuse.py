@@ -32,12 +32,13 @@ def _attend(q, k, v, logits_fn):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """How many pf.attention calls pf.fuse made."""
+    """The pf.attention calls pf.fuse made: their keyword arguments, and the shapes of
+    q, k, v under "shapes"."""
     made = []
     original = api.attention
 
     def counting(*args, **kwargs):
-        made.append(kwargs)
+        made.append({**kwargs, "shapes": [tuple(x.shape) for x in args[:3]]})
         return original(*args, **kwargs)
     monkeypatch.setattr(api, "attention", counting)
     return made
@@ -380,3 +381,82 @@ def test_einsum_operand_orders(calls, scores, pv, batch):
     assert "fused into pf.attention (mask_mod" in pf.explain_fuse(attend, q, k, v)
     calls.clear()
     _check(attend, (q, k, v), calls)
+
+
+def _repeat_inputs(seed, batch, q_heads, kv_heads, dtype=jnp.float32):
+    keys = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(keys[0], (batch, S, q_heads, D), jnp.float32),
+            jax.random.normal(keys[1], (batch, S, kv_heads, D)).astype(dtype),
+            jax.random.normal(keys[2], (batch, S, kv_heads, D)).astype(dtype))
+
+
+@pytest.mark.parametrize("score, batch, kv_heads, layout", [
+    ("causal", B, 2, "bshd"), ("alibi", B, 2, "bshd"), ("causal", 1, 2, "bshd"),
+    ("causal", B, 8, "bshd"), ("alibi", 1, 1, "bshd"), ("causal", B, 2, "bhsd"),
+    ("causal", B, 2, "cast")])
+def test_gqa_by_jnp_repeat_reads_k_v_before_the_repeat(calls, score, batch, kv_heads,
+                                                        layout):
+    """`k, v = (jnp.repeat(x, group, axis=2) ...)`, as model code writes GQA: the call
+    takes the un-repeated k and v (native GQA, query head h on KV head h // group: the
+    repeat's order); mods reading the head still see the query head; gradients reach
+    the un-repeated k and v. Group 1 (a repeat by one) fuses as plain attention; a
+    repeat after a transpose to [B, H, S, D], or under a cast, is seen through."""
+    q_heads, group = 8, 8 // kv_heads
+    dtype = jnp.bfloat16 if layout == "cast" else jnp.float32
+    q, k, v = _repeat_inputs(25, batch, q_heads, kv_heads, dtype)
+    slopes = jnp.linspace(0.1, 0.8, q_heads)
+    causal = jnp.tril(jnp.ones((S, S), bool))
+
+    def attend(q, k, v, slopes):
+        if layout == "bhsd":  # transposed first, repeated along axis 1
+            k, v = (jnp.repeat(x.transpose(0, 2, 1, 3), group, axis=1) for x in (k, v))
+            s = jnp.einsum("bqhd,bhkd->bhqk", q, k) / np.sqrt(D)
+        else:
+            k, v = (jnp.repeat(x, group, axis=2).astype(jnp.float32) for x in (k, v))
+            s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        if score == "alibi":
+            distance = jnp.arange(S)[None, :] - jnp.arange(S)[:, None]
+            s = s + slopes[None, :, None, None] * distance
+        p = jax.nn.softmax(jnp.where(causal, s, -jnp.inf), axis=-1)
+        return jnp.einsum("bhqk,bhkd->bqhd" if layout == "bhsd" else "bhqk,bkhd->bqhd",
+                          p, v)
+    atol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    _check(attend, (q, k, v, slopes), calls, argnums=(0, 1, 2, 3), atol=atol)
+    assert calls[0]["shapes"] == [(batch, S, q_heads, D), (batch, S, kv_heads, D),
+                                  (batch, S, kv_heads, D)]
+    text = pf.explain_fuse(attend, q, k, v, slopes)
+    assert (f"{group}-fold jnp.repeat" in text) == (group > 1), text
+
+
+@pytest.mark.parametrize("written", ["k tiled, v repeated", "both tiled",
+                                     "k repeated, v not"])
+def test_heads_repeated_other_ways_keep_the_repeated_k_v(calls, written):
+    """Heads tiled (broadcast before the head axis: head i reads source head i % heads,
+    not jnp.repeat's i // group), or only one of k, v repeated: the call takes k and v
+    with the repeated heads, as today, and equals the written code."""
+    q, k, v = _repeat_inputs(26, B, 8, 2)
+    if written == "k repeated, v not":
+        v = jax.random.normal(jax.random.key(27), (B, S, 8, D))
+
+    def tile(x):
+        return jnp.broadcast_to(x[:, :, None], (B, S, 4, 2, D)).reshape(B, S, 8, D)
+
+    def attend(q, k, v):
+        k = jnp.repeat(k, 4, axis=2) if written.startswith("k repeated") else tile(k)
+        v = {"k tiled, v repeated": lambda: jnp.repeat(v, 4, axis=2),
+             "both tiled": lambda: tile(v), "k repeated, v not": lambda: v}[written]()
+        return _attend(q, k, v, lambda s: jnp.where(jnp.tril(jnp.ones((S, S), bool)), s,
+                                                    -jnp.inf))
+    _check(attend, (q, k, v), calls)
+    assert calls[0]["shapes"] == [(B, S, 8, D)] * 3
+
+
+def test_a_repeated_k_also_used_outside_the_attention(calls):
+    """Only the call's inputs change: the repeated k still feeds the rest of the code."""
+    q, k, v = _repeat_inputs(28, B, 8, 2)
+
+    def attend(q, k, v):
+        k, v = (jnp.repeat(x, 4, axis=2) for x in (k, v))
+        return _attend(q, k, v, lambda s: s) + jnp.tanh(k)
+    _check(attend, (q, k, v), calls)
+    assert calls[0]["shapes"][1] == (B, S, 2, D)

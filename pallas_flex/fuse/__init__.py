@@ -161,6 +161,9 @@ def _describe(findings):
                  "score_mod" if attention.has_score_mod else "no score_mod"]
         if attention.scale != 1.0:
             parts.append(f"scale {attention.scale:.6g}")
+        if attention.kv_repeat > 1:
+            parts.append(f"k, v read before their {attention.kv_repeat}-fold jnp.repeat "
+                         "of heads (native GQA)")
         if attention.masks_saturate:
             parts.append("finite mask constant: fully masked rows give zeros, not a "
                          "uniform average")

@@ -54,6 +54,9 @@ class Attention:
     # scale. None and 1.0 where there is none.
     scaled: Value | None = None
     scale: float = 1.0
+    # k and v read from under a `jnp.repeat` of their heads by this factor (set by
+    # `rewrite.build`): the call takes them with native GQA. 1 where they are not.
+    kv_repeat: int = 1
 
     @property
     def has_score_mod(self) -> bool:

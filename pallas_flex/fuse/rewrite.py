@@ -75,8 +75,7 @@ def build(attention, read, options, producers):
         raise Unsupported("q.k contracts more than one feature dimension")
     q = _to_bshd(_canonical(read(qk.inputs[attention.q_operand]), q_batch, q_free,
                             q_contract), batch, q_heads)
-    k = _to_bshd(_canonical(read(qk.inputs[1 - attention.q_operand]), k_batch, k_free,
-                            k_contract), batch, kv_heads)
+    k_value = qk.inputs[1 - attention.q_operand]
     (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
     p_operand = attention.p_operand
     p_batch, v_batch = (lb, rb) if p_operand == 0 else (rb, lb)
@@ -86,8 +85,18 @@ def build(attention, read, options, producers):
     order = sorted(range(len(p_batch)), key=lambda j: _batch_index(p_roles[p_batch[j]]))
     v_free = [d for d in free_dims(v_value.shape, v_contract, v_batch)
               if v_value.shape[d] != 1]
-    v = _to_bshd(_canonical(read(v_value), [v_batch[j] for j in order], list(v_contract),
-                            v_free), batch, kv_heads)
+    # The head dim of k and of v: the one paired with the product's last batch dim.
+    head = len(qk_batch) - 1
+    k_head = k_batch[head] if qk_batch else None
+    v_head = next((v_batch[j] for j in range(len(p_batch))
+                   if p_roles[p_batch[j]] == ("b", head)), None)
+    k_array, v_array, repeat = _unrepeated(k_value, k_head, v_value, v_head, read,
+                                           producers)
+    attention.kv_repeat = repeat
+    k = _to_bshd(_canonical(k_array, k_batch, k_free, k_contract), batch,
+                 kv_heads // repeat)
+    v = _to_bshd(_canonical(v_array, [v_batch[j] for j in order], list(v_contract),
+                            v_free), batch, kv_heads // repeat)
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1 or dtypes.pop() not in map(jnp.dtype, SUPPORTED):
         raise Unsupported(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: pallas_flex "
@@ -109,6 +118,66 @@ def build(attention, read, options, producers):
     out = out.reshape([size for size in out.shape if size != 1])
     out = jnp.transpose(out, [long.index(r) for r in target if r in long])
     return [out.reshape(result.shape).astype(result.dtype)]
+
+
+# Between a repeat and the product: ops that commute with it, re-bound on the source.
+_AFTER_REPEAT = ("convert_element_type", "transpose", "copy", "copy_p")
+
+
+def _repeat_of(value, head, producers):
+    """(source, factor, ops) if `value` is `jnp.repeat(source, factor, axis)` along its
+    dim `head`, through `ops` (casts, transposes) applied after the repeat; else None.
+
+    jnp.repeat traces as broadcast_in_dim inserting a size-factor axis right after the
+    repeated one, then a reshape merging the two: head i of the result is source head
+    i // factor. (Inserting it before, as tiling does, gives i % heads: not taken.)"""
+    ops = []
+    while isinstance(value, Value) and value in producers and \
+            producers[value].name in _AFTER_REPEAT:
+        node = producers[value]
+        if node.name == "transpose":
+            head = node.params["permutation"][head]
+        ops.append(node)
+        value = node.inputs[0]
+    reshape = producers.get(value) if isinstance(value, Value) else None
+    if reshape is None or reshape.name != "reshape" or \
+            reshape.params.get("dimensions") is not None:
+        return None
+    widened = reshape.inputs[0]
+    shape = value.shape
+    if not isinstance(widened, Value) or len(widened.shape) != len(shape) + 1 or \
+            widened.shape[:head] != shape[:head] or \
+            widened.shape[head + 2:] != shape[head + 1:]:
+        return None
+    heads, factor = widened.shape[head:head + 2]
+    broadcast = producers.get(widened)
+    if broadcast is None or broadcast.name != "broadcast_in_dim" or \
+            heads * factor != shape[head]:
+        return None
+    source = broadcast.inputs[0]
+    kept = tuple(d for d in range(len(widened.shape)) if d != head + 1)
+    if tuple(broadcast.params["broadcast_dimensions"]) != kept or \
+            tuple(source.shape) != tuple(widened.shape[d] for d in kept):
+        return None
+    return source, factor, ops[::-1]
+
+
+def _unrepeated(k_value, k_head, v_value, v_head, read, producers):
+    """(k, v, factor): k and v read from under a `jnp.repeat` of their heads by the
+    same factor (the call then takes them with native GQA: query head h reads KV head
+    h // (Hq / Hkv), jnp.repeat's own order), or as they are (factor 1) where either is
+    not such a repeat, or the two factors differ."""
+    found = [None if head is None else _repeat_of(value, head, producers)
+             for value, head in ((k_value, k_head), (v_value, v_head))]
+    if None in found or found[0][1] != found[1][1] or found[0][1] == 1:
+        return read(k_value), read(v_value), 1
+    arrays = []
+    for source, _, ops in found:
+        x = read(source)
+        for node in ops:  # what the code did to the repeated array, on the source
+            x = bind(node, [x])[0]
+        arrays.append(x)
+    return arrays[0], arrays[1], found[0][1]
 
 
 class _Index:
