@@ -74,6 +74,7 @@ def build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options):
 
 
 def _validate_inputs(q, k, v):
+    sharding.refuse_checked_manual_axes(q, k, v, where="pallas_flex attention")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [B, S, H, D], got shape "

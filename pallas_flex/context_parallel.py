@@ -24,6 +24,7 @@ from pallas_flex.api import (
     _attention_block_mask, _zero_cotangent, attention, attention_backward, flex_attention,
     merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
+from pallas_flex.sharding import refuse_checked_manual_axes
 from pallas_flex.sinks import check_sinks, merge_sinks
 
 __all__ = ["ContextParallel", "choose_strategy", "context_parallel_attention", "layout_order",
@@ -168,6 +169,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       ...     mesh=mesh, in_specs=shard, out_specs=shard, check_vma=False)
       >>> out = jax.jit(step)(q, k, v)   # equals pf.attention(q, k, v, mask_mod=...)
     """
+    refuse_checked_manual_axes(q, k, v, where="context_parallel_attention")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must be 4-D shards [B, S, H, D], got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")

@@ -232,3 +232,36 @@ def test_operands_on_an_explicit_mesh_of_one_device():
     got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(*placed)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("entry", ["attention", "context_parallel", "paged"])
+def test_a_shard_map_checking_varying_axes_gets_a_clear_error(entry):
+    """Inside jax.shard_map with check_vma=True (its default) the inputs vary over the
+    manual axes, which the kernels do not declare: a ValueError that names the way out,
+    not a type error from deep inside a kernel's loop; with check_vma=False the same
+    call runs."""
+    mesh = _mesh("Explicit")
+    q, k, v, _ = _inputs()
+
+    def local(q, k, v):
+        if entry == "attention":
+            return pf.attention(q, k, v, mask_mod=masks.causal_mask, backend="xla")
+        if entry == "context_parallel":
+            return pf.context_parallel_attention(q, k, v, axis_name="data",
+                                                 mask_mod=masks.causal_mask, backend="xla")
+        cache = pf.paged.PagedKVCache.create(num_pages=8, page_size=16, max_batch=q.shape[0],
+                                             max_pages_per_seq=2,
+                                             kv_heads=HKV, head_dim=D, dtype=q.dtype)
+        return pf.paged.paged_flex_attention(q[:, :1], cache, backend="xla")
+
+    spec = P("data")
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
+        for check_vma in (True, False):
+            step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
+                                         out_specs=spec, check_vma=check_vma))
+            if check_vma:
+                with pytest.raises(ValueError, match="check_vma=False"):
+                    step(*placed)
+            else:
+                assert np.all(np.isfinite(np.asarray(step(*placed))))

@@ -136,6 +136,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
       ...     block_indices=jnp.array([5, 2, 7]),          # block_size 8: 1 + 2 blocks
       ...     block_indices_begins=jnp.array([0, 1, 3]))
     """
+    sharding.refuse_checked_manual_axes(query, key, value, key_cache, value_cache,
+                                        where="paged_attention")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     backend = resolve_backend(backend)
