@@ -89,6 +89,45 @@ QUICK_DECODE_SHAPES = (Shape("tiny_decode", 2, 8, 2, 1024, 64, q_len=1),
                        Shape("tiny_mla", 2, 16, 1, 512, 96, 64, 1, 1 / math.sqrt(48)))
 
 
+
+@dataclasses.dataclass(frozen=True)
+class VariantCase:
+    """A case of the `variants` suite. kind: sinks (forward and forward+backward against
+    the call without sinks), sinks_decode (one query, chained steps), differential
+    (forward+backward of pf.variants.differential_attention) or gated (Evoformer gated
+    self-attention, forward and forward+backward; `rows` MSA rows of `shape.seq_len`
+    residues, shape.batch batch elements). `extra` cases run only when named (--shapes):
+    the default run fits about 2.5 minutes of H100 time, compiles included."""
+
+    name: str
+    kind: str
+    shape: Shape
+    rows: int = 1
+    extra: bool = False
+
+
+VARIANT_CASES = (
+    VariantCase("sinks_b4_s4096_d128", "sinks", Shape("b4_s4096_d128", 4, 16, 16, 4096, 128)),
+    VariantCase("sinks_decode_b8_s16384", "sinks_decode",
+                Shape("decode_b8_s16384", 8, 32, 8, 16384, 128, q_len=1)),
+    VariantCase("differential_b4_s4096_d128", "differential",
+                Shape("b4_s4096_d128", 4, 16, 16, 4096, 128)),
+    VariantCase("differential_b4_s4096_d64", "differential",
+                Shape("b4_s4096_d64", 4, 16, 16, 4096, 64), extra=True),
+    # Flashlight's Evoformer shapes: 256 MSA rows of 256 residues, 8 heads.
+    VariantCase("gated_r256_s256_d32", "gated", Shape("r256_s256_h8_d32", 1, 8, 8, 256, 32),
+                rows=256),
+    VariantCase("gated_r256_s256_d64", "gated", Shape("r256_s256_h8_d64", 1, 8, 8, 256, 64),
+                rows=256, extra=True),
+)
+QUICK_VARIANT_CASES = (
+    VariantCase("sinks_tiny", "sinks", Shape("tiny_s256", 1, 4, 4, 256, 64)),
+    VariantCase("sinks_decode_tiny", "sinks_decode",
+                Shape("tiny_decode", 2, 8, 2, 1024, 64, q_len=1)),
+    VariantCase("differential_tiny", "differential", Shape("tiny_s256", 1, 4, 4, 256, 64)),
+    VariantCase("gated_tiny", "gated", Shape("r8_s64_h2_d32", 1, 2, 2, 64, 32), rows=8),
+)
+
 def document_ids(seq_len: int, documents: int) -> np.ndarray:
     """int32 [S]: `documents` packed documents, each within +-25% of S / documents."""
     weights = np.random.default_rng(DOCUMENT_SEED).uniform(0.75, 1.25, documents)

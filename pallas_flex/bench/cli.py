@@ -28,7 +28,9 @@ SUITES = {  # each suite and what it is compared with
     "quantized": "the same paged decode on a bfloat16 cache", "ragged": "the op's XLA loop",
     "cascade": "pf.attention over concatenated caches", "memory": "-",
     "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)",
-    "fuse": "the hand-written pf.attention call, XLA on the plain code"}
+    "fuse": "the hand-written pf.attention call, XLA on the plain code",
+    "variants": "sinks: the call without them; differential: two pf.attention calls, XLA; "
+                "gated: XLA"}
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
 
 
@@ -46,8 +48,9 @@ def parse_args(argv):
                         help=f"any of {', '.join(SUITES)} or all (default: forward)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny shapes that a CPU runs in seconds (XLA backend there)")
-    parser.add_argument("--shapes", help="forward/fwd_bwd/decode: comma-separated names or "
-                        "indices of the suite's shapes (default: all)")
+    parser.add_argument("--shapes", help="forward/fwd_bwd/decode/variants: comma-separated "
+                        "names or indices of the suite's shapes (default: all; variants: "
+                        "all but its extra cases)")
     parser.add_argument("--variants", help="forward/fwd_bwd/decode: comma-separated names")
     parser.add_argument("--backend", help="ours on this backend (default: the device's best)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch FlexAttention")
@@ -84,11 +87,14 @@ def run_child(args, suite: str) -> dict:
     from pallas_flex.bench import jax_suites
 
     decode = suite == "decode"
-    shapes = ((cases.QUICK_DECODE_SHAPES if decode else cases.QUICK_ATTENTION_SHAPES)
-              if args.quick else (cases.DECODE_SHAPES if decode else cases.ATTENTION_SHAPES))
+    quick, full = {"decode": (cases.QUICK_DECODE_SHAPES, cases.DECODE_SHAPES),
+                   "variants": (cases.QUICK_VARIANT_CASES, cases.VARIANT_CASES)}.get(
+        suite, (cases.QUICK_ATTENTION_SHAPES, cases.ATTENTION_SHAPES))
+    shapes = _pick(args.shapes, quick if args.quick else full, "shape")
+    if suite == "variants" and not args.shapes:
+        shapes = [case for case in shapes if not case.extra]  # the others when named
     options = types.SimpleNamespace(
-        quick=args.quick, backend=args.backend or pf.default_backend(),
-        shapes=_pick(args.shapes, shapes, "shape"),
+        quick=args.quick, backend=args.backend or pf.default_backend(), shapes=shapes,
         variants=_pick(args.variants, cases.DECODE_VARIANTS if decode else cases.VARIANTS,
                        "variant"),
         timing={"iters": args.iters, "repeats": args.repeats})

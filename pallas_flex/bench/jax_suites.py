@@ -294,6 +294,195 @@ def fuse(options):
     return [OURS, "hand_written", "xla_unfused"], "ms", rows
 
 
+# -- variants: attention sinks, differential attention, Evoformer gated attention ------------
+
+def plain_differential(shape: cases.Shape):
+    """Differential attention as the paper writes it (Ye et al. 2024, eq. 1), causal:
+    (softmax(q1 k1^T * scale) - lam * softmax(q2 k2^T * scale)) v, GQA by `jnp.repeat`, the
+    softmaxes in float32 as mixed-precision code writes them; lam [Hq]."""
+    group = shape.q_heads // shape.kv_heads
+    scale = shape.scale or 1 / np.sqrt(shape.head_dim)
+
+    def weights(q, k):
+        causal = jnp.tril(jnp.ones((shape.seq_len, shape.seq_len), bool))
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, jnp.repeat(k, group, axis=2))
+        return jax.nn.softmax(jnp.where(causal, s.astype(jnp.float32) * scale, -jnp.inf),
+                              axis=-1)
+
+    def attend(q1, k1, q2, k2, v, lam):
+        p = weights(q1, k1) - lam[:, None, None] * weights(q2, k2)
+        return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), jnp.repeat(v, group, axis=2))
+    return attend
+
+
+def plain_gated(shape: cases.Shape):
+    """Evoformer MSA row attention with pair bias as AlphaFold writes it: per row
+    softmax(q k^T * scale + pair_bias) v (the bias [B, H, S, S] broadcast over the rows),
+    times sigmoid(gate); q, k, v, gate [B, R, S, H, D]."""
+    scale = shape.scale or 1 / np.sqrt(shape.head_dim)
+
+    def attend(q, k, v, gate, pair_bias):
+        s = jnp.einsum("brqhd,brkhd->brhqk", q, k).astype(jnp.float32) * scale
+        p = jax.nn.softmax(s + pair_bias[:, None].astype(jnp.float32), axis=-1)
+        out = jnp.einsum("brhqk,brkhd->brqhd", p.astype(v.dtype), v)
+        return (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(
+            q.dtype)
+    return attend
+
+
+def _grad_step(fn, mode, argnums):
+    """One timed call of fn(*args, d_out): the output (fwd), or the output and the
+    gradients of the arguments `argnums` for the cotangent d_out (fwd_bwd)."""
+    def step(*args):
+        *args, d_out = args
+        if mode == "fwd":
+            return fn(*args)
+        def free(*differentiated):
+            full = list(args)
+            for i, x in zip(argnums, differentiated):
+                full[i] = x
+            return fn(*full)
+        out, pullback = jax.vjp(free, *[args[i] for i in argnums])
+        return (out, *pullback(d_out))
+    return jax.jit(step)
+
+
+def _run_paired(row, calls, options, compare=()):
+    """`calls` {column: (fn, args)}: each run once (compile_s and its output; a failure
+    is its entry), then timed in paired rounds (docs/gpu-notes.md); the columns in
+    `compare` get max_rel_diff_vs_ours against the first column's output."""
+    outs = {}
+    for column, (fn, args) in calls.items():
+        print(f"  {row['case']}: {column}", flush=True)
+        try:
+            start = time.perf_counter()
+            outs[column] = jax.block_until_ready(fn(*args))
+            row[column] = {"compile_s": time.perf_counter() - start}
+        except Exception as error:
+            traceback.print_exc()
+            row[column] = error_entry(error, "error" if column == OURS else "unsupported")
+    timed = time_paired({column: calls[column] for column in outs},
+                        rounds=2 if options.quick else 5,
+                        iters=3 if options.quick else options.timing["iters"])
+    for column, entry in timed.items():
+        row[column].update(entry)
+        if column in compare and OURS in outs:
+            row[column]["max_rel_diff_vs_ours"] = _difference(outs[OURS], outs[column])
+
+
+def _acceptance(row, column, limit, at_most):
+    """row["acceptance"]: `column`'s time over ours (at least `limit`), or ours over
+    `column`'s (`at_most`: at most `limit`), and whether it holds."""
+    ours, other = (value.get("ms") for value in (row.get(OURS, {}), row.get(column, {})))
+    if ours and other:
+        ratio, text = ((ours / other, f"{OURS} / {column} <= {limit}") if at_most else
+                       (other / ours, f"{column} / {OURS} >= {limit}"))
+        row["acceptance"] = {"criterion": text, "value": ratio,
+                             "met": ratio <= limit if at_most else ratio >= limit}
+
+
+def variants(options):
+    """Issue 21's variants, each against what it replaces, in paired rounds:
+    attention sinks (`sinks=` [Hq]) on the causal forward, forward+backward (gradients of
+    q, k, v and the sinks) and decode (one query through a prebuilt BlockMask, `steps`
+    dependent steps a timed call: ms per step), against the same call without sinks;
+    differential attention (forward+backward, all six gradients) against two pf.attention
+    calls combined by hand and XLA on the paper's plain formulation; Evoformer gated
+    self-attention (forward, forward+backward of q, k, v, gate and the pair bias) against
+    XLA on AlphaFold's plain formulation."""
+    causal = cases.VARIANTS[1]
+    steps = 2 if options.quick else 8
+    rows = []
+    for case in options.shapes:
+        shape = case.shape
+        params = {**dataclasses.asdict(shape), "shape": shape.name, "variant": case.kind}
+        q, k, v, d_out = _bf16(*cases.inputs(shape))
+        if case.kind in ("sinks", "sinks_decode"):
+            sinks = jnp.asarray(cases.normal((shape.q_heads,), 10))
+            block_mask = pf.create_block_mask(mods(causal, shape)[0], None, None,
+                                              shape.queries, shape.seq_len)
+
+            def attend(q, k, v, block_mask, sinks=None):
+                return pf.flex_attention(q, k, v, block_mask=block_mask, sinks=sinks,
+                                         backend=options.backend)
+        if case.kind == "sinks":
+            for mode in ("fwd", "fwd_bwd"):
+                row = {"case": f"sinks {shape.name} {mode}", "params": {
+                    **params, "mode": mode, "flops": cases.flops(causal, shape, mode)}}
+                _run_paired(row, {
+                    OURS: (_grad_step(attend, mode, (0, 1, 2, 4)),
+                           (q, k, v, block_mask, sinks, d_out)),
+                    "no_sinks": (_grad_step(attend, mode, (0, 1, 2)),
+                                 (q, k, v, block_mask, d_out))}, options)
+                _acceptance(row, "no_sinks", 1.03, at_most=True)
+                rows.append(row)
+        elif case.kind == "sinks_decode":
+            @functools.partial(jax.jit, static_argnames="with_sinks")
+            def decode_steps(q, k, v, block_mask, sinks, with_sinks):
+                for _ in range(steps):  # Dv = D: a step's output is the next query
+                    q = attend(q, k, v, block_mask, sinks if with_sinks else None)
+                return q
+            row = {"case": f"sinks {shape.name} step", "params": {
+                **params, "mode": "fwd", "steps_per_call": steps, "kv_bytes": shape.kv_bytes}}
+            _run_paired(row, {
+                column: (functools.partial(decode_steps, with_sinks=column == OURS),
+                         (q, k, v, block_mask, sinks)) for column in (OURS, "no_sinks")},
+                options)
+            for column in (OURS, "no_sinks"):
+                if "ms" in row[column]:
+                    row[column].update(ms=row[column]["ms"] / steps, rounds_ms=[
+                        t / steps for t in row[column]["rounds_ms"]])
+            _acceptance(row, "no_sinks", 1.02, at_most=True)
+            rows.append(row)
+        elif case.kind == "differential":
+            q2, k2 = _bf16(cases.normal(q.shape, 11), cases.normal(k.shape, 12))
+            lam = jnp.linspace(0.2, 0.8, shape.q_heads, dtype=jnp.float32)
+            mask_mod = mods(causal, shape)[0]
+
+            def ours(q1, k1, q2, k2, v, lam):
+                return pf.variants.differential_attention(
+                    q1, k1, q2, k2, v, lam, mask_mod=mask_mod, scale=shape.scale,
+                    backend=options.backend)
+
+            def two_calls(q1, k1, q2, k2, v, lam):
+                first, second = (pf.attention(q, k, v, mask_mod=mask_mod, scale=shape.scale,
+                                              backend=options.backend).astype(jnp.float32)
+                                 for q, k in ((q1, k1), (q2, k2)))
+                return (first - lam[:, None] * second).astype(q1.dtype)
+            row = {"case": f"differential {shape.name} fwd_bwd", "params": {
+                **params, "mode": "fwd_bwd", "flops": 2 * cases.flops(causal, shape,
+                                                                      "fwd_bwd")}}
+            args = (q, k, q2, k2, v, lam, d_out)
+            _run_paired(row, {column: (_grad_step(fn, "fwd_bwd", tuple(range(6))), args)
+                              for column, fn in ((OURS, ours), ("two_calls", two_calls),
+                                                 ("xla_plain", plain_differential(shape)))},
+                        options, compare=("two_calls", "xla_plain"))
+            _acceptance(row, "xla_plain", 3, at_most=False)
+            rows.append(row)
+        elif case.kind == "gated":
+            msa = (shape.batch, case.rows, shape.seq_len, shape.q_heads, shape.head_dim)
+            q, k, v, gate, d_out = _bf16(*(cases.normal(msa, i) for i in range(5)))
+            pair_bias = jnp.asarray(cases.normal(
+                (shape.batch, shape.q_heads, shape.seq_len, shape.seq_len), 5), jnp.bfloat16)
+            folded = dataclasses.replace(shape, batch=shape.batch * case.rows)
+
+            def ours(q, k, v, gate, pair_bias):
+                return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
+                                                        scale=shape.scale,
+                                                        backend=options.backend)
+            for mode in ("fwd", "fwd_bwd"):
+                row = {"case": f"gated {shape.name} {mode}", "params": {
+                    **params, "rows": case.rows, "mode": mode,
+                    "flops": cases.flops(cases.VARIANTS[0], folded, mode)}}
+                args = (q, k, v, gate, pair_bias, d_out)
+                _run_paired(row, {column: (_grad_step(fn, mode, tuple(range(5))), args)
+                                  for column, fn in ((OURS, ours),
+                                                     ("xla_plain", plain_gated(shape)))},
+                            options, compare=("xla_plain",))
+                _acceptance(row, "xla_plain", 5, at_most=False)
+                rows.append(row)
+    return [OURS, "no_sinks", "two_calls", "xla_plain"], "ms", rows
+
 # -- paged, ragged, cascade ------------------------------------------------------------------
 
 def paged(options):
@@ -602,4 +791,5 @@ SUITES = {
     "decode": lambda options: attention(options, "fwd", decode=True),
     "paged": paged, "quantized": quantized, "ragged": ragged, "cascade": cascade,
     "memory": memory, "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
+    "variants": variants,
 }

@@ -13,6 +13,11 @@ from pathlib import Path
 START, END = "<!-- performance-table:start -->", "<!-- performance-table:end -->"
 MAIN_GPU, MAIN_SHAPE = "h100", "b4_s4096_d128"
 UNITS = {"ms": "ms", "s": "s", "peak_mib": "MiB"}
+LEGENDS = {  # what a suite's columns are, where their names do not say it
+    "variants": "pallas_flex: the call with sinks, or pf.variants' function; no_sinks: the "
+                "same call without sinks; two_calls: two pf.attention calls combined by hand; "
+                "xla_plain: XLA on the plain-JAX formulation. Ratios: a column's time over "
+                "pallas_flex's (> 1: pallas_flex is faster); a decode row is ms per step."}
 ACCURACY = {  # entry keys an accuracy table shows (the `quantized` suite's)
     "max_abs_error_vs_float64": "max abs error vs float64",
     "max_abs_diff_vs_bf16": "max abs diff vs bf16's output"}
@@ -46,8 +51,9 @@ def ratio(row, column, ours, metric):
 def table(result: dict) -> list[str]:
     """One results file as a Markdown table: each column's value, then, for timings, each
     peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (every column's
-    TB/s where each entry counts its own bytes: quantized caches), and the entries'
-    accuracy (ACCURACY) in a second table (the multi-GPU suite: its own tables)."""
+    TB/s where each entry counts its own bytes: quantized caches), the entries'
+    accuracy (ACCURACY) in a second table, and each row's acceptance criterion, if it has
+    one (the multi-GPU suite: its own tables)."""
     if result["suite"] == "multi_device":
         return multi_device_table(result)
     columns, metric = result["columns"], result["metric"]
@@ -65,8 +71,9 @@ def table(result: dict) -> list[str]:
     lines = [f"### {result['suite']} — {result['device']}",
              "", f"{result['date']}, commit {result.get('git_commit')}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
-             + f"; `{'`, `'.join(result['commands'])}`", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+             + f"; `{'`, `'.join(result['commands'])}`", ""]
+    lines += [LEGENDS[result["suite"]], ""] if result["suite"] in LEGENDS else []
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
     for row in rows:
         cells = [row["case"]] + [_cell(row.get(c), metric) for c in columns]
@@ -78,13 +85,18 @@ def table(result: dict) -> list[str]:
                               if value(row.get(c), "bytes") and value(row.get(c), metric)
                               else None) for c in columns]
         elif rate:
-            ms = value(row.get(ours), metric)
-            cells.append(_number(row["params"][rate] / ms / 1e9 if ms else None))
+            ms, amount = value(row.get(ours), metric), row["params"].get(rate)
+            cells.append(_number(amount / ms / 1e9 if ms and amount else None))
         lines.append("| " + " | ".join(cells) + " |")
         notes += [f"- {row['case']}, {c}: {row[c]['reason'][:200]}" for c in columns
                   if isinstance(row.get(c), dict) and row[c].get("status") in
                   ("error", "unsupported", "timeout")]
-    return lines + accuracy_table(result) + ([""] + notes if notes else [])
+    accepted = [f"- {row['case']}: {row['acceptance']['criterion']}: "
+                f"{row['acceptance']['value']:.3g} "
+                f"({'met' if row['acceptance']['met'] else 'NOT met'})"
+                for row in rows if "acceptance" in row]
+    return (lines + accuracy_table(result) + ([""] + accepted if accepted else [])
+            + ([""] + notes if notes else []))
 
 
 def accuracy_table(result: dict) -> list[str]:
