@@ -327,7 +327,8 @@ class AuxOutput(NamedTuple):
     max_scores: object = None
 
 
-def _check_aux(return_aux, return_lse):
+def check_aux(return_aux, return_lse) -> bool:
+    """Whether `return_aux` asks for the row max (a ValueError for a bad request)."""
     if return_aux is None:
         return False
     if not isinstance(return_aux, AuxRequest):
@@ -372,7 +373,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
       >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
       >>> out = pf.flex_attention(q, k, v, block_mask=bm)
     """
-    with_max = _check_aux(return_aux, return_lse)
+    with_max = check_aux(return_aux, return_lse)
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)
     out, lse, *row_max = _attention(q, k, v, block_mask, score_program,
@@ -472,13 +473,10 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         if block_mask is not None:
             raise ValueError("context_parallel builds each shard pair's BlockMask from "
                              "mask_mod: pass mask_mod, not block_mask")
-        if return_aux is not None:
-            raise ValueError("return_aux is not supported with context_parallel (yet): "
-                             "use return_lse")
         return parallel.context_parallel_attention(
             q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
-            sinks=sinks, **dataclasses.asdict(context_parallel))
+            sinks=sinks, return_aux=return_aux, **dataclasses.asdict(context_parallel))
     block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options, sinks=sinks,

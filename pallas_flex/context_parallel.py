@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex.api import (
-    _attention_block_mask, _zero_cotangent, attention, attention_backward, flex_attention,
-    merge_attention_states, resolve_backend)
+    AuxOutput, AuxRequest, _attention_block_mask, _zero_cotangent, attention,
+    attention_backward, check_aux, flex_attention, merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
 from pallas_flex.sharding import refuse_checked_manual_axes
 from pallas_flex.sinks import check_sinks, merge_sinks
@@ -120,7 +120,7 @@ def zigzag_order(seq_len, devices):
 def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None,
                                scale=None, return_lse=False, layout="contiguous",
                                strategy="auto", backend=None, kernel_options=None,
-                               sinks=None):
+                               sinks=None, return_aux=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -150,10 +150,12 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         efficiency, ring 97 %, all-to-all 92 %; document masks 109 % / 85 % / 36 %),
         so "auto" gathers where the whole K/V is small next to the device's memory and
         passes it round the ring where it is not.
-      scale, return_lse, backend, kernel_options, sinks: as in `pf.attention` (a sink
-        takes part in every row once, merged after the devices' parts).
+      scale, return_lse, backend, kernel_options, sinks, return_aux: as in
+        `pf.attention` (a sink takes part in every row once, merged after the devices'
+        parts; the row max is the largest over every device's keys).
     Returns:
-      this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N]).
+      this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N], or a
+      `pf.AuxOutput` of this device's rows with return_aux).
 
     The kernels' internal loops do not yet declare which values vary over manual mesh
     axes, so the enclosing `jax.shard_map` needs `check_vma=False`. A step whose
@@ -183,11 +185,15 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, "
                          f"got {strategy!r}")
     check_sinks(sinks, q.shape[2])
-    out, lse = _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
-                                 dict(scale=scale, backend=backend,
-                                      kernel_options=kernel_options))
+    with_max = check_aux(return_aux, return_lse)
+    out, lse, *row_max = _context_parallel(
+        q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
+        dict(scale=scale, backend=backend, kernel_options=kernel_options), with_max)
     if sinks is not None:  # one more part of every row, merged after the others
         out, lse = merge_sinks(out, lse, sinks)
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None,
+                              row_max[0] if with_max else None)
     return (out, lse) if return_lse else out
 
 
@@ -213,8 +219,9 @@ def choose_strategy(k_shard_shape, v_shard_shape, dtype, devices, device=None):
     return "all_gather" if gathered <= _GATHER_SHARE * limit else "ring"
 
 
-def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy, options):
-    """(out in q's dtype, lse) of one strategy."""
+def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy, options,
+                      with_max=False):
+    """(out in q's dtype, lse), and with_max the row max, of one strategy."""
     devices = jax.lax.axis_size(axis_name)
     if strategy == "auto":
         strategy = choose_strategy(k.shape, v.shape, k.dtype, devices)
@@ -225,19 +232,21 @@ def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
         k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))
         return _one_call(q, k, v, mask_mod, score_mod, q_position,
                          _gathered_positions(k.shape[1] // devices, devices, layout),
-                         lambda h: h, options)
+                         lambda h: h, options, with_max)
     if strategy == "all_to_all":
         return _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod,
-                           score_mod, options)
+                           score_mod, options, with_max)
     if resolve_backend(backend) == "reference":  # the dense oracle: plain autodiff
-        out, lse = _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options)
+        out, lse, *row_max = _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod,
+                                           options, with_max=with_max)
     else:
         score_program = make_mod_program(score_mod, SCORE) if score_mod is not None else None
         mask_program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
-        out, lse = _ring(q, k, v, mask_program, score_program,
-                         _RingConfig(axis_name, layout, tuple(sorted(options.items(),
-                                                                     key=lambda x: x[0]))))
-    return out.astype(q.dtype), lse
+        out, lse, *row_max = _ring(
+            q, k, v, mask_program, score_program,
+            _RingConfig(axis_name, layout, tuple(sorted(options.items(), key=lambda x: x[0])),
+                        with_max))
+    return (out.astype(q.dtype), lse, *row_max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,9 +254,10 @@ class _RingConfig:
     axis_name: str
     layout: str
     options: tuple  # (name, value) pairs of scale, backend, kernel_options
+    with_max: bool = False  # a third output: the row max (a statistic: no gradient)
 
     def __hash__(self):
-        return hash((self.axis_name, self.layout, repr(self.options)))
+        return hash((self.axis_name, self.layout, repr(self.options), self.with_max))
 
     def __eq__(self, other):
         return isinstance(other, _RingConfig) and hash(self) == hash(other)
@@ -310,35 +320,40 @@ def _move_to_step(x, held, step, needed, axis_name, devices):
 
 
 def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options,
-                  schedule=None):
-    """(out float32, lse): the K/V shards passed round the ring, partial results merged.
-    schedule: `_ring_schedule`'s, if already built."""
+                  schedule=None, with_max=False):
+    """(out float32, lse), and with_max the row max: the K/V shards passed round the
+    ring, partial results merged. schedule: `_ring_schedule`'s, if already built."""
     devices = jax.lax.axis_size(axis_name)
     block_masks, computed, needed = schedule or _ring_schedule(
         q, k, v, axis_name, layout, mask_mod, options["kernel_options"])
     score_mods = _step_score_mods(q, k, axis_name, layout, score_mod)
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    merged = (out, lse) + ((lse,) if with_max else ())  # the row max starts at -inf too
     held = jnp.int32(0)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(
             zip(block_masks, computed, score_mods)):
         if step:
             (k, v), held = _move_to_step((k, v), held, step, needed, axis_name, devices)
 
-        def merge_step(out, lse, k, v, block_mask=block_mask, score_mod=shifted_score_mod):
-            part, part_lse = flex_attention(q, k, v, score_mod, block_mask, return_lse=True,
-                                            **options)
-            return merge_attention_states(out, lse, part, part_lse)
-        out, lse = jax.lax.cond(busy, merge_step, lambda out, lse, k, v: (out, lse),
-                                out, lse, k, v)
-    return out, lse
+        def merge_step(merged, k, v, block_mask=block_mask, score_mod=shifted_score_mod):
+            part, aux = flex_attention(
+                q, k, v, score_mod, block_mask, **options,
+                return_aux=AuxRequest(lse=True, max_scores=with_max))
+            out, lse = merge_attention_states(merged[0], merged[1], part, aux.lse)
+            if with_max:
+                return out, lse, jnp.maximum(merged[2], aux.max_scores)
+            return out, lse
+        merged = jax.lax.cond(busy, merge_step, lambda merged, k, v: merged, merged, k, v)
+    return merged
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ring(q, k, v, mask_program, score_program, config):
-    """The ring with its own backward (below): (out float32, lse)."""
+    """The ring with its own backward (below): (out float32, lse), and the row max with
+    config.with_max."""
     return _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
-                         score_program, dict(config.options))
+                         score_program, dict(config.options), with_max=config.with_max)
 
 
 def _ring_fwd(q, k, v, mask_program, score_program, config):
@@ -350,12 +365,14 @@ def _ring_fwd(q, k, v, mask_program, score_program, config):
     options = dict(config.options)
     schedule = _ring_schedule(q, k, v, config.axis_name, config.layout, mask_program,
                               options["kernel_options"])
-    out, lse = _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
-                             score_program, options, schedule)
+    out, lse, *row_max = _ring_forward(q, k, v, config.axis_name, config.layout,
+                                       mask_program, score_program, options, schedule,
+                                       config.with_max)
     # Only this device's shards, the merged statistics and the (small) step BlockMasks
     # are kept: the backward passes K/V round the ring again instead of holding every
     # shard that visited.
-    return (out, lse), (q, k, v, score_program, out, lse, wanted, mask_program, schedule)
+    return ((out, lse, *row_max),
+            (q, k, v, score_program, out, lse, wanted, mask_program, schedule))
 
 
 def _ring_bwd(config, residuals, cotangents):
@@ -365,7 +382,7 @@ def _ring_bwd(config, residuals, cotangents):
     with their shard; after the last step the buffers go home. Captured arrays' gradients
     are this device's partial sums (shard_map sums a replicated input's cotangent)."""
     q, k, v, score_program, out, lse, wanted, mask_program, schedule = residuals
-    d_out, d_lse = cotangents
+    d_out, d_lse = cotangents[:2]  # the row max (a statistic) has no gradient
     d_out = jnp.zeros(out.shape, q.dtype) if isinstance(d_out, SymbolicZero) else d_out
     d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
     axis_name, options = config.axis_name, dict(config.options)
@@ -419,15 +436,19 @@ def _ring_bwd(config, residuals, cotangents):
 _ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)
 
 
-def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, options):
-    """(out, lse) of one `attention` call with the mods at global positions and heads."""
-    return attention(
-        q, k, v, return_lse=True, **options,
+def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, options,
+              with_max=False):
+    """(out, lse), and with_max the row max, of one `attention` call with the mods at
+    global positions and heads."""
+    out, aux = attention(
+        q, k, v, return_aux=AuxRequest(lse=True, max_scores=with_max), **options,
         mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False, head),
         score_mod=_at_global_positions(score_mod, q_position, kv_position, True, head))
+    return (out, aux.lse) + ((aux.max_scores,) if with_max else ())
 
 
-def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options):
+def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod, options,
+                with_max=False):
     """Ulysses: [B, S / N, H, D] shards become [B, S, H / N, D] (put back in sequence
     order under the zig-zag and striped layouts), one call, and the outputs trade back.
 
@@ -451,10 +472,12 @@ def _all_to_all(q, k, v, axis_name, devices, index, layout, mask_mod, score_mod,
         if mod is None or not make_mod_program(mod, SCORE if is_score else MASK).uses_head:
             return mod
         return _at_global_positions(mod, _same, _same, is_score, lambda h: h + head_offset)
-    out, lse = attention(q, k, v, return_lse=True, **options,
-                         mask_mod=at_global_heads(mask_mod, False),
+    out, aux = attention(q, k, v, return_aux=AuxRequest(lse=True, max_scores=with_max),
+                         **options, mask_mod=at_global_heads(mask_mod, False),
                          score_mod=at_global_heads(score_mod, True))
+    rows = [aux.lse] + ([aux.max_scores] if with_max else [])  # [B, H / N, S] each
     if order is not None:
-        out, lse = jnp.take(out, order, axis=1), jnp.take(lse, order, axis=2)
+        out = jnp.take(out, order, axis=1)
+        rows = [jnp.take(row, order, axis=2) for row in rows]
     return (jax.lax.all_to_all(out, axis_name, 1, 2, tiled=True),
-            jax.lax.all_to_all(lse, axis_name, 2, 1, tiled=True))
+            *(jax.lax.all_to_all(row, axis_name, 2, 1, tiled=True) for row in rows))

@@ -4,6 +4,8 @@ leaves the others unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -91,9 +93,6 @@ def test_bad_requests_are_value_errors():
         pf.attention(q, k, v, return_lse=True, return_aux=pf.AuxRequest(lse=True))
     with pytest.raises(ValueError, match="AuxRequest"):
         pf.attention(q, k, v, return_aux={"max_scores": True})
-    with pytest.raises(ValueError, match="context_parallel"):
-        pf.attention(q, k, v, context_parallel=pf.ContextParallel("cp"),
-                     return_aux=pf.AuxRequest(max_scores=True))
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -116,3 +115,48 @@ def test_the_mosaic_forward_writes_the_row_max(backend, score):
     plain = pf.attention(q, k, v, mask_mod=_mask, score_mod=score_mod, backend=backend,
                          kernel_options={"forward_kernel": "mosaic"})
     np.testing.assert_array_equal(out, plain)  # asking for the max changes nothing else
+
+
+def _paged_cache(dtype, lengths=(70, 33), heads=2, dim=32, written=96):
+    """Rows of `lengths` tokens whose pages also hold `written - length` stale tokens
+    past the length, with keys 30x larger: a max that read them would be far off."""
+    cache = pf.paged.PagedKVCache.create(num_pages=16, page_size=16, max_batch=len(lengths),
+                                         max_pages_per_seq=8, kv_heads=heads, head_dim=dim,
+                                         dtype=dtype)
+    for b in range(len(lengths)):
+        cache = cache.reserve(b, written)
+        k, v = (jax.random.normal(jax.random.key(10 * b + i), (written, heads, dim),
+                                  jnp.float32) for i in (1, 2))
+        stale = (jnp.arange(written) >= lengths[b])[:, None, None]
+        k = jnp.where(stale, 30 * jnp.abs(k), k)
+        cache = cache.assign(b, 0, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    return dataclasses.replace(cache, lengths=jnp.asarray(lengths, jnp.int32))
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+@pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel; the paged forward kernel
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.int8])
+def test_paged_calls_give_the_row_max_over_each_row_s_length(backend, q_len, dtype):
+    """The row max over the keys within each row's length, as the dense reference on the
+    cache's (dequantized) contents gives it; lse as return_lse gives it."""
+    cache = _paged_cache(dtype)
+    q = jax.random.normal(jax.random.key(7), (2, q_len, 4, 32), jnp.float32).astype(
+        jnp.bfloat16)
+    mask = pf.masks.offset(pf.masks.causal_mask, cache.lengths - q_len)
+    out, aux = pf.paged.paged_flex_attention(
+        q, cache, mask_mod=mask, backend=backend,
+        return_aux=pf.AuxRequest(lse=True, max_scores=True))
+    k, v = pf.paged.gather_contiguous(cache)
+    lengths = cache.lengths
+
+    def in_length(b, h, q_idx, kv_idx):
+        return (q_idx + lengths[b] - q_len >= kv_idx) & (kv_idx < lengths[b])
+    _, lse, expected = reference_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                           v.astype(jnp.float32), mask_mod=in_length,
+                                           return_max=True)
+    assert aux.max_scores.shape == (2, 4, q_len)
+    np.testing.assert_allclose(aux.max_scores, expected, atol=2e-2, rtol=1e-2)
+    np.testing.assert_allclose(aux.lse, lse, atol=2e-2, rtol=1e-2)
+    _, plain_lse = pf.paged.paged_flex_attention(q, cache, mask_mod=mask, backend=backend,
+                                                 return_lse=True)
+    np.testing.assert_allclose(aux.lse, plain_lse, atol=1e-6)

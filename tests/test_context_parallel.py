@@ -391,3 +391,39 @@ def test_auto_strategy_gathers_what_fits_and_rings_the_rest(mesh):
             q, k, v, axis_name="cp", mask_mod=masks.causal_mask, return_lse=True,
             backend="xla", **options))(q, k, v)[0]
     np.testing.assert_array_equal(run(), run(strategy="all_gather"))
+
+
+@pytest.mark.parametrize("strategy,layout,backend", [
+    ("ring", "zig-zag", "xla"), ("ring", "contiguous", "reference"),
+    ("all_gather", "contiguous", "xla"), ("all_to_all", "zig-zag", "xla")])
+def test_the_row_max_is_the_largest_over_every_device_s_keys(mesh, strategy, layout,
+                                                              backend):
+    """return_aux's max_scores: each device's rows, the max over every shard's keys
+    (-inf for rows masked everywhere), as one device gives it."""
+    q, k, v, _ = _inputs(3)
+    q = jnp.concatenate([q, q[:, :, ::-1]], axis=2)  # Hq 8, Hkv 4: all_to_all's multiples
+    k, v = (jnp.concatenate([x, x[:, :, ::-1]], axis=2) for x in (k, v))
+    ids = DOCUMENT_IDS.at[:7].set(-1)  # rows 0-6 see no key anywhere
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (ids[q_idx] == ids[kv_idx]) & (ids[q_idx] >= 0) & (q_idx >= kv_idx)
+    score_mod = pf.scores.alibi(pf.scores.alibi_slopes(2 * HQ))
+    order = pf.context_parallel.layout_order(S, DEVICES, layout)
+
+    def local(q, k, v):
+        out, aux = pf.context_parallel_attention(
+            q, k, v, axis_name="cp", strategy=strategy, layout=layout, mask_mod=mask_mod,
+            score_mod=score_mod, backend=backend,
+            return_aux=pf.AuxRequest(lse=True, max_scores=True))
+        return out, aux.max_scores
+    sharded = _sharded(mesh, local)
+    out, row_max = sharded(*(x[:, order] for x in (q, k, v)))
+    want_out, want = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                  backend="xla", return_aux=pf.AuxRequest(max_scores=True))
+    want = want.max_scores[:, :, order]
+    finite = np.isfinite(np.asarray(want))
+    assert not finite[:, :, np.isin(np.asarray(order), np.arange(7))].any()
+    np.testing.assert_array_equal(finite, np.isfinite(np.asarray(row_max)))
+    np.testing.assert_allclose(np.where(finite, row_max, 0), np.where(finite, want, 0),
+                               atol=1e-5)
+    np.testing.assert_allclose(out, want_out[:, order], atol=2e-5)

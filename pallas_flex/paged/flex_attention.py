@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_flex import dispatch, sharding
-from pallas_flex.api import build_block_mask, resolve_backend, resolve_scale, validate_block_mask
+from pallas_flex.api import (
+    AuxOutput, build_block_mask, check_aux, resolve_backend, resolve_scale, validate_block_mask)
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
@@ -54,8 +55,9 @@ def _validate(q, cache):
 
 def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
                           score_program, scales, config):
-    """scales: None, or a quantized cache's (k_scales, v_scales)."""
-    backend, scale, options = config
+    """scales: None, or a quantized cache's (k_scales, v_scales). config: (backend, scale,
+    options, with_max); with_max adds the row max of the logits to (out, lse)."""
+    backend, scale, options, with_max = config
     choice = dispatch.choose_forward(q, k_pages, v_pages, block_mask, score_program,
                                      backend=backend, options=options, paged=True,
                                      quantized=scales is not None)
@@ -75,7 +77,8 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
         return dispatch.run_forward(choice, q, k_pages, v_pages, block_mask, score_program,
                                     scale=scale, options=options,
                                     interpret=backend == "interpret", page_table=page_table,
-                                    lengths=lengths, k_scales=k_scales, v_scales=v_scales)
+                                    lengths=lengths, k_scales=k_scales, v_scales=v_scales,
+                                    with_max=with_max)
 
     # Tensor-parallel serving: a cache split over KV heads (pages [P, Hkv, page, D])
     # runs each device's heads on its own pages; batch rows share the page pool, so a
@@ -85,7 +88,8 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
         (sharding.QUERY, sharding.PAGES, sharding.PAGES, sharding.WHOLE, sharding.WHOLE,
          sharding.roles_of(block_mask, None), sharding.WHOLE,
          None if scales is None else (sharding.PAGES, sharding.PAGES)),
-        lambda results: (sharding.QUERY, sharding.ROW), batch=q.shape[0],
+        lambda results: (sharding.QUERY,) + (sharding.ROW,) * (len(results) - 1),
+        batch=q.shape[0],
         q_heads=q.shape[2], kv_heads=k_pages.shape[1], split_batch=False)
 
 
@@ -103,13 +107,16 @@ _paged_attention.defvjp(lambda *args: (_paged_attention_impl(*args), None), _no_
 @functools.partial(jax.jit, static_argnames=("config",))
 def _paged_attention_jit(q, k_pages, v_pages, page_table, lengths, block_mask, score_program,
                          sinks=None, scales=None, *, config):
-    out, lse = _paged_attention(q, k_pages, v_pages, page_table, lengths, block_mask,
-                                score_program, scales, config)
-    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
+    out, lse, *row_max = _paged_attention(q, k_pages, v_pages, page_table, lengths,
+                                          block_mask, score_program, scales, config)
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+    return (out, lse, *row_max)
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
-def _gathered_reference(q, cache, block_mask, score_program, sinks=None, *, scale):
+@functools.partial(jax.jit, static_argnames=("scale", "with_max"))
+def _gathered_reference(q, cache, block_mask, score_program, sinks=None, *, scale,
+                        with_max=False):
     """The dense oracle ("reference" and "xla" backends): O(cache) memory, for tests."""
     k, v = _gather_contiguous(cache)  # checked by the caller when concrete
     mask_program = block_mask.mask_mod
@@ -117,15 +124,18 @@ def _gathered_reference(q, cache, block_mask, score_program, sinks=None, *, scal
     def mask_mod(b, h, q_idx, kv_idx):
         return mask_program(b, h, q_idx, kv_idx) & (kv_idx < cache.lengths[b])
 
-    out, lse = reference_attention(q, k, v, mask_mod=mask_mod, score_mod=score_program,
-                                   scale=scale)
+    out, lse, *row_max = reference_attention(q, k, v, mask_mod=mask_mod,
+                                             score_mod=score_program, scale=scale,
+                                             return_max=with_max)
     out = out.astype(q.dtype)
-    return (out, lse) if sinks is None else merge_sinks(out, lse, sinks)
+    if sinks is not None:
+        out, lse = merge_sinks(out, lse, sinks)
+    return (out, lse, *row_max)
 
 
 def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=None,
                          scale=None, return_lse=False, backend=None, kernel_options=None,
-                         sinks=None):
+                         sinks=None, return_aux=None):
     """FlexAttention of q over the keys and values stored in a `PagedKVCache`.
 
     Args:
@@ -138,13 +148,15 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
       mask_mod / block_mask: the mask over (q_idx in [0, Sq), logical kv_idx in
         [0, max_seq_len)); for decoding, shift queries to their absolute positions with
         `pallas_flex.masks.offset(mask_mod, positions)`. Pass one or neither.
-      score_mod, scale, return_lse, kernel_options, sinks: as in
-        `pallas_flex.flex_attention`.
+      score_mod, scale, return_lse, kernel_options, sinks, return_aux: as in
+        `pallas_flex.flex_attention` (the row max of `pf.AuxRequest(max_scores=True)`
+        over the row's keys within its length).
       backend: "pallas" / "interpret" run the kernels on the pages in place; "xla" and
         "reference" gather the cache into contiguous arrays and compute densely
         (O(cache) memory: a correctness oracle, not a serving path).
     Returns:
-      out [B, Sq, Hq, Dv], or (out, lse [B, Hq, Sq]) with return_lse=True. Inference
+      out [B, Sq, Hq, Dv], or (out, lse [B, Hq, Sq]) with return_lse=True, or
+      (out, pf.AuxOutput) with return_aux. Inference
       only: differentiating raises a ValueError.
 
     Errors: besides shapes and arguments, a concrete cache's page table and lengths are
@@ -179,15 +191,19 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     backend = resolve_backend(backend)
     scale = resolve_scale(scale, head_dim)
     sinks = check_sinks(sinks, q_heads)
+    with_max = check_aux(return_aux, return_lse)
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
         scales = (cache.k_scales, cache.v_scales) if cache.quantized else None
-        out, lse = _paged_attention_jit(q, cache.k_pages, cache.v_pages, cache.page_table,
-                                        cache.lengths, block_mask, score_program, sinks,
-                                        scales, config=(backend, scale, options))
+        out, lse, *row_max = _paged_attention_jit(
+            q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths, block_mask,
+            score_program, sinks, scales, config=(backend, scale, options, with_max))
     else:
-        out, lse = _gathered_reference(q, cache, block_mask, score_program, sinks,
-                                       scale=scale)
+        out, lse, *row_max = _gathered_reference(q, cache, block_mask, score_program, sinks,
+                                                 scale=scale, with_max=with_max)
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None,
+                              row_max[0] if with_max else None)
     return (out, lse) if return_lse else out
 
 
