@@ -460,3 +460,99 @@ def test_a_repeated_k_also_used_outside_the_attention(calls):
         return _attend(q, k, v, lambda s: s) + jnp.tanh(k)
     _check(attend, (q, k, v), calls)
     assert calls[0]["shapes"][1] == (B, S, 2, D)
+
+
+def _layer_stack(layers=2, seed=29):
+    """x [B, S, H*D] and stacked per-layer q, k, v projections [L, 3, H*D, H*D]."""
+    keys = jax.random.split(jax.random.key(seed), 2)
+    return (jax.random.normal(keys[0], (B, S, H * D)),
+            jax.random.normal(keys[1], (layers, 3, H * D, H * D)) / np.sqrt(H * D))
+
+
+def _causal_layer(h, weights):
+    """One layer as a scan body: causal attention on projections of h, plus h."""
+    q, k, v = (jnp.einsum("bse,ef->bsf", h, weights[i]).reshape(B, S, H, D)
+               for i in range(3))
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+    s = jnp.where(jnp.tril(jnp.ones((S, S), bool)), s, -jnp.inf)
+    out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, axis=-1), v)
+    return h + out.reshape(h.shape), jnp.sum(out)
+
+
+@pytest.mark.parametrize("written", ["scan", "checkpointed layer, reverse scan",
+                                     "fori_loop"])
+def test_attention_inside_a_scan_over_stacked_layers(calls, written):
+    """Layers run by lax.scan over stacked [L, ...] weights (as model code and flax's
+    nn.scan write them): the body's attention is fused (one call, traced once), the scan
+    keeps its length and direction, and gradients reach the per-layer weights (scan xs)
+    through scan's own AD; a jax.checkpoint'd body stays a checkpoint inside the scan."""
+    x, weights = _layer_stack()
+
+    def stack(x, weights):
+        if written == "fori_loop":  # static bounds: a scan too
+            return jax.lax.fori_loop(0, 2, lambda i, h: _causal_layer(h, weights[i])[0], x)
+        checkpointed = written.startswith("checkpointed")
+        layer = jax.checkpoint(_causal_layer) if checkpointed else _causal_layer
+        h, sums = jax.lax.scan(layer, x, weights, reverse=checkpointed)
+        return h * sums[0]
+    text = pf.explain_fuse(stack, x, weights)
+    prefix = "inside lax.scan: " + ("inside jax.checkpoint: " if "checkpoint" in written
+                                    else "")
+    assert text.startswith(prefix + "softmax") and "fused into pf.attention (mask_mod" \
+        in text, text
+    calls.clear()  # (explain_fuse traces the call too)
+    _check(stack, (x, weights), calls, argnums=(0, 1), atol=1e-4)
+    fused_jaxpr = str(jax.make_jaxpr(pf.fuse(stack, backend="xla"))(x, weights))
+    assert "scan[" in fused_jaxpr and fused_jaxpr.count(" exp ") == 0, fused_jaxpr
+    if "checkpoint" in written:
+        assert "checkpoint[" in fused_jaxpr or "remat" in fused_jaxpr
+
+
+def test_attention_inside_a_while_loop_body(calls):
+    """fori_loop with a traced trip count (a while_loop): its body is fused too
+    (forward only: JAX differentiates no while_loop in reverse)."""
+    x, weights = _layer_stack(seed=30)
+
+    def stack(x, weights, n):
+        return jax.lax.fori_loop(0, n, lambda i, h: _causal_layer(h, weights[i])[0], x)
+    n = jnp.array(2)
+    assert pf.explain_fuse(stack, x, weights, n).startswith("inside lax.while_loop: ")
+    calls.clear()
+    got = jax.jit(pf.fuse(stack, backend="xla"))(x, weights, n)
+    np.testing.assert_allclose(got, stack(x, weights, n), atol=1e-4, rtol=1e-4)
+    assert len(calls) == 1
+
+
+def test_a_linen_model_scanning_remat_layers(calls):
+    """flax.linen nn.scan over nn.remat'd layers with nn.MultiHeadDotProductAttention:
+    a checkpoint inside a scan body, parameters stacked along the scan."""
+    import flax.linen as nn
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            y = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=H * D)(
+                x, mask=nn.make_causal_mask(jnp.ones(x.shape[:2])))
+            return x + y, None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(nn.remat(Layer), variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=2)
+            return layers()(x, None)[0]
+    x = jax.random.normal(jax.random.key(31), (B, S, 32))
+    model = Stack()
+    params = model.init(jax.random.key(32), x)
+
+    def loss(params, x):
+        return jnp.sum(model.apply(params, x) ** 2)
+    text = pf.explain_fuse(loss, params, x)
+    assert text.startswith("inside lax.scan: inside jax.checkpoint: ") and \
+        "fused into pf.attention" in text, text
+    calls.clear()
+    got = jax.value_and_grad(pf.fuse(loss, backend="xla"))(params, x)
+    want = jax.value_and_grad(loss)(params, x)
+    assert len(calls) == 1
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)

@@ -52,24 +52,56 @@ def _trace(fn, args, kwargs):
 REMAT = ("remat2", "checkpoint")
 
 
+def _closed(jaxpr):
+    """A region's jaxpr (open, its constants on it, or closed) as a ClosedJaxpr; None
+    when its constants can't be had."""
+    if isinstance(jaxpr, jax.extend.core.ClosedJaxpr):
+        return jaxpr
+    consts = list(getattr(jaxpr, "consts", None) or ())
+    if len(consts) != len(jaxpr.constvars):
+        return None
+    return jax.extend.core.ClosedJaxpr(jaxpr, consts)
+
+
+def _regions(node):
+    """(where, run, {name: graph}) for a node whose body `_plan` looks inside: a
+    `jax.checkpoint` region, a `lax.scan` body (also `fori_loop` with static bounds) or
+    a `lax.while_loop` body; None for other nodes."""
+    if node.name in REMAT:
+        where, run, names = "inside jax.checkpoint: ", _remat, ("jaxpr",)
+    elif node.name == "scan":
+        where, run, names = "inside lax.scan: ", _scan, ("jaxpr",)
+    elif node.name == "while":
+        where, run, names = "inside lax.while_loop: ", _while, ("body_jaxpr", "cond_jaxpr")
+    else:
+        return None
+    closed = [_closed(node.params[name]) if name in node.params else None
+              for name in names]
+    if any(c is None for c in closed):
+        return None
+    return where, run, {name: graph_lib.flatten(c) for name, c in zip(names, closed)}
+
+
 def _plan(graph, options, where=""):
     """(findings, replacements) of a graph, recursing into `jax.checkpoint` regions (a
-    remat'd transformer block keeps its rematerialization, with its attention fused)."""
+    remat'd transformer block keeps its rematerialization, with its attention fused) and
+    `lax.scan` / `lax.while_loop` bodies (layers scanned over stacked parameters): each
+    body is planned on its own and the loop run on the fused body."""
     findings = match.find(graph)
     for finding in findings:
         finding.where = where + finding.where
     replacements = _Replacements()
     for node in graph.nodes:
-        inner = node.params.get("jaxpr") if node.name in REMAT else None
-        if inner is None or inner.constvars:
+        region = _regions(node)
+        if region is None:
             continue
-        subgraph = graph_lib.flatten(jax.extend.core.ClosedJaxpr(inner, []))
-        inner_findings, inner_replacements = _plan(subgraph, options,
-                                                   where + "inside jax.checkpoint: ")
+        inner_where, run, graphs = region
+        body = graphs.get("jaxpr", graphs.get("body_jaxpr"))
+        inner_findings, inner_replacements = _plan(body, options, where + inner_where)
         findings += inner_findings
         if inner_replacements.calls:
             replacements.calls[node] = functools.partial(
-                _remat, node=node, subgraph=subgraph, replacements=inner_replacements)
+                run, node=node, graphs=graphs, replacements=inner_replacements)
     producers = graph.producers()
     for finding in findings:
         attention = finding.attention
@@ -82,12 +114,52 @@ def _plan(graph, options, where=""):
     return findings, replacements
 
 
-def _remat(read, *, node, subgraph, replacements):
+def _remat(read, *, node, graphs, replacements):
     """A `jax.checkpoint` region run with its attention fused, rematerialized as before."""
     def region(*arguments):
-        return graph_lib.evaluate(subgraph, list(arguments), replacements)
+        return graph_lib.evaluate(graphs["jaxpr"], list(arguments), replacements)
     return jax.checkpoint(region, prevent_cse=node.params.get("prevent_cse", True),
                           policy=node.params.get("policy"))(*[read(x) for x in node.inputs])
+
+
+def _scan(read, *, node, graphs, replacements):
+    """A `lax.scan` run on its body with the attention fused: same length, direction and
+    unrolling, the same consts, carries and xs; scan's own AD differentiates it (the
+    fused calls through their custom VJP)."""
+    params = node.params
+    arguments = [read(x) for x in node.inputs]
+    if "ft_in" in params:  # consts, carries, xs as flat trees
+        consts, init, xs = (list(part) for part in
+                            params["ft_in"].update(arguments).unpack())
+    else:
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = (arguments[:n_consts], arguments[n_consts:n_consts + n_carry],
+                            arguments[n_consts + n_carry:])
+
+    def body(carry, x):
+        out = graph_lib.evaluate(graphs["jaxpr"], [*consts, *carry, *x], replacements)
+        return out[:len(init)], out[len(init):]
+    carry, ys = jax.lax.scan(body, init, xs, length=params["length"],
+                             reverse=params["reverse"], unroll=params.get("unroll", 1))
+    return [*carry, *ys]
+
+
+def _while(read, *, node, graphs, replacements):
+    """A `lax.while_loop` run on its body with the attention fused (its cond as written)."""
+    params = node.params
+    arguments = [read(x) for x in node.inputs]
+    n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+    cond_consts = arguments[:n_cond]
+    body_consts = arguments[n_cond:n_cond + n_body]
+
+    def cond(carry):
+        return graph_lib.evaluate(graphs["cond_jaxpr"], [*cond_consts, *carry],
+                                  _Replacements())[0]
+
+    def body(carry):
+        return graph_lib.evaluate(graphs["body_jaxpr"], [*body_consts, *carry],
+                                  replacements)
+    return list(jax.lax.while_loop(cond, body, arguments[n_cond + n_body:]))
 
 
 def _fused(read, *, attention, options, producers, finding):
