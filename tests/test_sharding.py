@@ -182,16 +182,24 @@ def test_paged_cache_split_over_kv_heads_equals_one_device(q_len):
     assert _gathered_inputs(attend.lower(split_q, split_cache).compile().as_text()) == []
 
 
-@pytest.mark.parametrize("backend", ["xla", "interpret"])
-def test_ragged_op_split_over_kv_heads_equals_one_device(backend):
+@pytest.mark.parametrize("backend,quantized", [("xla", False), ("interpret", False),
+                                               ("xla", True)])
+def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized):
     """The OpenVINO-spec op with the caches split by KV head and the tokens' heads
     (query [T, Hq * D] split between heads), re-rotated blocks included: outputs, updated
-    caches and the scores (summed over heads, so over the devices) equal one device's."""
+    caches and the scores (summed over heads, so over the devices) equal one device's;
+    int8 caches too (their scales split with them, re-quantized per head when rotated)."""
+    from pallas_flex.paged.quantize import quantize
     from tests.paged.test_ragged import _rotation, alibi_slopes, make_case
 
     mesh = _mesh("Auto")
     case = make_case(2, [(5, 3), (0, 6), (12, 1)], block_size=4, q_heads=HQ,
                      kv_heads=HKV, head_dim=D, value_dim=D, dtype=jnp.float32)
+    if quantized:
+        (k_stored, k_scales), (v_stored, v_scales) = (
+            quantize(case[name], jnp.int8) for name in ("key_cache", "value_cache"))
+        case = dict(case, key_cache=k_stored, value_cache=v_stored, key_cache_scales=k_scales,
+                    value_cache_scales=v_scales)
     options = dict(sliding_window=6, alibi_slopes=alibi_slopes(HQ),
                    **_rotation(case, 4, D, per_slot=True))
 
@@ -207,6 +215,10 @@ def test_ragged_op_split_over_kv_heads_equals_one_device(backend):
                  value=jax.device_put(case["value"], heads),
                  key_cache=jax.device_put(case["key_cache"], pages),
                  value_cache=jax.device_put(case["value_cache"], pages))
+    if quantized:
+        scales = NamedSharding(mesh, P(None, "model", None))
+        split.update({name: jax.device_put(case[name], scales)
+                      for name in ("key_cache_scales", "value_cache_scales")})
     got = step(split)
     _assert_matches(got[0], want[0], atol=1e-6)
     _assert_matches(got[1], want[1], atol=1e-5)  # scores: partial sums added across heads

@@ -95,8 +95,11 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
       key_cache_scales, value_cache_scales: float32 [num_blocks, Hkv, block_size], for
         int8 or float8_e4m3fn caches (KV-cache compression; `pallas_flex.paged.quantize`):
         one scale per stored token and head; the new tokens are quantized when written
-        and their scales set; query, key and value stay 16/32-bit. Both or neither; not
-        with the rotation inputs (yet).
+        and their scales set; query, key and value stay 16/32-bit. Both or neither.
+        With the rotation inputs, the rotated blocks' keys are dequantized (float32),
+        rotated and quantized again (new scales per slot and head, as a write computes
+        them); the returned key_cache_scales hold the new scales, other blocks' keys and
+        scales are returned unchanged.
       num_splits: programs that share one work item's KV blocks in the Pallas kernel
         (split-KV, merged exactly), or None to choose from the work (about 256
         programs); a Python int >= 1. Ignored by "xla".
@@ -166,9 +169,6 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
     rotation = _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
                                  key_cache)
-    if rotation is not None and cache_scales is not None:
-        raise ValueError("the rotation inputs (13-15) are not supported on quantized caches "
-                         "(yet): rotate before quantizing")
     sinks = check_sinks(sinks, query.shape[1] // head_dim)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
@@ -366,23 +366,36 @@ def _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
     return indices, deltas, jnp.asarray(lut, jnp.float32)
 
 
-def _rotate_blocks(key_cache, indices, deltas, lut):
+def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
     """key_cache with the keys of blocks `indices` [R] rotated by LUT rows `deltas`
     [R, block_size], pairs (2j, 2j + 1) by (cos, sin) = (lut[r, j], lut[r, D/2 + j]),
     in float32; a scatter over those blocks alone (entries clamped into the pool, out of
-    range ones dropped, so unchecked metadata under jit never writes outside it)."""
+    range ones dropped, so unchecked metadata under jit never writes outside it).
+
+    With `key_scales` [num_blocks, Hkv, block_size] (an int8 / float8 cache) the listed
+    blocks' keys are dequantized (values times scales, float32), rotated, and quantized
+    again as `quantize` does when a token is written (a new scale per slot and head);
+    returns (key_cache, key_scales), both changed in the listed blocks alone."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if indices.shape[0] == 0:
-        return key_cache
-    blocks = key_cache[jnp.clip(indices, 0, num_blocks - 1)].astype(jnp.float32)
+        return key_cache if key_scales is None else (key_cache, key_scales)
+    gathered = jnp.clip(indices, 0, num_blocks - 1)
+    if key_scales is None:
+        blocks = key_cache[gathered].astype(jnp.float32)
+    else:
+        blocks = dequantize(key_cache[gathered], key_scales[gathered])
     trig = lut[jnp.clip(deltas, 0, lut.shape[0] - 1)][:, None]  # [R, 1, block_size, D]
     cos, sin = trig[..., :head_dim // 2], trig[..., head_dim // 2:]
     pairs = blocks.reshape(*blocks.shape[:-1], head_dim // 2, 2)
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    rotated = rotated.reshape(blocks.shape)
     target = jnp.where((indices >= 0) & (indices < num_blocks), indices, num_blocks)
-    return key_cache.at[target].set(
-        rotated.reshape(blocks.shape).astype(key_cache.dtype), mode="drop")
+    if key_scales is None:
+        return key_cache.at[target].set(rotated.astype(key_cache.dtype), mode="drop")
+    rotated, scales = quantize(rotated, key_cache.dtype)
+    return (key_cache.at[target].set(rotated, mode="drop"),
+            key_scales.at[target].set(scales, mode="drop"))
 
 
 def _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins, *,
@@ -537,7 +550,12 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if rotation is not None:  # (a') before the new tokens land in rotated blocks
-        key_cache = _rotate_blocks(key_cache, *rotation)
+        if cache_scales is None:
+            key_cache = _rotate_blocks(key_cache, *rotation)
+        else:  # dequantized, rotated, quantized again with new scales
+            key_cache, key_scales = _rotate_blocks(key_cache, *rotation,
+                                                   key_scales=cache_scales[0])
+            cache_scales = (key_scales, cache_scales[1])
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
     q_heads = query.shape[1] // head_dim

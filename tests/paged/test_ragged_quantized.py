@@ -10,8 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_flex.masks import alibi_slopes
 from pallas_flex.paged import paged_attention
 from pallas_flex.paged.quantize import dequantize, quantize
+from tests.paged.ragged_reference import reference_paged_attention, to_float64
+from tests.paged.test_ragged import RAGGED_BACKENDS, _rotation, case_config, make_case
 
 HQ, HKV, D, BLOCK, NUM_BLOCKS = 4, 2, 32, 8, 12
 PAST, BEGINS = jnp.array([13, 0]), jnp.array([0, 1, 6])  # a decode step and a 5-token prompt
@@ -63,8 +66,133 @@ def test_quantized_cache_arguments_are_checked():
         paged_attention(*args, value_cache_scales=scales)
     with pytest.raises(ValueError, match="value_cache_scales must be float32"):
         paged_attention(*args, key_cache_scales=scales, value_cache_scales=scales[:, :1])
-    with pytest.raises(ValueError, match="rotation"):
-        paged_attention(*args, key_cache_scales=scales, value_cache_scales=scales,
-                        rotated_block_indices=jnp.array([5]),
-                        rotation_deltas=jnp.zeros((1, 1), jnp.int32),
-                        rotation_trig_lut=jnp.ones((1, D)))
+    # The spec's rotation metadata is checked on quantized caches as on 16-bit ones.
+    rotation = dict(rotated_block_indices=jnp.array([5]),
+                    rotation_deltas=jnp.zeros((1, 1), jnp.int32),
+                    rotation_trig_lut=jnp.ones((1, D)))
+    for change, message in [
+            (dict(rotation_trig_lut=None), "rotation_trig_lut missing"),
+            (dict(rotated_block_indices=jnp.array([5, 99])), r"rotated_block_indices\[1\] = 99"),
+            (dict(rotated_block_indices=jnp.array([5, 5])), "lists block 5 twice"),
+            (dict(rotation_deltas=jnp.ones((1, 1), jnp.int32)), "not a row of rotation_trig"),
+            (dict(rotation_deltas=jnp.zeros((1, 3), jnp.int32)), "rotation_deltas must be"),
+            (dict(rotation_trig_lut=jnp.ones((1, D + 1))), "rotation_trig_lut must be")]:
+        bad = dict(rotation, **change)
+        if bad["rotated_block_indices"].shape[0] == 2:
+            bad["rotation_deltas"] = jnp.zeros((2, 1), jnp.int32)
+        with pytest.raises(ValueError, match=message):
+            paged_attention(*args, key_cache_scales=scales, value_cache_scales=scales, **bad)
+
+
+# -- the spec's inputs 13-15 on quantized caches ---------------------------------------------
+
+
+def _written_slots(case, num_blocks, block_size):
+    """bool [num_blocks, block_size]: the slots the new tokens are written to."""
+    written = np.zeros((num_blocks, block_size), bool)
+    past, begins = np.asarray(case["past_lens"]), np.asarray(case["subsequence_begins"])
+    blocks, block_begins = (np.asarray(case[name]) for name in ("block_indices",
+                                                                "block_indices_begins"))
+    for s in range(len(past)):
+        for position in range(past[s], past[s] + begins[s + 1] - begins[s]):
+            written[blocks[block_begins[s] + position // block_size], position % block_size] = 1
+    return written
+
+
+def _quantization_bound(exact, dtype):
+    """The most |quantize-then-dequantize(x) - x| can be, per element of float64 vectors
+    `exact` [..., D] (rounding to a step of s = max|x| / 127 for int8; to e4m3's 3
+    mantissa bits, or its subnormal step 2^-9 s, for float8), with float32's slack."""
+    largest = np.abs(exact).max(axis=-1, keepdims=True)
+    if dtype == jnp.int8:
+        bound = 0.5 * largest / 127 + 0 * exact
+    else:
+        bound = np.abs(exact) * 2.0 ** -4 + largest / 448 * 2.0 ** -10
+    return bound * (1 + 1e-5) + 1e-6 * largest
+
+
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
+@pytest.mark.parametrize("per_slot", [True, False], ids=["deltas_per_slot", "deltas_per_block"])
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4"])
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
+def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
+    """Rotated blocks of an 8-bit cache are dequantized, rotated and quantized again:
+    their keys equal the float64 rotation of the dequantized keys within one
+    quantization's error, with the scales `quantize` gives them; every other block's
+    stored keys and scales (slots the new tokens fill aside) and the value cache and its
+    scales come back bit for bit; the output, over a mixed prefill / decode batch, equals
+    a float64 model attending over the returned (dequantized) keys."""
+    config, seqs = case_config(config_name)
+    case = make_case(3, seqs, **config)
+    num_blocks, kv_heads, block_size, head_dim = case["key_cache"].shape
+    rotation = _rotation(case, block_size, head_dim, per_slot)
+    (k_stored, k_scales), (v_stored, v_scales) = (
+        quantize(case[name].astype(jnp.float32), dtype) for name in ("key_cache", "value_cache"))
+    quantized_case = dict(case, key_cache=k_stored, value_cache=v_stored)
+    options = dict(alibi_slopes=alibi_slopes(config["q_heads"]))
+    out, scores, k_out, v_out, k_scales_out, v_scales_out = paged_attention(
+        **quantized_case, **options, **rotation, key_cache_scales=k_scales,
+        value_cache_scales=v_scales, return_scores=True, backend=backend)
+    assert (k_out.dtype, v_out.dtype) == (dtype, dtype)
+
+    # The keys: the reference rotates the dequantized keys in float64 (and writes the new
+    # tokens unquantized); ours are within the quantization's error of it.
+    def dequantized64(values, scales):
+        return to_float64(values) * to_float64(scales)[..., None]
+    _, _, want_k, _ = reference_paged_attention(
+        **dict(case, key_cache=dequantized64(k_stored, k_scales),
+               value_cache=dequantized64(v_stored, v_scales)), **rotation)
+    got_k = dequantized64(k_out, k_scales_out)
+    assert np.all(np.abs(got_k - want_k) <= _quantization_bound(want_k, dtype))
+    rotated = np.asarray(rotation["rotated_block_indices"])
+    written = _written_slots(case, num_blocks, block_size)
+    limit = 127.0 if dtype == jnp.int8 else 448.0
+    fresh = np.zeros((num_blocks, block_size), bool)
+    fresh[rotated] = True
+    fresh |= written  # slots given new scales: rotated, or written by a new token
+    largest = np.abs(want_k).max(axis=-1) / limit  # [blocks, Hkv, block_size]
+    np.testing.assert_allclose(to_float64(k_scales_out).transpose(0, 2, 1)[fresh],
+                               largest.transpose(0, 2, 1)[fresh], rtol=1e-5)
+    # The rotation did something, and the keys and scales elsewhere are untouched.
+    assert np.abs(got_k[rotated] - dequantized64(k_stored, k_scales)[rotated]).max() > 0.1
+    kept = ~fresh  # [blocks, block_size]
+    for got, given in ((k_out, k_stored), (k_scales_out, k_scales)):
+        got, given = np.asarray(got).swapaxes(1, 2), np.asarray(given).swapaxes(1, 2)
+        assert got[kept].tobytes() == given[kept].tobytes()
+    for got, given in ((v_out, v_stored), (v_scales_out, v_scales)):
+        got, given = np.asarray(got).swapaxes(1, 2), np.asarray(given).swapaxes(1, 2)
+        assert got[~written].tobytes() == given[~written].tobytes()
+
+    # The output and scores: a float64 model over the returned keys (rotated, then
+    # quantized) and values, with the new tokens' keys and values as quantized.
+    def as_written(x, dim):
+        tokens = x.shape[0]
+        return dequantized64(*quantize(x.reshape(tokens, kv_heads, dim).astype(jnp.float32),
+                                       dtype)).reshape(tokens, kv_heads * dim)
+    want, want_scores, _, _ = reference_paged_attention(
+        **dict(case, key=as_written(case["key"], head_dim),
+               value=as_written(case["value"], config["value_dim"]), key_cache=got_k,
+               value_cache=dequantized64(v_stored, v_scales)), **options)
+    tolerance = 2e-5 if config["dtype"] == jnp.float32 else 2e-2
+    np.testing.assert_allclose(to_float64(out), want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(np.asarray(scores)[:want_scores.shape[0]], want_scores,
+                               atol=10 * tolerance, rtol=tolerance)
+
+
+def test_rotation_of_quantized_caches_under_jit_with_donated_caches_matches_eager():
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(4, seqs, **config)
+    rotation = _rotation(case, config["block_size"], config["head_dim"], True)
+    (k_stored, k_scales), (v_stored, v_scales) = (
+        quantize(case[name], jnp.int8) for name in ("key_cache", "value_cache"))
+    case = dict(case, key_cache=k_stored, value_cache=v_stored, key_cache_scales=k_scales,
+                value_cache_scales=v_scales)
+    eager = paged_attention(**case, **rotation, backend="xla")
+    names = ("key_cache", "value_cache", "key_cache_scales", "value_cache_scales")
+    step = jax.jit(lambda caches, rest, rotation: paged_attention(**caches, **rest, **rotation,
+                                                                  backend="xla"),
+                   donate_argnums=0)
+    got = step({name: jnp.array(case[name], copy=True) for name in names},
+               {name: x for name, x in case.items() if name not in names}, rotation)
+    for got, want in zip(got, eager):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
