@@ -342,7 +342,7 @@ def check_aux(return_aux, return_lse) -> bool:
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                    return_lse=False, backend=None, kernel_options=None, sinks=None,
-                   return_aux=None):
+                   return_aux=None, k_scales=None, v_scales=None):
     """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
@@ -365,6 +365,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
       return_aux: a `pf.AuxRequest(lse=, max_scores=)`: also return a `pf.AuxOutput`
         with those (max_scores: the row max of the logits, from the kernel's running
         max, in the forward kernels and the decode kernel alike).
+      k_scales, v_scales: for int8 / float8_e4m3fn k and v (a quantized KV cache), their
+        float32 per-token scales [B, Skv, Hkv] (`pallas_flex.paged.quantize.quantize`);
+        q stays float. Decode runs the split-KV kernel on the 8-bit values, other calls
+        a dequantized copy; inference only (`pallas_flex/quantized_kv.py`).
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
       (out, AuxOutput) with return_aux.
@@ -373,6 +377,13 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
       >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
       >>> out = pf.flex_attention(q, k, v, block_mask=bm)
     """
+    from pallas_flex import quantized_kv  # it builds on this module
+
+    if quantized_kv.is_quantized_call(k, v, k_scales, v_scales):
+        return quantized_kv.flex_attention(
+            q, k, v, k_scales, v_scales, score_mod, block_mask, scale=scale,
+            return_lse=return_lse, backend=backend, kernel_options=kernel_options,
+            sinks=sinks, return_aux=return_aux)
     with_max = check_aux(return_aux, return_lse)
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)

@@ -52,8 +52,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-    if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
-        scale_refs, refs = refs[:2], refs[2:]
+    if quantized:  # int8 / float8 K/V with per-token scales: [num_pages, Hkv, page_size]
+        scale_refs, refs = refs[:2], refs[2:]  # (paged) or [B, Skv, Hkv] (contiguous)
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -98,9 +98,10 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         value_scale = None
         if quantized:
             keys, values, key_scale, value_scale = quantized_tiles(
-                keys, values, scale_refs, page_table_row(page_table_ref, batch), kv_head,
+                keys, values, scale_refs,
+                page_table_row(page_table_ref, batch) if paged else None, kv_head,
                 tile_start, tile=block_kv, page_size=page_size, valid_rows=in_length,
-                dtype=q_ref.dtype)
+                dtype=q_ref.dtype, batch=batch)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
@@ -171,8 +172,8 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
                 with_max=False, k_scales=None, v_scales=None):
     """(out [B, Sq, Hq, Dv] in out_dtype (default q's), lse [B, Hq, Sq] float32), and
     with_max the row max of the logits [B, Hq, Sq] (the split-KV parts' maximum), for
-    short Sq. k_scales, v_scales: a quantized paged cache's per-token scales
-    [num_pages, Hkv, page_size] (its pages int8 / float8).
+    short Sq. k_scales, v_scales: int8 / float8 K/V's per-token scales, float32
+    [num_pages, Hkv, page_size] (paged) or [B, Skv, Hkv] (contiguous).
 
     Contiguous: k [B, Skv, Hkv, D], v [B, Skv, Hkv, Dv], Skv = the BlockMask's KV_LEN.
     Paged: k [num_pages, Hkv, page_size, D] (v likewise), page_table [B, max_pages] int32

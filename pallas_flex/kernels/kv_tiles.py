@@ -96,16 +96,19 @@ def load_scales(view, valid_rows):
 
 
 def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, tile: int,
-                    page_size: int, valid_rows, dtype):
+                    page_size: int, valid_rows, dtype, batch=None):
     """A quantized (int8 / float8) cache's tiles ready for the matmuls: (key and value
     column chunks in the queries' 16-bit `dtype`, exact for both formats; the keys'
     scales [1, tile], which multiply the score columns after q.k; the values' scales,
     which multiply P's columns before P.v). scale_refs: (k_scales, v_scales)
-    [num_pages, Hkv, page_size]."""
-    key_scale, value_scale = (
-        load_scales(paged_scale_view(ref, page_of, kv_head, tile_start, tile=tile,
-                                     page_size=page_size), valid_rows)
-        for ref in scale_refs)
+    [num_pages, Hkv, page_size]; or, with page_of None, contiguous K/V's scales
+    [B, Skv, Hkv], read at row `batch`."""
+    def view(ref):
+        if page_of is None:
+            return ref.at[batch, pl.ds(tile_start, tile), kv_head]
+        return paged_scale_view(ref, page_of, kv_head, tile_start, tile=tile,
+                                page_size=page_size)
+    key_scale, value_scale = (load_scales(view(ref), valid_rows) for ref in scale_refs)
     def converted(tile):
         tile_16 = tile.astype(dtype)
         if valid_rows is None or not _is_float8(tile.dtype):
