@@ -73,11 +73,28 @@ def _difference(ours, other) -> float:
     return worst
 
 
-def _measure(row, name, fn, args, options, ours_out=None):
-    """Times `fn(*args)` into row[name]; returns its output (a failure is the entry)."""
+def _chained(attend, steps):
+    """attend(q, *rest) applied `steps` times, each output the next query (Dv = D)."""
+    if steps == 1:
+        return attend
+
+    def chained(q, *rest):
+        out = q
+        for _ in range(steps):
+            out = attend(out.reshape(q.shape).astype(q.dtype), *rest)
+        return out
+    return chained
+
+
+def _measure(row, name, fn, args, options, ours_out=None, steps=1):
+    """Times `fn(*args)` into row[name] (ms per step of a call chaining `steps`); returns
+    its output (a failure is the entry)."""
     print(f"  {row['case']}: {name}", flush=True)
     try:
         row[name], out = time_calls(fn, args, **options.timing)
+        if steps > 1:
+            row[name]["ms"] /= steps
+            row[name]["repeats_ms"] = [t / steps for t in row[name]["repeats_ms"]]
         if ours_out is not None:
             row[name]["max_rel_diff_vs_ours"] = _difference(ours_out, out)
         return out
@@ -109,7 +126,9 @@ def _cudnn(variant, shape, kv_lengths=None):
 
 def attention(options, mode: str, decode: bool = False):
     """Ours against cuDNN and tokamax's Mosaic GPU kernel (where they can express the
-    variant) or, for decode, cuDNN and JAX's Pallas paged_attention on a paged cache."""
+    variant) or, for decode, cuDNN and JAX's Pallas paged_attention on a paged cache.
+    Decode times each column per step of a call chaining dependent steps (Dv = D), our
+    noop call with no BlockMask and causal_in_call with the mask built in the call."""
     on_gpu = jax.default_backend() == "gpu"
     columns = [OURS, "cudnn"] + (["jax_paged"] if decode else ["tokamax"])
     rows = []
@@ -125,12 +144,27 @@ def attention(options, mode: str, decode: bool = False):
             mask_mod, score_mod = mods(variant, shape)
             block_mask = pf.create_block_mask(mask_mod, None, None, shape.queries,
                                               shape.seq_len)
+            # Decode: `steps` dependent steps per timed call (each output the next query),
+            # ms per step: a ~0.2 ms call timed back to back from Python would measure the
+            # host. Latent attention (Dv != D) cannot feed its output back: one step.
+            steps = ((2 if options.quick else 8) if decode and shape.dv == shape.head_dim
+                     else 1)
+            row["params"]["steps_per_call"] = steps
 
             def ours(q, k, v, block_mask):
+                if decode and variant.name == "noop":  # no BlockMask at all
+                    return pf.flex_attention(q, k, v, score_mod, scale=shape.scale,
+                                             backend=options.backend)
+                if variant.name.endswith("_in_call"):  # built inside the timed call
+                    return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                        scale=shape.scale, backend=options.backend)
                 return pf.flex_attention(q, k, v, score_mod, block_mask, scale=shape.scale,
                                          backend=options.backend)
-            out = _measure(row, OURS, _step(ours, mode), (q, k, v, d_out, block_mask), options)
-            if out is not None:
+            if steps > 1:  # the samples the torch peer compares: one step's
+                row["samples"] = _samples(jax.jit(ours)(q, k, v, block_mask), shape)
+            out = _measure(row, OURS, _step(_chained(ours, steps), mode),
+                           (q, k, v, d_out, block_mask), options, steps=steps)
+            if out is not None and steps == 1:
                 row["samples"] = _samples(out, shape)
             if not on_gpu:
                 row["cudnn"] = {"status": "n/a", "reason": "no GPU"}
@@ -139,10 +173,11 @@ def attention(options, mode: str, decode: bool = False):
                                 "cuDNN has no form for, or Dv != D"}
             else:
                 lengths = jnp.full(shape.batch, shape.seq_len, jnp.int32) if decode else None
-                _measure(row, "cudnn", _step(_cudnn(variant, shape, lengths), mode),
-                         (q, k, v, d_out), options, out)
+                _measure(row, "cudnn", _step(_chained(_cudnn(variant, shape, lengths), steps),
+                                             mode),
+                         (q, k, v, d_out), options, out, steps=steps)
             if decode:
-                _jax_paged(row, variant, shape, (q, k, v), options, out)
+                _jax_paged(row, variant, shape, (q, k, v), options, out, steps=steps)
             else:
                 _tokamax(row, variant, shape, (q, k, v, d_out), mode, options, out)
             rows.append(row)
@@ -170,10 +205,12 @@ def _tokamax(row, variant, shape, args, mode, options, ours_out):
     _measure(row, "tokamax", _step(attend, mode), args, options, ours_out)
 
 
-def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_splits=16):
+def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_splits=16,
+               steps=1):
     """JAX's Pallas Triton paged_attention (no ALiBi, Dv = D, S a multiple of k_splits
     pages; it applies no softmax scale, so q is scaled first)."""
-    if variant.name not in ("noop", "causal", "softcap_30") or shape.dv != shape.head_dim \
+    if variant.mask not in ("none", "causal") or variant.score == "alibi" \
+            or shape.dv != shape.head_dim \
             or shape.seq_len % (page_size * k_splits):
         row["jax_paged"] = {"status": "inexpressible", "reason": "ALiBi, Dv != D or a length "
                             "that is no multiple of 16 pages"}
@@ -197,7 +234,8 @@ def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_spli
             query, k_pages, v_pages, table, jnp.full(shape.batch, shape.seq_len, jnp.int32),
             attn_logits_soft_cap=cap, k_splits=k_splits,
             interpret=jax.default_backend() != "gpu")[:, None]
-    _measure(row, "jax_paged", jax.jit(call), (q, k_pages, v_pages, table), options, ours_out)
+    _measure(row, "jax_paged", jax.jit(_chained(call, steps)), (q, k_pages, v_pages, table),
+             options, ours_out, steps=steps)
 
 
 def _shuffled_pages(x, page_size):

@@ -87,7 +87,7 @@ def main(suite: str, cases_path: str, out_path: str) -> None:
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 256)
     fields = [field.name for field in dataclasses.fields(cases.Shape)]
-    variants = {v.name: v for v in cases.VARIANTS}
+    variants = {v.name: v for v in cases.VARIANTS + cases.DECODE_VARIANTS}
     results = {"torch": torch.__version__, "entries": {}}
     for case, params in json.load(open(cases_path)):
         print(f"[torch {suite}] {case}", flush=True)
