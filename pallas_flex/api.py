@@ -458,14 +458,14 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
               return_lse=False, backend=None, kernel_options=None, context_parallel=None,
-              sinks=None, return_aux=None):
+              sinks=None, return_aux=None, k_scales=None, v_scales=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
 
-    sinks, return_aux: as in `flex_attention`.
+    sinks, return_aux, k_scales, v_scales: as in `flex_attention`.
 
     context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
     q, k, v the shards of a sequence split over that mesh axis: runs
@@ -488,10 +488,16 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
             q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
             sinks=sinks, return_aux=return_aux, **dataclasses.asdict(context_parallel))
-    block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
+    if k_scales is None and v_scales is None:
+        block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
+    elif mask_mod is not None:  # 8-bit k, v: flex_attention's quantized path checks them
+        if block_mask is not None:
+            raise ValueError("pass either mask_mod or block_mask, not both")
+        block_mask = build_block_mask(mask_mod, q.shape[0], q.shape[2], q.shape[1],
+                                      k.shape[1], kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options, sinks=sinks,
-                          return_aux=return_aux)
+                          return_aux=return_aux, k_scales=k_scales, v_scales=v_scales)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -145,3 +145,22 @@ def test_differentiating_quantized_kv_is_a_value_error(backend):
     with pytest.raises(ValueError, match="inference"):
         jax.grad(lambda q: pf.flex_attention(q, k, v, k_scales=k_scales, v_scales=v_scales,
                                              backend=backend).sum())(q)
+
+
+@pytest.mark.parametrize("backend", ["interpret", "xla"])
+def test_attention_takes_quantized_kv_with_a_mask_mod(backend):
+    """pf.attention(mask_mod=..., k_scales=, v_scales=) builds the mask in the call and
+    gives flex_attention's result with the prebuilt BlockMask."""
+    q, k, v, k_scales, v_scales, sinks = _case(jnp.int8, 1, jnp.bfloat16)
+    mask_mod = pf.masks.offset(_causal, POSITIONS)
+    got = jax.jit(lambda *a: pf.attention(*a[:3], mask_mod=mask_mod, k_scales=a[3],
+                                          v_scales=a[4], backend=backend))(
+        q, k, v, k_scales, v_scales)
+    block_mask = pf.create_block_mask(mask_mod, B, None, 1, KV_LEN)
+    want = pf.flex_attention(q, k, v, block_mask=block_mask, k_scales=k_scales,
+                             v_scales=v_scales, backend=backend)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               atol=1e-6)
+    with pytest.raises(ValueError, match="not both"):
+        pf.attention(q, k, v, mask_mod=mask_mod, block_mask=block_mask, k_scales=k_scales,
+                     v_scales=v_scales)
