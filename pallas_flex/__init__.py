@@ -22,8 +22,9 @@ from pallas_flex.masks.combinators import and_masks, noop_mask, not_mask, or_mas
 __version__ = "0.1.0"
 
 __all__ = [
-    "AuxOutput", "AuxRequest", "BACKENDS", "BlockMask", "ContextParallel", "KernelOptions", "and_masks", "attention",
-    "create_block_mask", "cascade_attention", "context_parallel", "context_parallel_attention",
-    "default_backend", "explain", "explain_fuse", "flex_attention", "fuse", "masks", "merge_attention_states", "noop_mask",
-    "not_mask", "or_masks", "paged", "scores", "variants",
+    "AuxOutput", "AuxRequest", "BACKENDS", "BlockMask", "ContextParallel", "KernelOptions",
+    "and_masks", "attention", "create_block_mask", "cascade_attention", "context_parallel",
+    "context_parallel_attention", "default_backend", "explain", "explain_fuse",
+    "flex_attention", "fuse", "masks", "merge_attention_states", "noop_mask", "not_mask",
+    "or_masks", "paged", "scores", "variants",
 ]

@@ -136,7 +136,7 @@ def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
     batch or heads (`pallas_flex.sharding`)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
-                                     options=options, out_dtype=out_dtype, with_max=with_max)
+                                     options=options, out_dtype=out_dtype)
 
     def forward(operands, offsets):
         q, k, v, block_mask, score_program = operands
@@ -148,8 +148,7 @@ def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
     return sharding.call(
         forward, (q, k, v, block_mask, score_program),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.roles_of(block_mask, None),
-         sharding.WHOLE), lambda results: (sharding.QUERY,) + (sharding.ROW,) * (
-             len(results) - 1),
+         sharding.WHOLE), sharding.query_and_rows,
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
 
 
@@ -340,6 +339,15 @@ def check_aux(return_aux, return_lse) -> bool:
     return bool(return_aux.max_scores)
 
 
+def call_results(out, lse, row_max, return_lse, return_aux):
+    """What an attention entry point returns: out, (out, lse) with return_lse, or (out,
+    AuxOutput) with return_aux. row_max: [] or [the row max] (`check_aux` said which)."""
+    if return_aux is not None:
+        return out, AuxOutput(lse if return_aux.lse else None,
+                              row_max[0] if row_max else None)
+    return (out, lse) if return_lse else out
+
+
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                    return_lse=False, backend=None, kernel_options=None, sinks=None,
                    return_aux=None, k_scales=None, v_scales=None):
@@ -390,10 +398,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     out, lse, *row_max = _attention(q, k, v, block_mask, score_program,
                                     check_sinks(sinks, q.shape[2]), config=config,
                                     with_max=with_max)
-    if return_aux is not None:
-        return out, AuxOutput(lse if return_aux.lse else None,
-                              row_max[0] if with_max else None)
-    return (out, lse) if return_lse else out
+    return call_results(out, lse, row_max, return_lse, return_aux)
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):

@@ -21,8 +21,8 @@ import jax.numpy as jnp
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex.api import (
-    AuxOutput, AuxRequest, _attention_block_mask, _zero_cotangent, attention,
-    attention_backward, check_aux, flex_attention, merge_attention_states, resolve_backend)
+    AuxRequest, _attention_block_mask, _zero_cotangent, attention, attention_backward,
+    call_results, check_aux, flex_attention, merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
 from pallas_flex.sharding import refuse_checked_manual_axes
 from pallas_flex.sinks import check_sinks, merge_sinks
@@ -92,12 +92,16 @@ def striped_order(seq_len, devices):
     return jnp.arange(seq_len, dtype=jnp.int32).reshape(-1, devices).T.reshape(-1)
 
 
-def layout_order(seq_len, devices, layout):
-    """The positions in `layout`'s order (`x[:, layout_order(S, N, layout)]` lays inputs
-    out for it): identity, `zigzag_order` or `striped_order`."""
+def _check_layout(layout):
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got "
                          f"{layout!r}")
+
+
+def layout_order(seq_len, devices, layout):
+    """The positions in `layout`'s order (`x[:, layout_order(S, N, layout)]` lays inputs
+    out for it): identity, `zigzag_order` or `striped_order`."""
+    _check_layout(layout)
     if layout == "zig-zag":
         return zigzag_order(seq_len, devices)
     if layout == "striped":
@@ -175,9 +179,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must be 4-D shards [B, S, H, D], got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {', '.join(map(repr, LAYOUTS))}, got "
-                         f"{layout!r}")
+    _check_layout(layout)
     if layout == "zig-zag" and (q.shape[1] % 2 or k.shape[1] % 2):
         raise ValueError(f"a zig-zag shard holds two equal chunks: shard lengths "
                          f"{q.shape[1]} and {k.shape[1]} must be even")
@@ -191,10 +193,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         dict(scale=scale, backend=backend, kernel_options=kernel_options), with_max)
     if sinks is not None:  # one more part of every row, merged after the others
         out, lse = merge_sinks(out, lse, sinks)
-    if return_aux is not None:
-        return out, AuxOutput(lse if return_aux.lse else None,
-                              row_max[0] if with_max else None)
-    return (out, lse) if return_lse else out
+    return call_results(out, lse, row_max, return_lse, return_aux)
 
 
 STRATEGIES = ("auto", "ring", "all_gather", "all_to_all")

@@ -87,7 +87,7 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
 
 def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
                    options: KernelOptions, paged: bool = False, out_dtype=None,
-                   with_max: bool = False, quantized: bool = False) -> Choice:
+                   quantized: bool = False) -> Choice:
     """The forward kernel of a call (see the module docstring's table). k / v are pages
     [num_pages, Hkv, page_size, D] when `paged`. A ValueError when kernel_options name
     the Mosaic kernel and it does not take the call."""

@@ -69,10 +69,7 @@ def flex_attention(q, k, v, k_scales, v_scales, score_mod=None, block_mask=None,
     out, lse, *row_max = _quantized_attention_jit(
         q, k, v, k_scales, v_scales, block_mask, score_program,
         check_sinks(sinks, q.shape[2]), config=(config, with_max))
-    if return_aux is not None:
-        return out, api.AuxOutput(lse if return_aux.lse else None,
-                                  row_max[0] if with_max else None)
-    return (out, lse) if return_lse else out
+    return api.call_results(out, lse, row_max, return_lse, return_aux)
 
 
 def _quantized_attention_impl(q, k, v, k_scales, v_scales, block_mask, score_program,
@@ -93,7 +90,7 @@ def _quantized_attention_impl(q, k, v, k_scales, v_scales, block_mask, score_pro
             attend, (q, k, v, k_scales, v_scales, block_mask, score_program),
             (sharding.QUERY,) + (sharding.KEY,) * 4 + (sharding.roles_of(block_mask, None),
                                                        sharding.WHOLE),
-            lambda results: (sharding.QUERY,) + (sharding.ROW,) * (len(results) - 1),
+            sharding.query_and_rows,
             batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
     k, v = dequantize(k, k_scales, q.dtype), dequantize(v, v_scales, q.dtype)
     return api._attention(q, k, v, block_mask, score_program, config=config[0],

@@ -64,6 +64,11 @@ QUERY, KEY, ROW, PAGES, TOKENS, TOKEN_KV, PER_HEAD, WHOLE, SUM = _LAYOUTS
 TABLE = "table"  # [B or 1, Hq or 1, ...]: a BlockMask's tables
 
 
+def query_and_rows(results):
+    """The result roles of an attention call: out [B, Sq, Hq, Dv], then rows [B, Hq, Sq]
+    (lse, and the row max where asked)."""
+    return (QUERY,) + (ROW,) * (len(results) - 1)
+
 
 def refuse_checked_manual_axes(*arrays, where: str = "pallas_flex") -> None:
     """A ValueError where an input varies over a manual mesh axis of a `jax.shard_map`
@@ -84,6 +89,7 @@ def refuse_checked_manual_axes(*arrays, where: str = "pallas_flex") -> None:
             "declare which values vary over them. Pass check_vma=False to jax.shard_map, "
             "or call it outside the shard_map under jax.jit on sharded inputs (batch and "
             "head sharding need no shard_map).")
+
 
 def roles_of(operand, role):
     """A pytree of roles shaped like `operand`: `role` for every leaf, except a BlockMask

@@ -63,19 +63,18 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
         state = online_softmax.initial_state(block_q, value_dim)
         state = walk(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, state, False)
         state = walk(block_mask.kv_num_blocks, block_mask.kv_indices, state, True)
-        return online_softmax.finalize(state) + (online_softmax.row_max(state),)
+        return online_softmax.finalize(state) + (
+            (online_softmax.row_max(state),) if with_max else ())
 
     def one_head(b, h):
-        out, lse, row_max = lax.map(lambda row: one_query_block(b, h, row),
-                                    jnp.arange(num_q_blocks, dtype=jnp.int32))
-        return out.reshape(-1, value_dim), lse.reshape(-1), row_max.reshape(-1)
+        out, *rows = lax.map(lambda row: one_query_block(b, h, row),
+                             jnp.arange(num_q_blocks, dtype=jnp.int32))
+        return (out.reshape(-1, value_dim),) + tuple(row.reshape(-1) for row in rows)
 
     heads = jnp.arange(q_heads, dtype=jnp.int32)
     batches = jnp.arange(batch, dtype=jnp.int32)
-    out, lse, row_max = jax.vmap(jax.vmap(one_head, in_axes=(None, 0)),
-                                 in_axes=(0, None))(batches, heads)
-    # out [B, Hq, Sq_pad, Dv] -> [B, Sq, Hq, Dv]
+    out, *rows = jax.vmap(jax.vmap(one_head, in_axes=(None, 0)),
+                          in_axes=(0, None))(batches, heads)
+    # out [B, Hq, Sq_pad, Dv] -> [B, Sq, Hq, Dv]; rows: lse (and the row max) [B, Hq, Sq_pad]
     out = jnp.swapaxes(out, 1, 2)[:, :q_len].astype(out_dtype or q.dtype)
-    if with_max:
-        return out, lse[:, :, :q_len], row_max[:, :, :q_len]
-    return out, lse[:, :, :q_len]
+    return (out,) + tuple(row[:, :, :q_len] for row in rows)

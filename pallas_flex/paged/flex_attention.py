@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from pallas_flex import dispatch, sharding
 from pallas_flex.api import (
-    AuxOutput, build_block_mask, check_aux, resolve_backend, resolve_scale, validate_block_mask)
+    build_block_mask, call_results, check_aux, resolve_backend, resolve_scale,
+    validate_block_mask)
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
@@ -88,9 +89,8 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
         (sharding.QUERY, sharding.PAGES, sharding.PAGES, sharding.WHOLE, sharding.WHOLE,
          sharding.roles_of(block_mask, None), sharding.WHOLE,
          None if scales is None else (sharding.PAGES, sharding.PAGES)),
-        lambda results: (sharding.QUERY,) + (sharding.ROW,) * (len(results) - 1),
-        batch=q.shape[0],
-        q_heads=q.shape[2], kv_heads=k_pages.shape[1], split_batch=False)
+        sharding.query_and_rows, batch=q.shape[0], q_heads=q.shape[2],
+        kv_heads=k_pages.shape[1], split_batch=False)
 
 
 _paged_attention = jax.custom_vjp(_paged_attention_impl, nondiff_argnums=(8,))
@@ -201,10 +201,7 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     else:
         out, lse, *row_max = _gathered_reference(q, cache, block_mask, score_program, sinks,
                                                  scale=scale, with_max=with_max)
-    if return_aux is not None:
-        return out, AuxOutput(lse if return_aux.lse else None,
-                              row_max[0] if with_max else None)
-    return (out, lse) if return_lse else out
+    return call_results(out, lse, row_max, return_lse, return_aux)
 
 
 __all__ = ["paged_flex_attention"]

@@ -374,11 +374,12 @@ def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
 
     With `key_scales` [num_blocks, Hkv, block_size] (an int8 / float8 cache) the listed
     blocks' keys are dequantized (values times scales, float32), rotated, and quantized
-    again as `quantize` does when a token is written (a new scale per slot and head);
-    returns (key_cache, key_scales), both changed in the listed blocks alone."""
+    again as `quantize` does when a token is written (a new scale per slot and head).
+    Returns (key_cache, key_scales), both changed in the listed blocks alone (key_scales
+    None for a 16/32-bit cache)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if indices.shape[0] == 0:
-        return key_cache if key_scales is None else (key_cache, key_scales)
+        return key_cache, key_scales
     gathered = jnp.clip(indices, 0, num_blocks - 1)
     if key_scales is None:
         blocks = key_cache[gathered].astype(jnp.float32)
@@ -392,7 +393,7 @@ def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
     rotated = rotated.reshape(blocks.shape)
     target = jnp.where((indices >= 0) & (indices < num_blocks), indices, num_blocks)
     if key_scales is None:
-        return key_cache.at[target].set(rotated.astype(key_cache.dtype), mode="drop")
+        return key_cache.at[target].set(rotated.astype(key_cache.dtype), mode="drop"), None
     rotated, scales = quantize(rotated, key_cache.dtype)
     return (key_cache.at[target].set(rotated, mode="drop"),
             key_scales.at[target].set(scales, mode="drop"))
@@ -550,11 +551,9 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if rotation is not None:  # (a') before the new tokens land in rotated blocks
-        if cache_scales is None:
-            key_cache = _rotate_blocks(key_cache, *rotation)
-        else:  # dequantized, rotated, quantized again with new scales
-            key_cache, key_scales = _rotate_blocks(key_cache, *rotation,
-                                                   key_scales=cache_scales[0])
+        key_cache, key_scales = _rotate_blocks(
+            key_cache, *rotation, key_scales=None if cache_scales is None else cache_scales[0])
+        if cache_scales is not None:  # dequantized, rotated, quantized again
             cache_scales = (key_scales, cache_scales[1])
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
