@@ -455,16 +455,11 @@ def variants(options):
                 _acceptance(row, "no_sinks", 1.03, at_most=True)
                 rows.append(row)
         elif case.kind == "sinks_decode":
-            @functools.partial(jax.jit, static_argnames="with_sinks")
-            def decode_steps(q, k, v, block_mask, sinks, with_sinks):
-                for _ in range(steps):  # Dv = D: a step's output is the next query
-                    q = attend(q, k, v, block_mask, sinks if with_sinks else None)
-                return q
             row = {"case": f"sinks {shape.name} step", "params": {
                 **params, "mode": "fwd", "steps_per_call": steps, "kv_bytes": shape.kv_bytes}}
-            _run_paired(row, {
-                column: (functools.partial(decode_steps, with_sinks=column == OURS),
-                         (q, k, v, block_mask, sinks)) for column in (OURS, "no_sinks")},
+            _run_paired(row, {  # Dv = D: a step's output is the next query
+                OURS: (jax.jit(_chained(attend, steps)), (q, k, v, block_mask, sinks)),
+                "no_sinks": (jax.jit(_chained(attend, steps)), (q, k, v, block_mask))},
                 options)
             for column in (OURS, "no_sinks"):
                 if "ms" in row[column]:
