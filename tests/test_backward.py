@@ -111,6 +111,10 @@ def _learnable_case(kind, batch, q_heads, q_len, kv_len):
     if kind == "pair_bias":  # Evoformer-style [B, H, Sq, Skv] bias
         return (jax.random.normal(key, (batch, q_heads, q_len, kv_len)),
                 lambda bias: masks.bias_lookup(bias))
+    if kind == "row_shared_bias":  # one [H, Sq, Skv] table for pairs of batch rows
+        def shared(bias):
+            return lambda score, b, h, q_idx, kv_idx: score + bias[b // 2, h, q_idx, kv_idx]
+        return jax.random.normal(key, (batch // 2, q_heads, q_len, kv_len)), shared
     raise AssertionError(kind)
 
 
@@ -269,3 +273,51 @@ def test_deterministic_option_refuses_tables_scatter_added_with_atomics():
 
     with pytest.raises(ValueError, match="backward_deterministic"):
         jax.grad(loss)(table)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("kind,rows", [("row_shared_bias", 1), ("pair_bias", 2)])
+def test_batch_loop_sums_table_gradients_over_rows(backend, kind, rows):
+    """backward_batch_sum "loop": the gradient of a table read per element comes from
+    the batch-loop launch (rows summed in registers), causal blocks (empty, partial,
+    full), GQA and ragged tails included. One row per program: both programs
+    scatter-add into the shared table; two rows of a per-row table: the sum is flushed
+    when the table entries change within a program."""
+    options = dict(SMALL_TILES, backward_batch_sum="loop", backward_batch_rows=rows)
+    _check_learnable_gradients(backend, kind, q_heads=4, kv_heads=2, seed=25,
+                               kernel_options=options)
+
+
+def test_batch_sum_plans():
+    """Which reads the batch loop takes ("auto": tables shared by at least
+    BATCH_LOOP_MIN_SHARING rows; never indices that vary over the tile with b)."""
+    from pallas_flex.kernels.backward import _site_plans
+    from pallas_flex.kernels.tile_mods import captured_read_batch_axes
+    from pallas_flex.masks.mod_program import SCORE, make_mod_program
+
+    pair_bias, per_row = jnp.zeros((2, 4, 16, 16)), jnp.zeros((256, 4, 16, 16))
+    table, offsets = jnp.zeros((4, 200)), jnp.zeros((256,), jnp.int32)
+    programs = {
+        "msa": lambda s, b, h, i, j: s + pair_bias[b // 128, h, i, j],
+        "per_row": lambda s, b, h, i, j: s + per_row[b, h, i, j],
+        "shifted": lambda s, b, h, i, j: s + table[h, i - j + offsets[b] + 20],
+        "shared": lambda s, b, h, i, j: s + table[h, i - j + 20],
+    }
+    programs = {name: make_mod_program(mod, SCORE) for name, mod in programs.items()}
+    assert captured_read_batch_axes(programs["msa"]) == [(True, False, False, False)]
+    assert captured_read_batch_axes(programs["shifted"]) == [(True,), (False, True)]
+
+    def modes(name, batch, batch_sum="auto"):
+        return [plan.mode for plan in _site_plans(programs[name], batch=batch,
+                                                   batch_sum=batch_sum)]
+    assert modes("msa", 256) == ["batch_loop"]
+    assert modes("msa", 256, "atomic") == ["atomic"]
+    assert modes("msa", 4) == ["atomic"]  # two rows a table: atomics
+    assert modes("msa", 4, "loop") == ["batch_loop"]
+    assert modes("per_row", 256) == ["atomic"]
+    assert modes("per_row", 256, "loop") == ["batch_loop"]
+    assert modes("shifted", 256, "loop") == ["atomic"]  # offsets is integer: no gradient
+    assert modes("shared", 256) == ["batch_loop"]
+    with pytest.raises(ValueError, match="backward_batch_sum"):
+        pf.attention(*random_qkv(0, 1, 8, 8, 1, 1, 16, 16, jnp.float32),
+                     kernel_options={"backward_batch_sum": "sometimes"})

@@ -70,8 +70,9 @@ def test_differential_attention_matches_plain_jax(backend, per_head_lambda):
 @pytest.mark.parametrize("backend", ["interpret"])
 def test_gated_self_attention_matches_plain_jax(backend):
     """Pair bias shared by the rows, a key bias, a padding mask leaving one row with no
-    key at all, and the sigmoid gate; gradients for q, k, v, gate and both biases."""
-    batch, rows, residues, heads, dim = 2, 3, 40, 2, 16
+    key at all, and the sigmoid gate; gradients for q, k, v, gate and both biases. Four
+    rows share each pair bias: its gradient comes from the backward's batch loop."""
+    batch, rows, residues, heads, dim = 2, 4, 40, 2, 16
     shape = (batch, rows, residues, heads, dim)
     q, k, v, gate = (_normal(seed, shape) for seed in range(4))
     pair_bias = _normal(4, (batch, heads, residues, residues))
@@ -98,6 +99,8 @@ def test_gated_self_attention_matches_plain_jax(backend):
     np.testing.assert_array_equal(np.asarray(out[1, 2]), 0)
     loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)
     argnums = tuple(range(6))
+    assert "flex_attention_backward_batch_loop" in str(
+        jax.make_jaxpr(jax.grad(loss(ours), argnums))(*args))
     _assert_close(jax.grad(loss(ours), argnums)(*args), jax.grad(loss(plain), argnums)(*args),
                   2e-4, ["dq", "dk", "dv", "dgate", "dpair_bias", "dkey_bias"])
 

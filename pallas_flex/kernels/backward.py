@@ -30,7 +30,13 @@ The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
     from run to run (`backward_deterministic` refuses them with a ValueError). On the
     H100 atomics into a T5 table (32 addresses a head, hit by every element) took
     fwd+bwd from 18 to 262 ms at B4 H16 S4096 D128; the one-hot rows are what it
-    takes instead.
+    takes instead;
+  - large tables whose entries many batch rows share (issue 21's Evoformer pair bias
+    [B, H, S, S] read at b // rows by 256 folded MSA rows, a bias [H, S, S] shared by
+    the batch): there every row's atomics hit the same addresses. These go to a launch
+    of their own instead (`_batch_loop_gradients`, KernelOptions.backward_batch_sum): a
+    program owns one table tile and walks a run of rows, recomputing their P and dS on
+    it and summing in registers, one scatter-add per program.
 
 The score_mod's own derivative is `jax.vjp` of the mod traced on the tile: no
 hand-written rules.
@@ -50,16 +56,21 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
-from pallas_flex.kernels.config import DETERMINISTIC_MAX_ENTRIES, KernelOptions, planned_shared_memory
+from pallas_flex.kernels.config import (
+    BATCH_LOOP_MIN_SHARING, BATCH_LOOP_TARGET_PROGRAMS, DETERMINISTIC_MAX_ENTRIES,
+    KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, captured_inputs, captured_read_positions, captured_read_varying_axes,
+    CaptureLog, apply_mask_on_tile, captured_inputs, captured_read_batch_axes,
+    captured_read_positions, captured_read_sites, captured_read_varying_axes,
     score_vjp_on_tile, split_captured_refs)
+from pallas_flex.masks.block_mask import EMPTY, FULL
 
 
 def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, mask_program,
                         mask_refs, score_program, score_refs, scale, q_len, kv_len,
-                        mask_block_kv, precision, transposed=False):
+                        mask_block_kv, precision, transposed=False, block_state=None,
+                        capture_log=None):
     """Recomputes one tile's probabilities: (P, score_vjp, sites).
 
     q [bq, D], k [bk, D], lse_log2 [bq, 1]; q_idx [bq, 1], kv_idx [1, bk] (unclamped).
@@ -69,6 +80,11 @@ def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, m
     transposed=True computes P^T [bk, bq] instead (lse_log2 [1, bq], q_idx [1, bq],
     kv_idx [bk, 1]): the dK/dV programs then feed P^T and dS^T to their matmuls as they
     are, where transposing a [bq, bk] accumulator would go through shared memory.
+
+    block_state (with masked=True): the tile's BlockMask block state, traced (EMPTY,
+    PARTIAL or FULL): the mask_mod applies to partial blocks only, empty ones get P = 0
+    (the batch loop's programs visit every block). capture_log: the CaptureLog the
+    score_mod's reads are recorded in (`tile_mods.score_vjp_on_tile`).
     """
     q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
     kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
@@ -83,11 +99,14 @@ def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, m
         scores, score_vjp, sites = score_vjp_on_tile(score_program, score_refs, scores * scale,
                                                      batch, head, q_idx_in_range,
                                                      kv_idx_in_range,
-                                                     indices_below=indices_below)
+                                                     indices_below=indices_below,
+                                                     log=capture_log)
         logits = scores * online_softmax.LOG2_E
     if masked:
         keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
                                   kv_idx_in_range, indices_below=indices_below)
+        if block_state is not None:
+            keep = (keep | (block_state == FULL)) & (block_state != EMPTY)
         if kv_len % mask_block_kv:  # else no tile reaches past the keys
             keep = keep & (kv_idx < kv_len)
         logits = jnp.where(keep, logits, -jnp.inf)
@@ -380,14 +399,18 @@ def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unp
                                 partial_slot=partial_slot, **dq_settings))
 
 
-def _site_plans(score_program, wanted=None, deterministic=False) -> tuple:
+def _site_plans(score_program, wanted=None, deterministic=False, batch=1,
+                batch_sum="atomic") -> tuple:
     """A _SitePlan per read of a captured array that needs a gradient: reads of floating
     captured arrays that are differentiated (`wanted`: one bool per captured array, None
-    = all)."""
+    = all). Large tables read per element are "atomic", or "batch_loop" (summed over the
+    batch by `_batch_loop_gradients`) as `batch_sum` (KernelOptions.backward_batch_sum)
+    says, for `batch` rows."""
     if score_program is None:
         return ()
     positions = captured_read_positions(score_program)
     varying_axes = captured_read_varying_axes(score_program)
+    batch_axes = None  # traced only if a table is large
     wanted = wanted if wanted is not None else [True] * len(score_program.consts)
     plans = []
     for site, (position, varying) in enumerate(zip(positions, varying_axes)):
@@ -404,7 +427,11 @@ def _site_plans(score_program, wanted=None, deterministic=False) -> tuple:
             plans.append(_SitePlan(site, position, "one_hot", varying, shape, entries,
                                    max(1, 1 << (entries - 1).bit_length())))
         elif not deterministic:
-            plans.append(_SitePlan(site, position, "atomic", varying, shape))
+            if batch_axes is None:
+                batch_axes = captured_read_batch_axes(score_program)
+            plans.append(_SitePlan(site, position, _large_table_mode(
+                shape, varying, batch_axes[site] or (False,), batch, batch_sum),
+                varying, shape))
         else:
             raise ValueError(
                 f"kernel_options['backward_deterministic'] is True, but score_mod "
@@ -413,6 +440,22 @@ def _site_plans(score_program, wanted=None, deterministic=False) -> tuple:
                 f"the {DETERMINISTIC_MAX_ENTRIES} a deterministic gradient handles (those "
                 "are scatter-added with atomics); leave backward_deterministic off")
     return tuple(plans)
+
+
+def _large_table_mode(shape, varying, batch_dependent, batch, batch_sum) -> str:
+    """"atomic" or "batch_loop" for a large table read per element (see
+    KernelOptions.backward_batch_sum). The batch loop sums the tiles of consecutive rows
+    elementwise, so the per-element indices must not depend on b; the rows sharing an
+    entry are estimated as the batch over the table's extent along the other axes b
+    indexes (a pair bias [B, H, S, S] read at b // rows: rows)."""
+    if batch_sum == "atomic" or any(v and d for v, d in zip(varying, batch_dependent)):
+        return "atomic"
+    if batch_sum == "loop":
+        return "batch_loop"
+    reached = int(np.prod([size for size, v, d in zip(shape, varying, batch_dependent)
+                           if d and not v]))
+    sharing = batch // max(1, min(batch, reached))
+    return "batch_loop" if sharing >= BATCH_LOOP_MIN_SHARING else "atomic"
 
 
 def _reduce_partials(plan: _SitePlan, values, bases, size: int):
@@ -426,6 +469,202 @@ def _reduce_partials(plan: _SitePlan, values, bases, size: int):
         values = jnp.where(jnp.asarray(keep), values, 0.0)
     return jnp.sum(jnp.where(flat[:, None] == jnp.arange(size, dtype=jnp.int32)[None, :],
                              values[:, None], 0.0), axis=0)
+
+
+def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state_ref, *refs,
+                       plans, site_shapes, positions, mask_program, score_program, scale,
+                       q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
+                       num_kv_tiles, group, batch, rows_per_program, broadcast_batch,
+                       broadcast_heads, interpret):
+    """Grid (tile, query head, row chunk): the program owns the [block_q, block_kv] tile
+    `tile` of one query head and walks the rows [chunk * rows_per_program, ...) in order,
+    recomputing each row's P and dS on the tile (as a dQ program does) and summing the
+    cotangents of the `plans` sites elementwise in registers. While the table entries
+    the tile reaches stay the same from row to row (the flat index of the axes the site
+    does not vary along: b // rows, h), the sum goes on; it is scatter-added into the
+    site's float32 buffer when they change and after the last row."""
+    mask_refs, score_refs, rest = split_captured_refs(refs, mask_program, score_program)
+    buffers = dict(zip(positions, rest[len(positions):]))  # after the aliased inputs
+    tile, head, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    q_tile, kv_tile = lax.div(tile, jnp.int32(num_kv_tiles)), lax.rem(
+        tile, jnp.int32(num_kv_tiles))
+    q_start, kv_start = q_tile * block_q, kv_tile * block_kv
+    q_block = lax.div(q_start, jnp.int32(mask_block_q))
+    kv_block = lax.div(kv_start, jnp.int32(mask_block_kv))
+    table_head = 0 if broadcast_heads else head
+    kv_head = lax.div(head, jnp.int32(group))
+    precision = online_softmax.dot_precision(q_ref.dtype, interpret)
+    q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0), q_len - 1)
+    kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+    first = chunk * rows_per_program
+    last = jnp.minimum(first + rows_per_program, batch)
+    q_rows, kv_rows = pl.ds(q_start, block_q), pl.ds(kv_start, block_kv)
+
+    def row(b, carry):
+        sums, bases, started = carry
+        q = q_ref[b, q_rows, head, :]
+        d_out = d_out_ref[b, q_rows, head, :]
+        k = k_ref[b, kv_rows, kv_head, :]
+        v = v_ref[b, kv_rows, kv_head, :]
+        lse_log2 = lse_ref[b, head, q_rows][:, None]
+        delta = delta_ref[b, head, q_rows][:, None]
+        block_state = state_ref[0 if broadcast_batch else b, table_head, q_block, kv_block]
+        log = CaptureLog()
+        probabilities, score_vjp, _ = _tile_probabilities(
+            q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=b, head=head, masked=True,
+            mask_program=mask_program, mask_refs=mask_refs, score_program=score_program,
+            score_refs=score_refs, scale=scale, q_len=q_len, kv_len=kv_len,
+            mask_block_kv=mask_block_kv, precision=precision, block_state=block_state,
+            capture_log=log)
+        _, cotangents = _tile_score_gradients(probabilities, v, d_out, delta, score_vjp,
+                                              precision=precision)
+        new_sums, new_bases = [], []
+        for plan, shape, total, previous in zip(plans, site_shapes, sums, bases):
+            indices = log.unbroadcast[plan.site]
+            fixed = [axis for axis, varies in enumerate(plan.varying) if not varies]
+            base = _flat_index(indices, plan.table_shape, fixed)
+            offsets = jnp.broadcast_to(_flat_offsets(indices, plan), shape)
+            cotangent = jnp.broadcast_to(cotangents[plan.site].astype(jnp.float32), shape)
+            buffer = buffers[plan.position]
+            changed = (started > 0) & (base != previous)
+
+            @pl.when(changed)
+            def _(buffer=buffer, target=previous + offsets, total=total):
+                _scatter_add(buffer, (target,), total, interpret)
+
+            total = jnp.where(changed, 0.0, total) + cotangent
+
+            @pl.when(b == last - 1)
+            def _(buffer=buffer, target=base + offsets, total=total):
+                _scatter_add(buffer, (target,), total, interpret)
+
+            new_sums.append(total)
+            new_bases.append(base)
+        return tuple(new_sums), tuple(new_bases), jnp.int32(1)
+
+    carry = (tuple(jnp.zeros(shape, jnp.float32) for shape in site_shapes),
+             tuple(jnp.int32(0) for _ in plans), jnp.int32(0))
+    lax.fori_loop(first, last, row, carry)
+
+
+def _flat_offsets(indices, plan: _SitePlan):
+    """The flat offset of a read's indices along the axes it varies on (a tile)."""
+    strides = np.cumprod((1,) + tuple(plan.table_shape[::-1][:-1]))[::-1]
+    offsets = jnp.int32(0)
+    for axis, varies in enumerate(plan.varying):
+        if varies:
+            offsets = offsets + indices[axis].astype(jnp.int32) * jnp.int32(strides[axis])
+    return offsets
+
+
+def _batch_loop_bytes(dtype, head_dim, value_dim, block_q, block_kv, num_stages, reads):
+    """Shared memory of a batch-loop program: every operand tile is streamed (q and dO
+    [block_q, D / Dv], K and V [block_kv, D / Dv]), plus the layout-conversion scratch of
+    per-element reads and scatter-adds (kernels/shared_memory.py)."""
+    size = jnp.dtype(dtype).itemsize
+    copies = 2 if jnp.dtype(dtype) == jnp.float32 else 1
+    streamed = (block_q + block_kv) * (head_dim + value_dim) * size * copies
+    scratch = 4 * block_q * block_kv * (2 * reads.tile_reads + reads.tile_gradients)
+    return max(num_stages, 1) * streamed + scratch + 1024
+
+
+def _fit_batch_loop(options: KernelOptions, launch, differentiated):
+    """(block_q, block_kv, num_stages) of the batch-loop launch within the shared-memory
+    budget: stages down to 1, then the tiles down to 16 rows, fields the user gave kept
+    (a ValueError if they cannot fit)."""
+    block_mask = launch.block_mask
+    reads = shared_memory.mod_reads(block_mask.mask_mod, launch.score_program,
+                                    differentiated)
+    settings = {"backward_batch_block_q": min(options.backward_batch_block_q,
+                                              block_mask.block_size[0]),
+                "backward_batch_block_kv": min(options.backward_batch_block_kv,
+                                               block_mask.block_size[1]),
+                "backward_batch_num_stages": options.backward_batch_num_stages}
+
+    def estimate():
+        return _batch_loop_bytes(launch.q.dtype, launch.q.shape[3], launch.v.shape[3],
+                                 settings["backward_batch_block_q"],
+                                 settings["backward_batch_block_kv"],
+                                 settings["backward_batch_num_stages"], reads)
+
+    budget = planned_shared_memory(options)
+    steps = (("backward_batch_num_stages", 1), ("backward_batch_block_kv", 16),
+             ("backward_batch_block_q", 16))
+    while estimate() > budget:
+        for field, floor in steps:
+            if field not in options.given and settings[field] > floor:
+                settings[field] = (settings[field] - 1 if field.endswith("stages")
+                                   else settings[field] // 2)
+                break
+        else:
+            raise ValueError(
+                f"the backward's batch-loop launch needs about {estimate() // 1024} KiB of "
+                f"shared memory with {settings}, more than the {budget // 1024} KiB this "
+                "GPU has: give smaller backward_batch_* tiles, or backward_batch_sum "
+                "'atomic'")
+    return (settings["backward_batch_block_q"], settings["backward_batch_block_kv"],
+            settings["backward_batch_num_stages"])
+
+
+def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bool):
+    """{position among the score_mod's captured arrays: float32 flat gradient} of the
+    "batch_loop" sites `plans` (see `_batch_loop_kernel`): one launch for all of them,
+    apart from the dQ and dK/dV programs, which then skip those sites."""
+    q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
+    batch, padded_q_len, q_heads, _ = q.shape
+    padded_kv_len, kv_heads = k.shape[1], k.shape[2]
+    block_mask, score_program = launch.block_mask, launch.score_program
+    block_q, block_kv, num_stages = _fit_batch_loop(
+        options, launch, {plan.position for plan in plans})
+    num_q_tiles, num_kv_tiles = padded_q_len // block_q, padded_kv_len // block_kv
+    tiles = num_q_tiles * num_kv_tiles
+    rows = options.backward_batch_rows
+    if not rows:
+        chunks = max(1, -(-BATCH_LOOP_TARGET_PROGRAMS // (tiles * q_heads)))
+        rows = -(-batch // chunks)
+    rows = min(rows, batch)
+    num_chunks = -(-batch // rows)
+
+    # Each site's cotangent tile: the dummy tile's [4, 8] axes are the kernel's
+    # [block_q, block_kv] (a read varying along the keys only has [1, block_kv]).
+    dummy_sites = captured_read_sites(score_program)
+    site_shapes = []
+    for plan in plans:
+        shape = np.broadcast_shapes(*(jnp.shape(i) for i in dummy_sites[plan.site][1]))
+        site_shapes.append(tuple({4: block_q, 8: block_kv}.get(size, size) for size in shape))
+    score_inputs = captured_inputs(score_program)
+    mask_inputs = captured_inputs(block_mask.mask_mod)
+    positions = tuple(sorted({plan.position for plan in plans}))
+    buffers = [jnp.zeros(int(np.prod(score_inputs[position].shape)), jnp.float32)
+               for position in positions]
+    state = block_mask.block_state().astype(jnp.int32)
+    inputs = (q, k, v, d_out, launch.lse_log2, launch.delta, state, *mask_inputs,
+              *score_inputs)
+    settings = launch.kernel_settings
+    kernel = functools.partial(
+        _batch_loop_kernel, plans=plans, site_shapes=site_shapes, positions=positions,
+        mask_program=settings["mask_program"], score_program=score_program,
+        scale=settings["scale"], q_len=settings["q_len"], kv_len=settings["kv_len"],
+        block_q=block_q, block_kv=block_kv, mask_block_q=settings["mask_block_q"],
+        mask_block_kv=settings["mask_block_kv"], num_kv_tiles=num_kv_tiles,
+        group=q_heads // kv_heads, batch=batch, rows_per_program=rows,
+        broadcast_batch=state.shape[0] == 1, broadcast_heads=state.shape[1] == 1,
+        interpret=interpret)
+    whole = pl.no_block_spec
+    outputs = pl.pallas_call(
+        kernel,
+        # Tiles fastest: programs running together share a head's rows in L2.
+        grid=(tiles, q_heads, num_chunks),
+        in_specs=[whole] * (len(inputs) + len(buffers)),
+        out_specs=[whole] * len(buffers),
+        out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers],
+        input_output_aliases={len(inputs) + slot: slot for slot in range(len(buffers))},
+        compiler_params=plgpu.CompilerParams(num_warps=options.backward_batch_num_warps,
+                                             num_stages=num_stages),
+        interpret=interpret,
+        name="flex_attention_backward_batch_loop",
+    )(*inputs, *buffers)
+    return dict(zip(positions, outputs))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,7 +740,8 @@ def _fit_to_shared_memory(options: KernelOptions, launch: _Launch, site_plans):
     """options with the backward's tiles and stages fitted to the shared-memory budget,
     counting the scratch of captured arrays read (and differentiated) per element."""
     block_mask, score_program = launch.block_mask, launch.score_program
-    differentiated = {plan.position for plan in site_plans if plan.mode != "sum"}
+    differentiated = {plan.position for plan in site_plans
+                      if plan.mode in ("one_hot", "atomic")}
     reads = shared_memory.mod_reads(block_mask.mask_mod, score_program, differentiated)
     estimate = functools.partial(
         shared_memory.backward_options_bytes, dtype=launch.q.dtype,
@@ -522,7 +762,13 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     group = q_heads // kv_heads
     block_mask, score_program = launch.block_mask, launch.score_program
     site_plans = _site_plans(score_program, wanted_const_grads,
-                             deterministic=options.backward_deterministic)
+                             deterministic=options.backward_deterministic, batch=batch,
+                             batch_sum=options.backward_batch_sum)
+    # Sites summed over the batch by a launch of their own: the dQ programs skip them.
+    loop_plans = tuple(plan for plan in site_plans if plan.mode == "batch_loop")
+    site_plans = tuple(plan for plan in site_plans if plan.mode != "batch_loop")
+    loop_grads = (_batch_loop_gradients(launch, loop_plans, options=options,
+                                        interpret=interpret) if loop_plans else {})
     options = _fit_to_shared_memory(options, launch, site_plans)
     mask_block_q, mask_block_kv = block_mask.block_size
     dq_block_q = min(options.backward_block_q, mask_block_q)
@@ -629,10 +875,13 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         )(*inputs, *buffers)
 
     def gradients(outputs):
-        """{position: flat float32 gradient} from the atomic buffers and partial sums."""
+        """{position: flat float32 gradient} from the atomic buffers, partial sums and
+        the batch loop's buffers."""
         buffers, partials = outputs[:len(grad_buffers)], outputs[len(grad_buffers):]
-        grads = {position: buffer.reshape(-1)
-                 for position, buffer in zip(atomic_positions, buffers)}
+        grads = dict(loop_grads)
+        for position, buffer in zip(atomic_positions, buffers):
+            grads[position] = (grads[position] + buffer.reshape(-1) if position in grads
+                               else buffer.reshape(-1))
         for plan, values, bases in zip(summed_plans, partials[0::2], partials[1::2]):
             size = int(np.prod(plan.table_shape))
             total = _reduce_partials(plan, values, bases, size)

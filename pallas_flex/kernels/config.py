@@ -46,6 +46,19 @@ class KernelOptions:
       own partial sums, reduced in a fixed order); larger tables read per element (a
       relative table [H, 2S-1], a pair bias) are scatter-added with atomics, which this
       option refuses with a ValueError.
+    backward_batch_sum: how the gradient of a large captured table read per element is
+      summed over batch rows that share its entries (a pair bias [B, H, S, S] read at
+      b // rows by the folded rows of an MSA, a bias [H, S, S] shared by the batch).
+      "atomic": every row's dQ programs scatter-add their cotangent tiles into it (all
+      rows add into the same addresses). "loop": a launch of its own
+      (`backward._batch_loop_gradients`) in which a program owns one table tile and walks
+      `backward_batch_rows` rows (0 = enough programs to fill the GPU), recomputing their
+      dS tiles and summing them in registers: one scatter-add per program instead of one
+      per row. "auto": "loop" where at least BATCH_LOOP_MIN_SHARING rows share each
+      entry (by the table's extent along the axes indexed by b). Reads whose
+      per-element indices depend on b stay "atomic".
+    backward_batch_block_q, backward_batch_block_kv, backward_batch_num_warps,
+      backward_batch_num_stages: the tiles and launch parameters of that launch.
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
       Mosaic GPU kernel (`kernels/forward_mosaic.py`) on Hopper for the calls it covers,
       else the Triton one; "mosaic": the Mosaic GPU kernel, a ValueError saying why if
@@ -82,6 +95,12 @@ class KernelOptions:
     forward_kernel: str = "auto"
     backward_kernel: str = "auto"
     backward_deterministic: bool = False
+    backward_batch_sum: str = "auto"
+    backward_batch_rows: int = 0
+    backward_batch_block_q: int = 64
+    backward_batch_block_kv: int = 64
+    backward_batch_num_warps: int = 4
+    backward_batch_num_stages: int = 2
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
     given: frozenset = frozenset()
@@ -124,6 +143,14 @@ BACKWARD_KERNELS = FORWARD_KERNELS
 # sums in per-program register rows (a one-hot reduction, deterministic) rather than with
 # atomics (see kernels/backward.py).
 DETERMINISTIC_MAX_ENTRIES = 64
+# backward_batch_sum "auto": the rows sharing a captured table's entries from which their
+# gradients are summed by the batch loop rather than by atomics (issue 21's Evoformer
+# pair bias: 256 rows a table; a per-row bias [B, H, S, S]: 1).
+BATCH_LOOP_MIN_SHARING = 4
+# backward_batch_rows 0: rows per batch-loop program such that the launch has about this
+# many programs (an H100 holds ~8 four-warp programs on each of its 132 SMs).
+BATCH_LOOP_TARGET_PROGRAMS = 1024
+BATCH_SUMS = ("auto", "atomic", "loop")
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages"})
 TRITON_BACKWARD_FIELDS = frozenset({
@@ -186,7 +213,8 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "
                          f"expected some of {sorted(known)}")
     for name in ("block_q", "block_kv", "backward_block_q", "backward_block_kv",
-                 "backward_dkdv_block_q", "backward_dkdv_block_kv"):
+                 "backward_dkdv_block_q", "backward_dkdv_block_kv", "backward_batch_block_q",
+                 "backward_batch_block_kv"):
         size = kernel_options.get(name, 1)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size & (size - 1):
             raise ValueError(f"kernel_options[{name!r}] must be a power of two, got {size!r}")
@@ -195,7 +223,8 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         raise ValueError(f"kernel_options['decode_block_kv'] must be 0 (automatic) or a power "
                          f"of two, got {size!r}")
     for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages", "decode_max_rows",
-                 "paged_num_stages", "backward_dkdv_num_warps", "backward_dkdv_num_stages"):
+                 "paged_num_stages", "backward_dkdv_num_warps", "backward_dkdv_num_stages",
+                 "backward_batch_rows"):
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
@@ -203,12 +232,15 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
             raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "
                              f"got {kernel_options[name]!r}")
+    if kernel_options.get("backward_batch_sum", "auto") not in BATCH_SUMS:
+        raise ValueError(f"kernel_options['backward_batch_sum'] must be one of {BATCH_SUMS}, "
+                         f"got {kernel_options['backward_batch_sum']!r}")
     for name in ("backward_masked_first", "backward_deterministic"):
         if not isinstance(kernel_options.get(name, True), bool):
             raise ValueError(f"kernel_options[{name!r}] must be a bool, got "
                              f"{kernel_options[name]!r}")
     for name in ("num_warps", "num_stages", "backward_num_warps", "backward_num_stages",
-                 "decode_num_warps"):
+                 "decode_num_warps", "backward_batch_num_warps", "backward_batch_num_stages"):
         count = kernel_options.get(name, 1)
         if isinstance(count, bool) or not isinstance(count, int) or count < 1:
             raise ValueError(f"kernel_options[{name!r}] must be a positive int, got {count!r}")
@@ -222,7 +254,8 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
     # Tiles given for the forward only also bound the backward's (tests pass small
     # tiles to exercise many blocks on short sequences).
     for name in ("block_q", "block_kv"):
-        for backward_name in (f"backward_{name}", f"backward_dkdv_{name}"):
+        for backward_name in (f"backward_{name}", f"backward_dkdv_{name}",
+                              f"backward_batch_{name}"):
             if name in kernel_options and backward_name not in kernel_options:
                 options = options.replace(**{backward_name: min(
                     kernel_options[name], getattr(options, backward_name))})

@@ -40,9 +40,12 @@ class CaptureLog:
         self.replay_values = replay_values
         self.sites = []  # (captured position, index tuple)
         self.varying = []  # per site, per index: whether it varies over the tile
+        # per site, its indices as the mod computed them (clamped, not broadcast to the
+        # tile: scalars for indices of b and h, [rows, 1] / [1, columns] vectors)
+        self.unbroadcast = []
         self.values = []
 
-    def read(self, captured, indices, varying=None):
+    def read(self, captured, indices, varying=None, unbroadcast=None):
         if self.replay_values is not None:
             value = self.replay_values[len(self.sites)]
         elif not indices:
@@ -51,6 +54,7 @@ class CaptureLog:
             value = captured.ref[indices]
         self.sites.append((captured.position, indices))
         self.varying.append(varying if varying is not None else (False,) * len(indices))
+        self.unbroadcast.append(unbroadcast if unbroadcast is not None else indices)
         self.values.append(value)
         return value
 
@@ -79,10 +83,11 @@ class CapturedRef:
         """
         indices = [jnp.clip(i, 0, size - 1) for i, size in zip(indices, self.shape)]
         varying = tuple(jnp.ndim(i) > 0 for i in indices)
+        unbroadcast = tuple(indices)
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in indices))
         if shape:
             indices = [jnp.broadcast_to(i, shape) for i in indices]
-        return self.log.read(self, tuple(indices), varying)
+        return self.log.read(self, tuple(indices), varying, unbroadcast)
 
 
 def _as_array(value, aval):
@@ -339,17 +344,18 @@ def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
 
 
 def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
-                      indices_below=None):
+                      indices_below=None, log=None):
     """The modded score and its VJP, for the backward kernels.
 
     Returns `(modded [block_q, block_kv], vjp, sites)`: `vjp(cotangent)` gives the
     cotangent of `score` and one cotangent per site in `sites` (a list of
     `(captured position, indices)` reads of captured arrays), already summed over the
     tile dimensions the site's indices do not vary along. indices_below as for
-    `apply_mask_on_tile`.
+    `apply_mask_on_tile`. log: a CaptureLog to record the reads in (the caller reads
+    its `unbroadcast` indices), else a new one.
     """
     small_index_args = _small_index_args(3, indices_below)
-    recording = CaptureLog()
+    recording = log if log is not None else CaptureLog()
     evaluate_jaxpr_on_tiles(program.jaxpr, _captured(program, captured_refs, recording),
                             (score, b, h, q_idx, kv_idx), program.name, small_index_args)
 
@@ -402,6 +408,51 @@ def captured_read_varying_axes(program) -> list[tuple[bool, ...]]:
     return _dummy_tile_log(program, None).varying
 
 
+def captured_read_batch_axes(program) -> list[tuple[bool, ...]]:
+    """Per read of a captured array (in program order), per axis of the array: whether
+    its index depends on b (directly, or through values read from captured arrays at
+    indices that do). A pair bias shared by the rows of an MSA, `bias[b // rows, h,
+    q_idx, kv_idx]`, gives (True, False, False, False)."""
+    if program is None:
+        return []
+
+    def indices(b):
+        log = CaptureLog()
+        consts = _captured(program, [_DependentRef(jnp.shape(c), c.dtype)
+                                     for c in program.consts], log)
+        args = [b, jnp.int32(0), jnp.zeros((4, 1), jnp.int32), jnp.zeros((1, 8), jnp.int32)]
+        if program.kind == "score":
+            args = [jnp.zeros((4, 8), jnp.float32)] + args
+        evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name)
+        return [tuple(jnp.asarray(i) for i in site) for _, site in log.sites]
+
+    closed, shapes = jax.make_jaxpr(indices, return_shape=True)(jnp.int32(0))
+    dependent = {closed.jaxpr.invars[0]}
+    for equation in closed.jaxpr.eqns:
+        if any(isinstance(atom, jex_core.Var) and atom in dependent
+               for atom in equation.invars):
+            dependent.update(equation.outvars)
+    flags = [isinstance(atom, jex_core.Var) and atom in dependent
+             for atom in closed.jaxpr.outvars]
+    return [tuple(site) for site in jax.tree.unflatten(jax.tree.structure(shapes), flags)]
+
+
+class _DependentRef:
+    """A stand-in kernel ref whose reads depend on their indices (their values do not
+    matter), for `captured_read_batch_axes`."""
+
+    def __init__(self, shape, dtype):
+        self.shape, self.dtype = shape, dtype
+
+    def __getitem__(self, index):
+        if not isinstance(index, tuple):
+            index = (index,)
+        index = [jnp.asarray(i) for i in index]
+        shape = np.broadcast_shapes(*(jnp.shape(i) for i in index))
+        total = sum(jnp.broadcast_to(i, shape).astype(jnp.int32) for i in index)
+        return jnp.broadcast_to(total, shape).astype(self.dtype)
+
+
 def _dummy_tile_log(program, captured_reads):
     log = CaptureLog()
     if program is None:
@@ -430,6 +481,7 @@ class _ShapeOnlyRef:
 
 
 __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "captured_read_positions", "captured_read_sites", "captured_read_varying_axes",
+           "captured_read_batch_axes", "captured_read_positions", "captured_read_sites",
+           "captured_read_varying_axes",
            "evaluate_jaxpr_on_tiles",
            "split_captured_refs", "CapturedRef"]
