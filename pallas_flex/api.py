@@ -19,7 +19,7 @@ from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
-from pallas_flex.sinks import check_sinks, merge_sinks
+from pallas_flex.sinks import check_sinks, sink_gradient
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
 _DEFAULT_MASK_BLOCK = 128
@@ -130,25 +130,26 @@ def resolve_scale(scale, head_dim):
 
 
 def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
-                  with_max=False):
+                  with_max=False, sinks=None):
     """(out in out_dtype (default q's), lse), and with_max the row max of the logits, of
     the kernel `pallas_flex.dispatch` picks, run per shard where q, k, v are sharded over
-    batch or heads (`pallas_flex.sharding`)."""
+    batch or heads (`pallas_flex.sharding`). sinks [Hq] (or None) take part in the
+    kernel's softmax; the lse includes them."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                      options=options, out_dtype=out_dtype)
 
     def forward(operands, offsets):
-        q, k, v, block_mask, score_program = operands
+        q, k, v, block_mask, score_program, sinks = operands
         block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
         return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
                                     options=options, interpret=backend == "interpret",
-                                    out_dtype=out_dtype, with_max=with_max)
+                                    out_dtype=out_dtype, with_max=with_max, sinks=sinks)
 
     return sharding.call(
-        forward, (q, k, v, block_mask, score_program),
+        forward, (q, k, v, block_mask, score_program, sinks),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.roles_of(block_mask, None),
-         sharding.WHOLE), sharding.query_and_rows,
+         sharding.WHOLE, sharding.PER_HEAD), sharding.query_and_rows,
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
 
 
@@ -158,11 +159,13 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _fused_attention(q, k, v, block_mask, score_program, config, with_max=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _fused_attention(q, k, v, block_mask, score_program, sinks, config, with_max=False):
     """(out, lse), and with_max the row max of the logits (no gradient: a statistic),
-    with gradients from the fused backward kernels; residuals are out, lse."""
-    return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max)
+    with gradients from the fused backward kernels; residuals are out, lse. sinks: None
+    or [Hq], folded into the forward kernels' softmax (`pallas_flex/sinks.py`)."""
+    return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max,
+                         sinks=sinks)
 
 
 def _unwrap_primals(tree):
@@ -185,16 +188,21 @@ class _StaticFlags:
         return cls(flags)
 
 
-def _fused_attention_forward(q, k, v, block_mask, score_program, config, with_max=False):
+def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
+                             with_max=False):
     # symbolic_zeros=True: each primal says whether it is differentiated, so captured
-    # arrays nobody differentiates (constant ALiBi slopes, say) cost no gradient work.
+    # arrays nobody differentiates (constant ALiBi slopes, say) cost no gradient work,
+    # nor do sinks nobody differentiates.
     wanted = _StaticFlags(primal.perturbed for primal in (
         score_program.consts if score_program is not None else ()))
-    q, k, v, block_mask, score_program = _unwrap_primals((q, k, v, block_mask, score_program))
+    sinks_wanted = _StaticFlags([sinks is not None and sinks.perturbed])
+    q, k, v, block_mask, score_program, sinks = _unwrap_primals(
+        (q, k, v, block_mask, score_program, sinks))
     if not any(wanted.flags):
         out, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
-                                           with_max=with_max)
-        return (out, lse, *row_max), (q, k, v, block_mask, score_program, out, lse, wanted)
+                                           with_max=with_max, sinks=sinks)
+        return (out, lse, *row_max), (q, k, v, block_mask, score_program, sinks, out, lse,
+                                      wanted, sinks_wanted)
     # A captured array's gradient sums dS over whole rows, where each row's dS sums to
     # rowsum(P * dP) - delta, zero only if delta = rowsum(dO * out) is taken from the
     # exact output. From the output rounded to 16 bits, every row keeps its rounding
@@ -203,21 +211,30 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, config, with_ma
     # 0.005 for plain JAX attention). So the forward keeps its float32 output as the
     # residual and rounds a copy for the caller.
     out_unrounded, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
-                                                 out_dtype=jnp.float32, with_max=with_max)
+                                                 out_dtype=jnp.float32, with_max=with_max,
+                                                 sinks=sinks)
     return ((out_unrounded.astype(q.dtype), lse, *row_max),
-            (q, k, v, block_mask, score_program, out_unrounded, lse, wanted))
+            (q, k, v, block_mask, score_program, sinks, out_unrounded, lse, wanted,
+             sinks_wanted))
 
 
 def _fused_attention_backward(config, with_max, residuals, cotangents):
     del with_max  # the row max is a statistic: its cotangent is dropped
-    q, k, v, block_mask, score_program, out, lse, wanted = residuals
+    q, k, v, block_mask, score_program, sinks, out, lse, wanted, sinks_wanted = residuals
     d_out, d_lse = cotangents[:2]
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, q.dtype)
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
+    # With sinks, out and lse are those of the softmax the sinks take part in: the
+    # kernels' backward is the same (a sink is a key with no value), and the sinks'
+    # own gradient comes from the lse and the rows' delta (`sinks.sink_gradient`).
     d_q, d_k, d_v, const_grads = _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask,
                                                 score_program, config, wanted.flags)
+    d_sinks = None
+    if sinks is not None:
+        d_sinks = (sink_gradient(sinks, out, lse, d_out, d_lse) if sinks_wanted.flags[0]
+                   else jnp.zeros_like(sinks))
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
     if score_program is not None:
@@ -225,7 +242,7 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
         d_score_program.consts = tuple(
             grad if grad is not None else _zero_cotangent(const)
             for grad, const in zip(const_grads, score_program.consts))
-    return d_q, d_k, d_v, d_block_mask, d_score_program
+    return d_q, d_k, d_v, d_block_mask, d_score_program, d_sinks
 
 
 def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,
@@ -292,19 +309,18 @@ _fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,
 
 @functools.partial(jax.jit, static_argnames=("config", "with_max"))
 def _attention(q, k, v, block_mask, score_program, sinks=None, *, config, with_max=False):
-    """(out, lse), and with_max the row max of the logits (sinks not included)."""
+    """(out, lse), and with_max the row max of the logits (sinks not included); the
+    sinks take part in the softmax, and the lse includes them."""
     backend, scale, _ = config
     if backend == "reference":  # dense, differentiated by plain autodiff: the oracle
         out, lse, *row_max = reference_attention(
             q, k, v, mask_mod=block_mask.mask_mod, score_mod=score_program, scale=scale,
-            return_max=with_max)
+            return_max=with_max, sinks=sinks)
         out = out.astype(q.dtype)
         row_max = [jax.lax.stop_gradient(x) for x in row_max]
     else:
-        out, lse, *row_max = _fused_attention(q, k, v, block_mask, score_program, config,
-                                              with_max)
-    if sinks is not None:
-        out, lse = merge_sinks(out, lse, sinks)
+        out, lse, *row_max = _fused_attention(q, k, v, block_mask, score_program, sinks,
+                                              config, with_max)
     return (out, lse, *row_max)
 
 

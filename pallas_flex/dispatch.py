@@ -47,6 +47,7 @@ from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.kernels.xla_blockwise import blockwise_attention
+from pallas_flex.sinks import merge_sinks
 
 FORWARD_KERNELS = ("xla_blockwise", "decode", "triton_forward", "mosaic_forward")
 BACKWARD_KERNELS = ("triton_backward", "mosaic_backward")
@@ -125,27 +126,31 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
                 options: KernelOptions, interpret: bool, page_table=None, lengths=None,
-                out_dtype=None, with_max=False, k_scales=None, v_scales=None):
+                out_dtype=None, with_max=False, k_scales=None, v_scales=None, sinks=None):
     """(out, lse), and with_max the row max, of the kernel `choice` names (arguments as
     `choose_forward`'s, plus the paged ones: page_table, lengths, and a quantized
-    cache's k_scales, v_scales)."""
+    cache's k_scales, v_scales; sinks [Hq] or None, which the forward kernels fold into
+    their normalization and the decode kernel's output takes in a pass of its own)."""
     paging = dict(page_table=page_table, lengths=lengths)
     if k_scales is not None:
         paging.update(k_scales=k_scales, v_scales=v_scales)
     if choice.kernel == "xla_blockwise":
         return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
-                                   out_dtype=out_dtype, with_max=with_max)
+                                   out_dtype=out_dtype, with_max=with_max, sinks=sinks)
     if choice.kernel == "decode":
-        return flex_decode(q, k, v, block_mask, score_program, scale=scale, options=options,
-                           interpret=interpret, out_dtype=out_dtype, with_max=with_max,
-                           **paging)
+        out, lse, *row_max = flex_decode(q, k, v, block_mask, score_program, scale=scale,
+                                         options=options, interpret=interpret,
+                                         out_dtype=out_dtype, with_max=with_max, **paging)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        return (out, lse, *row_max)
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
-            with_max=with_max, **paging)
+            with_max=with_max, sinks=sinks, **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
-                                  with_max=with_max, **paging)
+                                  with_max=with_max, sinks=sinks, **paging)
 
 
 def choose_backward(q, k, v, block_mask, score_program, *, backend: str,

@@ -2,7 +2,9 @@
 value. Against an independent float64 NumPy model (the sink as one more column of the
 softmax, dropped before p.v), on every backend, with gradients (the sinks' included)
 against plain JAX autodiff, for decode, a paged cache, the ragged op and context
-parallelism."""
+parallelism; and each forward kernel that folds the sinks into its normalization (XLA
+blockwise, Triton, Mosaic GPU, in Pallas's interpreter), with the backward kernels'
+gradients, against a float64 model."""
 
 from __future__ import annotations
 
@@ -18,13 +20,16 @@ from tests.conftest import random_qkv
 SINKS = np.array([0.5, -1.0, 2.0, 0.0], np.float32)
 
 
-def numpy_sink_attention(q, k, v, sinks, *, causal_offset=None, visible=None):
-    """float64 (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]): softmax over [scores, sink_h]."""
+def numpy_sink_attention(q, k, v, sinks, *, causal_offset=None, visible=None, bias=None):
+    """float64 (out [B, Sq, Hq, Dv], lse [B, Hq, Sq]): softmax over [scores, sink_h].
+    bias: None or [Hq, Sq, Skv], added to the scores."""
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     batch, q_len, q_heads, dim = q.shape
     group = q_heads // k.shape[2]
     k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
     scores = np.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(dim)
+    if bias is not None:
+        scores = scores + bias
     if visible is None:
         visible = np.ones(scores.shape[-2:], bool)
         if causal_offset is not None:
@@ -98,9 +103,9 @@ def test_bfloat16_stays_within_the_dense_bfloat16_error():
     out = pf.attention(q, k, v, sinks=jnp.asarray(SINKS), backend="interpret")
     want, _ = numpy_sink_attention(q, k, v, SINKS)
     error = np.sqrt(np.mean((np.asarray(out, np.float64) - want) ** 2))
-    # Two roundings to bfloat16 (the kernel's output, then the sink's rescaling): at
-    # most twice bfloat16's half-ulp error relative to the output's scale.
-    assert error <= 2 * 2.0 ** -8 * np.sqrt(np.mean(want ** 2)), error
+    # One rounding to bfloat16 (the kernel's output, the sink in its normalization; P is
+    # rounded for p.v too): within bfloat16's half-ulp relative to the output's scale.
+    assert error <= 2.0 ** -8 * np.sqrt(np.mean(want ** 2)), error
 
 
 def test_a_paged_cache_with_sinks_equals_the_contiguous_call():
@@ -160,6 +165,124 @@ def test_context_parallel_with_sinks_equals_one_device():
     # shard_map sums a replicated input's cotangent over the devices
     np.testing.assert_allclose(np.asarray(d_sinks), np.asarray(want_d_sinks), atol=1e-4,
                                rtol=1e-4)
+
+
+# The kernels that fold the sinks into their final normalization: (backend,
+# kernel_options, dtype, head dim). The Mosaic GPU forward takes 16-bit inputs at
+# D 64 / 128 only. The backward is the Triton kernel's in each (the Mosaic GPU backward
+# reads the same lse and delta: the GPU probe benchmarks/probes/sinks_gpu.py runs it).
+FOLDING_KERNELS = {
+    "xla": ("xla", None, jnp.float32, 16),
+    "triton": ("interpret", None, jnp.float32, 16),
+    "mosaic": ("interpret", {"forward_kernel": "mosaic"}, jnp.bfloat16, 64),
+}
+# Head 3's sink lies far above every logit (its rows' weights all but vanish): the
+# kernels move their running max to it rather than overflow the sum.
+FOLDED_SINKS = np.array([0.5, -1.0, 2.0, 30.0], np.float32)
+
+
+def _model_with_gradients(q, k, v, sinks, visible, slopes, d_out, d_lse):
+    """The float64 model's (out, lse) and the gradients of sum(out * d_out) +
+    sum(lse * d_lse) in q, k, v and the sinks (plain JAX autodiff of the same math)."""
+    q_len, kv_len = visible.shape
+    bias = slopes[:, None, None] * (np.arange(kv_len)[None, None, :]
+                                    - np.arange(q_len)[None, :, None])
+    d_out, d_lse = (np.asarray(x, np.float64) for x in (d_out, d_lse))
+    with jax.enable_x64(True):
+        def model(q, k, v, sinks):
+            group = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, group, axis=2), jnp.repeat(v, group, axis=2)
+            scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(q.shape[3]) + bias
+            scores = jnp.where(visible, scores, -jnp.inf)
+            sink = jnp.broadcast_to(sinks[None, :, None, None], scores.shape[:3] + (1,))
+            both = jnp.concatenate([scores, sink], axis=-1)
+            lse = jax.nn.logsumexp(both, axis=-1)
+            weights = jnp.exp(both[..., :-1] - lse[..., None])
+            return jnp.einsum("bhqk,bkhd->bqhd", weights, v), lse
+
+        @jax.jit
+        def with_gradients(*args):
+            (out, lse), pullback = jax.vjp(model, *args)
+            return out, lse, pullback((d_out, d_lse))
+
+        out, lse, grads = with_gradients(
+            *[jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, sinks)])
+        return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
+
+
+@pytest.mark.parametrize("kernel", list(FOLDING_KERNELS))
+def test_kernels_fold_the_sinks_into_the_softmax(kernel):
+    """Forward and gradients (q, k, v, sinks; through out and lse) of each kernel with
+    the sinks in its normalization: GQA, a ragged length (200), fully masked rows (the
+    first 32 queries see no key: zeros, lse = sink, d sink = d_lse) and ALiBi (whose
+    query term the Mosaic GPU kernel adds to the lse at the end, so the sink is
+    compared with the logits less that term)."""
+    backend, options, dtype, dim = FOLDING_KERNELS[kernel]
+    q_len = kv_len = 200
+    q, k, v = random_qkv(11, 1, q_len, kv_len, 4, 2, dim, dim, dtype)
+    slopes = np.array([0.25, 0.0625, 0.015625, 0.00390625])
+
+    def late_causal(b, h, q_idx, kv_idx):
+        return (q_idx >= 32) & (kv_idx <= q_idx)
+    visible = ((np.arange(kv_len)[None, :] <= np.arange(q_len)[:, None])
+               & (np.arange(q_len)[:, None] >= 32))
+    d_out = jax.random.normal(jax.random.key(12), (1, q_len, 4, dim)).astype(dtype)
+    d_lse = jax.random.normal(jax.random.key(13), (1, 4, q_len))
+
+    def ours(q, k, v, sinks):
+        return pf.attention(q, k, v, mask_mod=late_causal,
+                            score_mod=masks.alibi(jnp.asarray(slopes, jnp.float32)),
+                            sinks=sinks, return_lse=True, backend=backend,
+                            kernel_options=options)
+
+    (out, lse), pullback = jax.vjp(ours, q, k, v, jnp.asarray(FOLDED_SINKS))
+    grads = pullback((d_out, d_lse))
+    want_out, want_lse, want_grads = _model_with_gradients(
+        q, k, v, FOLDED_SINKS, visible, slopes, np.asarray(d_out), np.asarray(d_lse))
+
+    np.testing.assert_array_equal(np.asarray(out[:, :32]).astype(np.float32), 0)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5)
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5)
+        for name, got, want in zip("qkv", grads, want_grads):
+            np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4,
+                                       err_msg=f"d{name}")
+    else:
+        # 16-bit: the output is the kernel's one rounding of the float32 result (and
+        # P rounded for p.v); gradients as the Mosaic GPU kernels' own tests bound them.
+        ulp = float(jnp.finfo(dtype).eps)
+        error = np.abs(np.asarray(out, np.float64) - want_out).max()
+        assert error <= 2 * ulp * np.abs(want_out).max(), error
+        for name, got, want in zip("qkv", grads, want_grads):
+            error = np.abs(np.asarray(got, np.float64) - want).max()
+            assert error <= 2e-2 * np.abs(want).max(), f"d{name}: {error}"
+    # The sinks' gradient sums over whole rows: relative to its own size, in each dtype.
+    d_sinks, want_d_sinks = np.asarray(grads[3], np.float64), want_grads[3]
+    tolerance = 2e-4 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(d_sinks, want_d_sinks, rtol=tolerance,
+                               atol=tolerance * np.abs(want_d_sinks).max(), err_msg="dsinks")
+
+
+def test_a_head_sharded_call_with_sinks_equals_one_device():
+    """The forward kernels take the sinks as an input: split over the heads with q
+    (`sharding.PER_HEAD`), each device's kernel reads its own heads' sinks."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 2), ("data", "model"), devices=jax.devices("cpu")[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    q, k, v = random_qkv(9, 2, 64, 64, 4, 2, 16, 16, jnp.float32)
+
+    def loss(q, k, v, sinks):
+        out, lse = pf.attention(q, k, v, mask_mod=masks.causal_mask, sinks=sinks,
+                                return_lse=True, backend="xla")
+        return jnp.sum(out ** 2) + jnp.sum(lse), (out, lse)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 3), has_aux=True))
+    spec = NamedSharding(mesh, P("data", None, "model", None))
+    sharded = step(*[jax.device_put(x, spec) for x in (q, k, v)], jnp.asarray(SINKS))
+    for got, want in zip(jax.tree.leaves(sharded),
+                         jax.tree.leaves(step(q, k, v, jnp.asarray(SINKS)))):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("sinks", [np.zeros(3, np.float32), np.zeros((4, 1), np.float32),

@@ -6,7 +6,8 @@ of a causal mask start first. Each program loads its query tile once, then
 walks the BlockMask row of its query block: first the *full* KV blocks (no mask_mod
 call), then the *partial* ones (mask_mod on the tile, plus the sequence-tail mask).
 Blocks the mask leaves empty are never visited. GQA: query head h reads KV head
-h // (Hq // Hkv).
+h // (Hq // Hkv). Attention sinks (one logit per query head, `pallas_flex/sinks.py`) join
+each row's softmax in the final normalization (`online_softmax.finalize`'s sink_log2).
 """
 
 from __future__ import annotations
@@ -33,14 +34,18 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
-                    interpret, group=1, paged=None, with_max=False, quantized=False):
+                    interpret, group=1, paged=None, with_max=False, quantized=False,
+                    with_sinks=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
-    table and per-row lengths follow the BlockMask tables."""
+    table and per-row lengths follow the BlockMask tables. with_sinks: a float32 ref
+    [Hq] of sink logits (natural units) follows them (and a quantized cache's scales)."""
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
     if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
         scale_refs, refs = refs[:2], refs[2:]
+    if with_sinks:
+        sinks_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -136,11 +141,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         state = online_softmax.initial_state_chunks(block_q, [w for _, w in value_chunks])
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
     state = walk(kv_num_blocks_ref, kv_indices_ref, state, masked=True)
+    # The sink in the running max's units: base-2 logits (the scale is in the scores).
+    sink_log2 = sinks_ref[head] * online_softmax.LOG2_E if with_sinks else None
     if paged is None:
-        out, lse = online_softmax.finalize(state)
+        out, lse = online_softmax.finalize(state, sink_log2)
         out_ref[...] = out.astype(out_ref.dtype)
     else:
-        outs, lse = online_softmax.finalize_chunks(state)
+        outs, lse = online_softmax.finalize_chunks(state, sink_log2)
         for (start, width), out in zip(value_chunks, outs):
             out_ref[:, pl.ds(start, width)] = out.astype(out_ref.dtype)
     lse_ref[...] = lse
@@ -174,11 +181,13 @@ def _reverse(tile, num_tiles):
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                            options: KernelOptions, interpret: bool, page_table=None,
                            lengths=None, out_dtype=None, with_max=False, k_scales=None,
-                           v_scales=None):
+                           v_scales=None, sinks=None):
     """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32),
     and with_max the row max of the logits [B, Hq, Sq] (float32, -inf where masked).
     k_scales, v_scales: a quantized paged cache's per-token scales [num_pages, Hkv,
-    page_size] (its pages int8 / float8; q stays 16-bit).
+    page_size] (its pages int8 / float8; q stays 16-bit). sinks: None, or a logit per
+    query head [Hq] in every row's softmax with no value (the lse includes it; the row
+    max does not).
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
@@ -236,14 +245,16 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
         paged=paged_config, interpret=interpret, with_max=with_max,
-        quantized=k_scales is not None)
+        quantized=k_scales is not None, with_sinks=sinks is not None)
     scales = () if k_scales is None else (k_scales, v_scales)
+    sink_inputs = () if sinks is None else (sinks.astype(jnp.float32),)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(captured))
+    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(sink_inputs)
+                             + len(captured))
     row_spec = pl.BlockSpec((None, None, block_q),
                             lambda i, h, b: (b, h, _reverse(i, num_q_tiles)))
     row_shape = jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32)
@@ -264,6 +275,6 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
             num_stages=options.num_stages),
         interpret=interpret,
         name="flex_attention_forward_paged" if paged else "flex_attention_forward",
-    )(q, k, v, *tables, *paging, *scales, *captured)
+    )(q, k, v, *tables, *paging, *scales, *sink_inputs, *captured)
     return (out[:, :q_len, :, :value_dim],) + tuple(row[:, :, :q_len] for row in rows)
 

@@ -20,7 +20,8 @@ captured arrays are read at indices that depend on b and h only (a per-head ALiB
 slope, a soft-cap value) or at exactly q_idx or kv_idx (document ids:
 `mosaic_eligibility.contiguous_reads` loads those as one vector per tile). Reads at
 other indices (T5 buckets) are per-element gathers, which the Triton kernel does and
-this one does not.
+this one does not. Attention sinks (one logit per query head, `pallas_flex/sinks.py`)
+join each row's softmax in the final normalization, as in the Triton kernel.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
 matmuls are plain dots on the shared-memory tiles (`mosaic_tiles.matmul`), and all
@@ -80,13 +81,16 @@ _GRID_AXES = ("heads", "q_seq", "batch")
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
-            mask_reads, score_reads, paged, interpret, with_max=False):
+            mask_reads, score_reads, paged, interpret, with_max=False, with_sinks=False):
     """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
-    and per-row lengths [B] (the refs after the BlockMask tables)."""
+    and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
+    ref [Hq] of sink logits (natural units) follows (after the paging refs)."""
     if paged:
         page_table_ref, lengths_ref, *refs = refs
+    if with_sinks:
+        sinks_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
     (qo_smem2, k_smem, v_smem, lse_smem2, *max_smem2), barriers = scratch
@@ -281,10 +285,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         accumulator, running_max, running_sum, row_term = carry
         pl.when(warpgroup == 0)(schedule_turn)
 
+        normalizing_max, correction = running_max, None
+        if with_sinks:
+            # The sink is one more logit of the row, which the scores here leave the row
+            # term out of: in their base-2 units it is (sink - row term) * log2(e).
+            sink = sinks_ref[head]
+            if row_term is not None:
+                sink = sink - row_term
+            normalizing_max, running_sum, correction = online_softmax.with_sink(
+                running_max, running_sum, sink * online_softmax.LOG2_E)
         has_mass = running_sum > 0.0
         inverse_sum = 1.0 / jnp.where(has_mass, running_sum, 1.0)
+        if correction is not None:
+            inverse_sum = inverse_sum * correction
         out = accumulator * lax.broadcast_in_dim(inverse_sum, accumulator.shape, [0])
-        safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
+        safe_max = jnp.where(normalizing_max == -jnp.inf, 0.0, normalizing_max)
         lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
         if row_term is not None:
             lse = lse + row_term
@@ -403,18 +418,22 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
-                                  lengths=None, with_max: bool = False):
+                                  lengths=None, with_max: bool = False, sinks=None):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
-    page_table given, k / v pages); only for calls `unsupported_reason` accepts."""
+    page_table given, k / v pages; and with sinks [Hq]); only for calls
+    `unsupported_reason` accepts."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
               else (page_table.astype(jnp.int32), lengths.astype(jnp.int32)))
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
                                num_stages=num_stages, with_max=with_max)
-    return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program)
+    return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
+                              sinks)
 
 
 def _vmappable(launch):
@@ -427,13 +446,15 @@ def _vmappable(launch):
     """
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, tables, paging, mask_program, score_program):
-        return launch(q, k, v, tables, paging, mask_program, score_program)
+    def run(q, k, v, tables, paging, mask_program, score_program, sinks):
+        return launch(q, k, v, tables, paging, mask_program, score_program, sinks)
 
     @run.def_vmap
-    def rule(axis_size, in_batched, q, k, v, tables, paging, mask_program, score_program):
-        args = (q, k, v, tables, paging, mask_program, score_program)
-        # Pages have no batch axis to fold into: paged calls map.
+    def rule(axis_size, in_batched, q, k, v, tables, paging, mask_program, score_program,
+             sinks):
+        args = (q, k, v, tables, paging, mask_program, score_program, sinks)
+        # Pages have no batch axis to fold into: paged calls map. Sinks [Hq] fold along
+        # with q, k, v where they are not vmapped.
         only_qkv = not paging and not any(jax.tree.leaves(in_batched[3:]))
         reads_batch = mask_program.uses_batch or (score_program is not None
                                                   and score_program.uses_batch)
@@ -447,7 +468,7 @@ def _vmappable(launch):
             tables = tuple(t if t.shape[0] == 1
                            else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
                            for t in tables)
-            results = run(*merged, tables, paging, mask_program, score_program)
+            results = run(*merged, tables, paging, mask_program, score_program, sinks)
             return (tuple(x.reshape((axis_size, batch) + x.shape[1:]) for x in results),
                     tuple(True for _ in results))
 
@@ -456,10 +477,10 @@ def _vmappable(launch):
     return run
 
 
-def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks, kv_len,
-            scale, interpret, num_stages, with_max=False):
+def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_blocks,
+            kv_len, scale, interpret, num_stages, with_max=False):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
-    (logical) key length."""
+    (logical) key length; sinks: None or float32 [Hq]."""
     batch, q_len, q_heads, head_dim = q.shape
     paged = bool(paging)
     kv_heads = k.shape[1] if paged else k.shape[2]
@@ -488,7 +509,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
-        with_max=with_max)
+        with_max=with_max, with_sinks=sinks is not None)
     row_buffers = 2 if with_max else 1  # lse (and the row max)
 
     def entry(*refs):
@@ -529,5 +550,5 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, *, num_blocks,
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, *tables, *paging, *captured)
+    )(q, k, v, *tables, *paging, *([] if sinks is None else [sinks]), *captured)
     return (out[:, :q_len],) + tuple(row[:, :, :q_len] for row in rows)

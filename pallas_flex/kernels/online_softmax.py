@@ -4,6 +4,10 @@ Scores arrive already multiplied by log2(e), so `exp2` replaces `exp` (one MUFU 
 NVIDIA GPUs). Rows that have seen only masked scores keep `max = -inf`; subtracting a
 stand-in 0 instead keeps `exp2(-inf - -inf)` from producing NaN, and such rows end as
 zeros with `lse = -inf`.
+
+An attention sink (`pallas_flex/sinks.py`) joins a row at the end as one more key with
+no value (`with_sink`): its term enters the running sum, never the accumulator, so a
+row with no key ends as zeros with `lse = sink`.
 """
 
 from __future__ import annotations
@@ -36,14 +40,24 @@ def update(state, scores_log2, v, precision=None, *, logit_scale=None):
     return running_max, running_sum, accumulator
 
 
-def finalize(state):
-    """out [block_q, Dv] (float32) and natural-log lse [block_q]."""
+def with_sink(running_max, running_sum, sink_log2):
+    """(max, sum, accumulator factor) of a row after one more key with base-2 logit
+    `sink_log2` (a scalar or a [block_q] vector) and no value: the running sum takes its
+    exp2 and the accumulator only the rescaling by the new max (the factor, which the
+    caller folds into its per-row division). The max moves to the sink where the sink is
+    larger, so a sink far above every logit cannot overflow the sum; a sink of -inf
+    changes nothing."""
+    new_max = jnp.maximum(running_max, sink_log2)
+    safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+    correction = jnp.exp2(running_max - safe_max)
+    return new_max, running_sum * correction + jnp.exp2(sink_log2 - safe_max), correction
+
+
+def finalize(state, sink_log2=None):
+    """out [block_q, Dv] (float32) and natural-log lse [block_q]; with `sink_log2` (base 2,
+    the scale folded in as for the scores), the sink takes part (`with_sink`)."""
     running_max, running_sum, accumulator = state
-    has_mass = running_sum > 0.0
-    out = accumulator / jnp.where(has_mass, running_sum, 1.0)[:, None]
-    safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
-    lse = jnp.where(has_mass, (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * LN_2,
-                    -jnp.inf)
+    (out,), lse = finalize_chunks((running_max, running_sum, (accumulator,)), sink_log2)
     return out, lse
 
 
@@ -110,13 +124,23 @@ def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=N
     return new_max, running_sum, accumulators
 
 
-def finalize_chunks(state):
-    """(one normalized output chunk per accumulator, natural-log lse)."""
+def finalize_chunks(state, sink_log2=None):
+    """(one normalized output chunk per accumulator, natural-log lse); `sink_log2` as in
+    `finalize`."""
     running_max, running_sum, accumulators = state
-    _, lse = finalize((running_max, running_sum, accumulators[0]))
+    correction = None
+    if sink_log2 is not None:
+        running_max, running_sum, correction = with_sink(running_max, running_sum, sink_log2)
     has_mass = running_sum > 0.0
-    denominator = jnp.where(has_mass, running_sum, 1.0)[:, None]
-    return tuple(accumulator / denominator for accumulator in accumulators), lse
+    denominator = jnp.where(has_mass, running_sum, 1.0)
+    if correction is None:
+        outs = tuple(accumulator / denominator[:, None] for accumulator in accumulators)
+    else:  # one factor per row: the rescaling to the sink's max and the division
+        factor = (correction / denominator)[:, None]
+        outs = tuple(accumulator * factor for accumulator in accumulators)
+    safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
+    lse = jnp.where(has_mass, (safe_max + jnp.log2(denominator)) * LN_2, -jnp.inf)
+    return outs, lse
 
 
 def merge_partials(partial_out, partial_lse, axis: int):

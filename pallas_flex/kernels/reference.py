@@ -21,16 +21,18 @@ def _dense_over_batch_and_heads(function, batch, heads):
 
 
 def reference_attention(q, k, v, *, mask_mod=None, score_mod=None, scale=None,
-                        return_max=False):
+                        return_max=False, sinks=None):
     """Dense `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
       q: [B, Sq, Hq, D]; k: [B, Skv, Hkv, D]; v: [B, Skv, Hkv, Dv], Hq a multiple of Hkv.
       mask_mod, score_mod: callables with scalar semantics (or traced ModPrograms).
+      sinks: None, or [Hq]: a logit per query head in every row's softmax with no value
+        (`pallas_flex/sinks.py`).
     Returns:
       out [B, Sq, Hq, Dv] in the compute dtype, lse [B, Hq, Sq] (natural log), and with
-      return_max the row max of the logits [B, Hq, Sq]. Fully masked rows give zeros,
-      lse = -inf and max = -inf.
+      return_max the row max of the logits [B, Hq, Sq] (the sinks not included). Fully
+      masked rows give zeros, lse = -inf (the sink's logit with sinks) and max = -inf.
     """
     compute_dtype = jnp.promote_types(q.dtype, jnp.float32)
     batch, q_len, q_heads, head_dim = q.shape
@@ -55,9 +57,14 @@ def reference_attention(q, k, v, *, mask_mod=None, score_mod=None, scale=None,
         scores = jnp.where(mask, scores, -jnp.inf)
     row_max = jnp.max(scores, axis=-1, keepdims=True)
     logits_max = row_max[..., 0]
+    if sinks is not None:  # one more column of the softmax, with no value
+        sink = sinks.astype(compute_dtype)[None, :, None, None]
+        row_max = jnp.maximum(row_max, sink)
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
     weights = jnp.exp(scores - row_max)
     row_sum = jnp.sum(weights, axis=-1, keepdims=True)
+    if sinks is not None:
+        row_sum = row_sum + jnp.exp(sink - row_max)
     probabilities = jnp.where(row_sum > 0, weights / jnp.where(row_sum > 0, row_sum, 1.0), 0.0)
     out = jnp.einsum("bhqk,bkhd->bqhd", probabilities, v, precision=jax.lax.Precision.HIGHEST)
     lse = jnp.where(row_sum[..., 0] > 0, jnp.log(row_sum[..., 0]) + row_max[..., 0], -jnp.inf)

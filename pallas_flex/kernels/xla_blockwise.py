@@ -17,9 +17,11 @@ from pallas_flex.masks.mod_program import vmap_mask, vmap_score
 
 
 def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
-                        out_dtype=None, with_max=False):
+                        out_dtype=None, with_max=False, sinks=None):
     """out [B, Sq, Hq, Dv] (out_dtype, default q's) and lse [B, Hq, Sq] (float32), and
-    with_max the row max of the logits [B, Hq, Sq]."""
+    with_max the row max of the logits [B, Hq, Sq]. sinks: None, or a logit per query
+    head [Hq] in every row's softmax with no value (the lse includes it; the row max
+    does not)."""
     batch, q_len, q_heads, _ = q.shape
     kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     block_q, block_kv = block_mask.block_size
@@ -63,7 +65,9 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
         state = online_softmax.initial_state(block_q, value_dim)
         state = walk(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, state, False)
         state = walk(block_mask.kv_num_blocks, block_mask.kv_indices, state, True)
-        return online_softmax.finalize(state) + (
+        sink_log2 = (None if sinks is None
+                     else sinks[h].astype(jnp.float32) * online_softmax.LOG2_E)
+        return online_softmax.finalize(state, sink_log2) + (
             (online_softmax.row_max(state),) if with_max else ())
 
     def one_head(b, h):
