@@ -193,10 +193,7 @@ def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, sc
     if choice.kernel == "mosaic_backward":
         d_q, d_k, d_v = backward_mosaic.flex_attention_backward_mosaic(
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-            interpret=interpret, masked_first=options.backward_masked_first,
-            # dQ summed by TMA reduce-adds is not bitwise reproducible: a dQ kernel of its
-            # own where reproducibility is asked for.
-            fuse_dq=not options.backward_deterministic)
+            interpret=interpret, masked_first=options.backward_masked_first)
         consts = score_program.consts if score_program is not None else ()
         return d_q, d_k, d_v, [None] * len(consts)
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,

@@ -24,7 +24,18 @@ elementwise work on their own 64 rows.
   dP = dO V^T [64, 128], dQ += dS K.
 
 Every gradient is written by exactly one program, in a fixed order: the result is
-bitwise reproducible run to run. What it covers is the forward kernel's set
+bitwise reproducible run to run.
+
+dQ stays in a kernel of its own although that recomputes S and dP (7 matmuls per tile
+pair against 5): FlashAttention-3's scheme, dQ += dS K inside the dK/dV kernel (dS^T
+through shared memory, wgmma with A transposed, each warpgroup half of dQ's columns
+over the block's 128 keys, the float32 tile TMA-reduce-added into a zeroed
+`jax.new_ref`), measured slower on the H100 (B4 H16 S4096 D128 bf16 fwd+bwd: noop 4.19-
+4.49 ms against 3.87-3.93, causal 2.32-2.60 against 1.98-2.07; only B1 S16384 noop gained,
+15.29 against 15.60): the dS^T store and the warpgroups' barrier cost 0.25 ms, the dQ
+wgmma with its float32 tile store and reduce-add 1.3 ms (the tile's shared-memory layout
+did not matter, 240 registers saved 0.06 ms). Each step waits for its dQ wgmma before
+storing the tile; a faster version must keep it in flight across steps. What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`) without gradients of captured arrays
 (`pallas_flex.dispatch.choose_backward` sends those to the Triton backward, which
 accumulates them).
@@ -33,7 +44,6 @@ accumulates them).
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -63,11 +73,7 @@ TILES_PER_BLOCK = BLOCK // Q_TILE
 # Q and dO per stage).
 _DQ_STAGES = {64: 4, 128: 2}
 _DKV_STAGES = {64: 4, 128: 3}
-# The dK/dV kernel that computes dQ too keeps all of dS^T (two slots where the warpgroups
-# share it) and a float32 dQ tile per warpgroup in shared memory as well.
-_FUSED_STAGES = {64: 4, 128: 2}
 _TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-_FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
@@ -96,16 +102,11 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
-                 broadcast_heads, mask_reads, score_reads, masked_first, dq_plan, interpret):
-    mask_refs, score_refs, rest = split_captured_refs(refs, mask_program, score_program)
-    if dq_plan is None:
-        dk_ref, dv_ref, scratch = rest
-        dq_ref = None
-    else:
-        dk_ref, dv_ref, dq_ref, scratch = rest
-    smem_refs, barriers = scratch
-    k_smem_all, v_smem_all, q_smem, do_smem, lse_smem, delta_smem = smem_refs[:6]
-    kv_barriers, ready, consumed = barriers[:3]
+                 broadcast_heads, mask_reads, score_reads, masked_first, interpret):
+    mask_refs, score_refs, (dk_ref, dv_ref, scratch) = split_captured_refs(
+        refs, mask_program, score_program)
+    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+    kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
     dtype = q_ref.dtype
     kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
@@ -142,8 +143,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     def _compute():
         if not interpret:
             plgpu.set_max_registers(232, action="increase")
-        own_rows = pl.ds(warpgroup * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP)
-        k_smem, v_smem = k_smem_all.at[own_rows], v_smem_all.at[own_rows]
+        k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
         kv_start = kv_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
         rows = (batch, pl.ds(kv_start, ROWS_PER_WARPGROUP), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_barriers.at[warpgroup])
@@ -170,13 +170,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             plgpu.barrier_wait(ready.at[slot])
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             return with_accumulators(
-                functools.partial(step_matmuls, q_tile, do_tile, step, slot, head, q_start,
-                                  masked),
+                functools.partial(step_matmuls, q_tile, do_tile, slot, head, q_start, masked),
                 carry, (tile, tile), interpret=interpret)
 
-        def step_matmuls(q_tile, do_tile, step, slot, head, q_start, masked, carried, fresh):
+        def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh):
             """S^T and dP^T issued together; P^T computed while dP^T runs, then dV's
-            wgmma issued; dS^T while dV runs; then dK's (and dQ's, `_fused_dq`)."""
+            wgmma issued; dS^T while dV runs; then dK's."""
             (d_k, d_v), (scores_ref, d_probabilities_ref) = carried, fresh
             issue(scores_ref, k_smem, q_tile, transpose_b=True, interpret=interpret)
             issue(d_probabilities_ref, v_smem, do_tile, transpose_b=True, interpret=interpret)
@@ -205,67 +204,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                             - lax.broadcast_in_dim(delta, tile, [1]))
             if score_derivative is not None:
                 d_scores_t = d_scores_t * score_derivative
-            d_scores_t = d_scores_t.astype(dtype)
-            issue(d_k, d_scores_t, q_tile, interpret=interpret)
-            if dq_plan is None:
-                # The slot is released once dK's wgmma has read it.
-                result(d_k, in_flight_after=0, interpret=interpret)
-                plgpu.barrier_arrive(consumed.at[slot])
-            else:
-                _fused_dq(d_scores_t, step, slot, head, q_start)
-
-        def _fused_dq(d_scores_t, step, slot, head, q_start):
-            """dQ[q tile] += dS K for this key block: dS^T goes to shared memory, where
-            wgmma reads it transposed; the float32 tile is added into dq_ref with a TMA
-            reduce-add (interpret mode: written to this block's own partial sums)."""
-            ds_smem, staging = smem_refs[6], smem_refs[7]
-            ds_slot = lax.rem(step, jnp.int32(2)) if dq_plan.split else 0
-            ds_smem.at[ds_slot, own_rows][...] = d_scores_t
-            plgpu.commit_smem()  # visible to wgmma (the async proxy), this one's or the other's
-            if dq_plan.split:
-                # Each warpgroup owns half of dQ's columns, over all 128 keys: both
-                # halves of dS^T must be in place. Two slots: a warpgroup writes slot s
-                # again two steps later, after the other has passed this wait one step
-                # later, so after its wgmma on slot s finished.
-                ds_ready = barriers[3]
-                plgpu.barrier_arrive(ds_ready.at[ds_slot])
-                plgpu.barrier_wait(ds_ready.at[ds_slot])
-                d_scores_tile = ds_smem.at[ds_slot]
-                keys = k_smem_all.at[:, pl.ds(warpgroup * dq_plan.columns, dq_plan.columns)]
-                column = warpgroup * dq_plan.columns
-            else:
-                d_scores_tile, keys, column = ds_smem.at[ds_slot, own_rows], k_smem, 0
-
-            def dq_matmul(_, fresh):
-                (d_q,) = fresh
-                issue(d_q, d_scores_tile, keys, transpose_a=True, interpret=interpret)
-                d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
-                plgpu.barrier_arrive(consumed.at[slot])
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile was read
-                staging.at[warpgroup][...] = d_q
-                plgpu.commit_smem()
-                q_rows = (batch, pl.ds(q_start, Q_TILE), head,
-                          pl.ds(column, dq_plan.columns))
-                if interpret:  # no TMA reductions there: each key block sums its own
-                    part = 0 if dq_plan.split else warpgroup
-                    plgpu.copy_smem_to_gmem(staging.at[warpgroup],
-                                            dq_ref.at[(kv_block, part) + q_rows])
-                else:
-                    plgpu.copy_smem_to_gmem(staging.at[warpgroup], dq_ref.at[q_rows],
-                                            reduction_op="add")
-            with_accumulators(dq_matmul, [], [(Q_TILE, dq_plan.columns)], interpret=interpret)
+            issue(d_k, d_scores_t.astype(dtype), q_tile, interpret=interpret)
+            # The slot is released once dK's wgmma has read it: reading the accumulators
+            # at the end of `with_accumulators` waits for every wgmma of the step.
+            result(d_k, in_flight_after=0, interpret=interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
         _, (d_k, d_v) = walk(visit, list(carry))
-        if dq_plan is not None:
-            plgpu.wait_smem_to_gmem(0)
-            if dq_plan.split:
-                # The other warpgroup's last dQ wgmma may still read this one's K rows.
-                finished = barriers[4]
-                plgpu.barrier_arrive(finished)
-                plgpu.barrier_wait(finished)
         k_smem[...] = (d_k * scale).astype(dtype)
         v_smem[...] = d_v.astype(dtype)
         plgpu.commit_smem()
@@ -456,11 +404,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
-                                   masked_first: bool = True, fuse_dq: bool = True):
+                                   masked_first: bool = True):
     """(dq, dk, dv) of FlexAttention, as `backward.flex_attention_backward` without
-    gradients of captured arrays; only for calls the Mosaic GPU forward takes. fuse_dq:
-    dQ from the dK/dV kernel's dS tiles (`_fused_dq`: TMA reduce-adds, so not bitwise
-    reproducible) instead of a dQ kernel of its own."""
+    gradients of captured arrays; only for calls the Mosaic GPU forward takes."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -469,7 +415,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
               block_mask.q_num_blocks, block_mask.q_indices)
     run = _vmappable(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
-        masked_first=masked_first, fuse_dq=fuse_dq))
+        masked_first=masked_first))
     d_q, d_k, d_v = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                         launch.delta, tuple(t.astype(jnp.int32) for t in tables),
                         block_mask.mask_mod, score_program)
@@ -488,19 +434,9 @@ def _vmappable(launch):
     return run
 
 
-class DqPlan(NamedTuple):
-    """How the dK/dV kernel computes dQ: `split` (head dim 128) gives each compute
-    warpgroup `columns` = half of dQ's columns over the block's 128 keys (both halves of
-    dS^T shared through shared memory); otherwise each warpgroup computes all of them over
-    its own 64 keys and both add them in."""
-    split: bool
-    columns: int
-
-
 def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
-            kv_len, scale, interpret, masked_first, fuse_dq):
-    """The kernels on block-padded operands (`backward.prepare_operands`): the dK/dV one,
-    then the dQ one, or the dK/dV one computing dQ too (fuse_dq)."""
+            kv_len, scale, interpret, masked_first):
+    """The two kernels on block-padded operands (`backward.prepare_operands`)."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
@@ -524,71 +460,28 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def call(kernel, kernel_tables, out_type, grid, scratch, num_smem, accumulator=None):
-        """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
-        a mutable float32 array (`jax.new_ref`) it adds into, after its outputs."""
-        num_inputs = len(operands) + len(kernel_tables) + len(captured)
-
+    def call(kernel, kernel_tables, out_type, grid, scratch, num_smem):
         def entry(*refs):
-            if accumulator is not None:  # the kernel takes it after its outputs
-                refs = refs[:num_inputs] + refs[num_inputs + 1:] + refs[num_inputs:][:1]
-
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
             pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
 
         names = tuple(grid)
-        mesh = plgpu.Mesh(grid=tuple(grid[name] for name in names), grid_names=names,
-                          num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup")
-        inputs = (*operands, *kernel_tables, *captured)
-        if accumulator is not None:
-            inputs += (accumulator,)
-        # pl.kernel (not plgpu.kernel, whose batching wrapper takes no mutable arrays);
-        # `_vmappable` batches the launch.
-        return pl.kernel(
-            entry, out_type=out_type, mesh=mesh,
+        return plgpu.kernel(
+            entry, out_type=out_type, grid=tuple(grid[name] for name in names),
+            grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
             compiler_params=plgpu.CompilerParams(approx_math=True),
-            interpret=plgpu.InterpretGPUParams() if interpret else False,
-        )(*inputs)
-
-    dkv_outputs = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
-    dkv_grid = {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch}
-    if fuse_dq:
-        dq_plan = (DqPlan(True, head_dim // COMPUTE_WARPGROUPS) if head_dim % 128 == 0
-                   else DqPlan(False, head_dim))
-        stages = _FUSED_STAGES[head_dim]
-        dkv = functools.partial(_dkdv_kernel, num_stages=stages, dq_plan=dq_plan, **settings)
-        scratch = (smem((BLOCK, head_dim)), smem((BLOCK, value_dim)),
-                   smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
-                   vectors(stages, Q_TILE), vectors(stages, Q_TILE),
-                   smem((2 if dq_plan.split else 1, BLOCK, Q_TILE)),
-                   smem((COMPUTE_WARPGROUPS, Q_TILE, dq_plan.columns), jnp.float32,
-                        _FLOAT32_TRANSFORMS),
-                   plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
-                   plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-                   plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
-        if dq_plan.split:  # dS^T's two halves in place; both warpgroups done with K
-            scratch += (plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=2),
-                        plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS))
-        # The float32 dQ every program adds into: zeros first, so a mutable array
-        # (`jax.new_ref`). Interpret mode has no TMA reductions: there every key block
-        # (and warpgroup, where both cover all columns) writes partial sums of its own,
-        # summed here.
-        parts = () if not interpret else (
-            num_kv_blocks, 1 if dq_plan.split else COMPUTE_WARPGROUPS)
-        accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
-        d_k, d_v = call(dkv, q_tables, dkv_outputs, dkv_grid, scratch, num_smem=8,
-                        accumulator=accumulator)
-        d_q = accumulator[...]
-        if interpret:
-            d_q = d_q.sum(axis=(0, 1))
-        return (d_q * scale).astype(q.dtype), d_k, d_v
+            interpret=plgpu.InterpretGPUParams() if interpret else None,
+        )(*operands, *kernel_tables, *captured)
 
     dkv_stages = _DKV_STAGES[head_dim]
-    dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, dq_plan=None, **settings)
+    dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, **settings)
     d_k, d_v = call(
-        dkv, q_tables, dkv_outputs, dkv_grid,
-        (smem((BLOCK, head_dim)), smem((BLOCK, value_dim)),
+        dkv, q_tables,
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+        {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
+        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
          smem((dkv_stages, Q_TILE, head_dim)), smem((dkv_stages, Q_TILE, value_dim)),
          vectors(dkv_stages, Q_TILE), vectors(dkv_stages, Q_TILE),
          plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),

@@ -477,19 +477,16 @@ def with_accumulators(body, carried, fresh_shapes, *, interpret):
     return list(pl.run_state(stateful)(tuple(plgpu.ACC.init(value) for value in carried)))
 
 
-def issue(accumulator, a, b_smem, *, transpose_a=False, transpose_b=False, interpret):
-    """accumulator += a · b (a: shared memory ref, [M, K] or [K, M] with transpose_a, or
-    a 16-bit register tile; b: shared memory, [K, N] or [N, K] with transpose_b),
-    asynchronously on the GPU."""
+def issue(accumulator, a, b_smem, *, transpose_b=False, interpret):
+    """accumulator += a · b (a: shared memory ref or 16-bit register tile; b: shared
+    memory, [K, N] or [N, K] with transpose_b), asynchronously on the GPU."""
     if interpret:
         left = a[...] if not isinstance(a, jax.Array) else a
         accumulator.value = accumulator.value + lax.dot_general(
-            left, b_smem[...], (((0 if transpose_a else 1,), (1 if transpose_b else 0,)),
-                                ((), ())),
+            left, b_smem[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
             preferred_element_type=jnp.float32)
         return
-    plgpu.wgmma(accumulator, a.transpose((1, 0)) if transpose_a else a,
-                b_smem.transpose((1, 0)) if transpose_b else b_smem)
+    plgpu.wgmma(accumulator, a, b_smem.transpose((1, 0)) if transpose_b else b_smem)
 
 
 def result(accumulator, *, in_flight_after: int, interpret):

@@ -168,10 +168,9 @@ def test_the_dispatcher_rules():
 
 
 @pytest.mark.gpu
-def test_auto_runs_the_mosaic_backward_on_hopper_and_deterministic_mode_reproduces_bits():
-    """With default options a covered call's backward lowers to one Mosaic GPU kernel
-    (dK, dV and dQ by TMA reduce-adds), with backward_deterministic to two (a dQ kernel
-    of its own) whose results are the same bits run to run; the three backwards agree."""
+def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly():
+    """With default options a covered call's backward lowers to Mosaic GPU kernels; two
+    runs give the same bits; the Triton backward agrees."""
     q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, 128, 128, jnp.bfloat16)
     d_out = _cotangent(q.shape, 9).astype(q.dtype)
 
@@ -181,19 +180,13 @@ def test_auto_runs_the_mosaic_backward_on_hopper_and_deterministic_mode_reproduc
                                 score_mod=masks.tanh_softcap(20.0), kernel_options=options)
         return jax.jit(lambda q, k, v: jax.vjp(ours, q, k, v)[1](d_out))(q, k, v)
 
-    def kernels(options):
-        return jax.jit(lambda q, k, v: jax.vjp(
-            lambda q, k, v: pf.attention(q, k, v, mask_mod=masks.causal_mask,
-                                         kernel_options=options), q, k, v)[1](
-                d_out)).lower(q, k, v).as_text().count("mosaic_gpu")
-
-    deterministic = {"backward_deterministic": True}
-    assert kernels(None) >= 2 and kernels(deterministic) >= 3
-    first, second = grads(deterministic), grads(deterministic)
-    fused = grads(None)
+    text = jax.jit(lambda q, k, v: jax.vjp(
+        lambda q, k, v: pf.attention(q, k, v, mask_mod=masks.causal_mask), q, k, v)[1](
+            d_out)).lower(q, k, v).as_text()
+    assert text.count("mosaic_gpu") >= 3  # the forward and the two backward kernels
+    first, second = grads(None), grads(None)
     triton = grads({"backward_kernel": "triton"})
-    for a, b, c, d in zip(first, second, triton, fused):
+    for a, b, c in zip(first, second, triton):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        a, c, d = (np.asarray(x.astype(jnp.float32)) for x in (a, c, d))
+        a, c = np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32))
         assert np.max(np.abs(a - c)) <= 2e-2 * np.max(np.abs(c))
-        assert np.max(np.abs(d - c)) <= 2e-2 * np.max(np.abs(c))
