@@ -57,3 +57,69 @@ $L__BB0_3:
 \tret;
 """
     assert inspect_kernels.loop_instruction_counts(ptx) == [("$L__BB0_2", 2, 1, 1)]
+
+
+def _lowered_backward_kernels(attend, shapes):
+    """{kernel name: TTIR} of the Triton kernels `jax.vjp` of `attend` launches, lowered
+    for an H100 on this machine (no GPU needed)."""
+    import jax
+
+    def forward_and_backward(*args):
+        *inputs, d_out = args
+        _, vjp = jax.vjp(attend, *inputs)
+        return vjp(d_out)
+
+    return {name: text for name, _, _, text in inspect_kernels.capture_triton(
+        [(forward_and_backward, shapes)])}
+
+
+def test_batch_loop_launch_lowers_for_the_gpu():
+    """The Evoformer pair bias's batch-loop launch (backward_batch_sum "loop"/"auto")
+    lowers to Triton: its row loop once carried a constant, which Triton's scf.yield
+    cannot take ('Operand 2 of operation "scf.yield" must be a Value'); the interpreter
+    runs such loops, so only lowering catches it."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flex as pf
+
+    batch, rows, residues, heads, dim = 1, 8, 256, 2, 32
+    msa = jax.ShapeDtypeStruct((batch, rows, residues, heads, dim), jnp.bfloat16)
+    pair = jax.ShapeDtypeStruct((batch, heads, residues, residues), jnp.bfloat16)
+
+    def gated(q, k, v, gate, pair_bias):
+        return pf.variants.gated_self_attention(
+            q, k, v, gate, pair_bias=pair_bias, backend="pallas",
+            kernel_options={"backward_batch_sum": "loop"})
+
+    kernels = _lowered_backward_kernels(gated, (msa, msa, msa, msa, pair, msa))
+    assert "flex_attention_backward_batch_loop" in kernels
+    assert "scf.for" in kernels["flex_attention_backward_batch_loop"]
+
+
+@pytest.mark.parametrize("case", ["shared_table", "scalar"])
+def test_constant_table_indices_lower_for_the_gpu(case):
+    """Loop carries that are constants at trace time lower too: the flat index of a
+    table read at q_idx / kv_idx alone (no fixed axis: the batch loop's base is 0) and
+    of a 0-d captured array (the dQ programs' summed site)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flex as pf
+
+    batch, length, heads, dim = 4, 256, 2, 32
+    x = jax.ShapeDtypeStruct((batch, length, heads, dim), jnp.bfloat16)
+    if case == "shared_table":
+        table = jax.ShapeDtypeStruct((length, length), jnp.float32)
+        score_mod = lambda table: lambda s, b, h, q, kv: s + table[q, kv]  # noqa: E731
+        options, expected = {"backward_batch_sum": "loop"}, "flex_attention_backward_batch_loop"
+    else:
+        table = jax.ShapeDtypeStruct((), jnp.float32)
+        score_mod = lambda t: lambda s, b, h, q, kv: s * t  # noqa: E731
+        options, expected = None, "flex_attention_backward"
+
+    def attend(q, k, v, table):
+        return pf.attention(q, k, v, score_mod=score_mod(table), backend="pallas",
+                            kernel_options=options)
+
+    assert expected in _lowered_backward_kernels(attend, (x, x, x, table, x))

@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex.kernels import online_softmax, shared_memory
-from pallas_flex.kernels.block_walk import walk_listed_tiles
+from pallas_flex.kernels.block_walk import loop_value, walk_listed_tiles
 from pallas_flex.kernels.config import (
     BATCH_LOOP_MIN_SHARING, BATCH_LOOP_TARGET_PROGRAMS, DETERMINISTIC_MAX_ENTRIES,
     KernelOptions, planned_shared_memory)
@@ -276,7 +276,8 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
                 _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
                 continue
             fixed_axes = [axis for axis, varies in enumerate(plan.varying) if not varies]
-            new_bases.append(_flat_index(indices, plan.table_shape, fixed_axes))
+            new_bases.append(loop_value(_flat_index(indices, plan.table_shape, fixed_axes),
+                                        kv_start))
             if plan.mode == "sum":
                 new_sums.append(sums[len(new_sums)] + jnp.sum(cotangent))
             else:
@@ -501,7 +502,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
     q_rows, kv_rows = pl.ds(q_start, block_q), pl.ds(kv_start, block_kv)
 
     def row(b, carry):
-        sums, bases, started = carry
+        sums, bases = carry
         q = q_ref[b, q_rows, head, :]
         d_out = d_out_ref[b, q_rows, head, :]
         k = k_ref[b, kv_rows, kv_head, :]
@@ -526,7 +527,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
             offsets = jnp.broadcast_to(_flat_offsets(indices, plan), shape)
             cotangent = jnp.broadcast_to(cotangents[plan.site].astype(jnp.float32), shape)
             buffer = buffers[plan.position]
-            changed = (started > 0) & (base != previous)
+            changed = (b > first) & (base != previous)
 
             @pl.when(changed)
             def _(buffer=buffer, target=previous + offsets, total=total):
@@ -539,11 +540,11 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
                 _scatter_add(buffer, (target,), total, interpret)
 
             new_sums.append(total)
-            new_bases.append(base)
-        return tuple(new_sums), tuple(new_bases), jnp.int32(1)
+            new_bases.append(loop_value(base, b))
+        return tuple(new_sums), tuple(new_bases)
 
     carry = (tuple(jnp.zeros(shape, jnp.float32) for shape in site_shapes),
-             tuple(jnp.int32(0) for _ in plans), jnp.int32(0))
+             tuple(jnp.int32(0) for _ in plans))
     lax.fori_loop(first, last, row, carry)
 
 

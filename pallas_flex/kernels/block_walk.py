@@ -5,6 +5,20 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+
+def loop_value(value, anchor):
+    """`value` as a value a loop body computes, for its carry. Triton's loop lowering
+    yields the body's outputs as MLIR values and cannot yield a constant: a carry the
+    body returns as a constant (a flat table index of 0 for a 0-d captured array, a
+    `started` flag set to 1) failed with 'Operand N of operation "scf.yield" must be a
+    Value (is not a Value)'. Inside a trace a constant is a tracer too (it becomes a
+    jaxpr literal only later), so this always ties `value` to `anchor`, an int32 scalar
+    the body computes (its loop index, a tile start): `value + anchor * 0`, which Triton
+    folds away."""
+    value = jnp.asarray(value)
+    return value + (anchor * 0).astype(value.dtype)
+
+
 def walk_listed_tiles(num_blocks_ref, indices_ref, table_index, *, mask_block: int,
                       tile: int, visit, state):
     """Folds `visit(tile_start, state)` over the tiles of the blocks one table row lists.
