@@ -46,6 +46,14 @@ def compute_capability() -> tuple[int, int] | None:
     return int(major), int(minor or 0)
 
 
+def multiprocessor_count() -> int:
+    """Streaming multiprocessors of the default device if it is a CUDA GPU, else an
+    H100's 132."""
+    if jax.default_backend() != "gpu":
+        return 132
+    return int(getattr(jax.devices()[0], "core_count", 0) or 132)
+
+
 def device_shared_memory_bytes() -> int:
     """Shared memory per block of the default device (an H100's without a GPU)."""
     capability = compute_capability()
