@@ -46,8 +46,12 @@ _TARGET_PROGRAMS = 528
 # splits as keep the programs within the SM count (H100, Hq 32 Hkv 8 D 128 bf16, 8
 # chained steps, ms per step at B8 S16384 / B1 S131072: 2 / 16 splits 0.179 / 0.181,
 # 3.00 / 2.96 TB/s; 3 / 17 splits, a second wave, 0.188 / 0.188; 528 programs on
-# 128-row tiles 0.193 / 0.194). Latent attention (D 576) lost with fewer programs
-# (B8 S8192: 0.329 ms at 264 against 0.234 at 528).
+# 128-row tiles 0.193 / 0.194). 8-bit pages run best in two whole waves (pages of 64,
+# B8 S16384 / B1 S131072: int8 0.129 / 0.130 ms against 0.138 / 0.133 with ~528
+# programs, float8 0.168 / 0.171 against 0.191 / 0.177; one wave 0.171-0.253); 16-bit
+# pages keep ~528 (0.191 / 0.200 ms against 0.220 / 0.227 in two waves, 0.349 / 0.356 in
+# one). Latent attention (D 576) lost with fewer programs (B8 S8192: 0.329 ms at 264
+# against 0.234 at 528).
 
 
 def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
@@ -242,8 +246,9 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
-    if narrow:
-        default_splits = multiprocessor_count() // (batch * num_head_programs)
+    if narrow or (paged and k.dtype.itemsize == 1):
+        waves = 1 if narrow else 2
+        default_splits = waves * multiprocessor_count() // (batch * num_head_programs)
     else:
         default_splits = -(-_TARGET_PROGRAMS // (batch * num_head_programs))
     num_splits = options.decode_num_splits or max(1, default_splits)
