@@ -123,3 +123,40 @@ def test_constant_table_indices_lower_for_the_gpu(case):
                             kernel_options=options)
 
     assert expected in _lowered_backward_kernels(attend, (x, x, x, table, x))
+
+
+@pytest.mark.parametrize("read", ["pair_bias", "transposed", "vectors", "mask_table"])
+def test_block_reads_lower_for_the_gpu(read):
+    """Mod reads at exactly q_idx / kv_idx (loaded as blocks, their gradients added as
+    blocks: tile_mods.block_reads) lower to Triton in every kernel, ragged lengths (the
+    arrays edge-padded) and bfloat16 / bool arrays included (tests/test_block_reads.py
+    checks that the kernels take that path)."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flex as pf
+
+    batch, length, heads, dim = 4, 200, 2, 64
+    x = jax.ShapeDtypeStruct((batch, length, heads, dim), jnp.bfloat16)
+    shapes = {"pair_bias": [(batch // 2, heads, length, length)],
+              "transposed": [(heads, length, length)],
+              "vectors": [(heads, length), (batch, length)],
+              "mask_table": [(length, length)]}[read]
+    tables = [jax.ShapeDtypeStruct(shape, jnp.bool_ if read == "mask_table" else jnp.bfloat16)
+              for shape in shapes]
+
+    def attend(q, k, v, *tables):
+        score_mod = mask_mod = None
+        if read == "pair_bias":
+            score_mod = lambda s, b, h, i, j: s + tables[0][b // 2, h, i, j]  # noqa: E731
+        elif read == "transposed":
+            score_mod = lambda s, b, h, i, j: s + tables[0][h, j, i]  # noqa: E731
+        elif read == "vectors":
+            score_mod = lambda s, b, h, i, j: s + tables[0][h, i] + tables[1][b, j]  # noqa: E731
+        else:
+            mask_mod = lambda b, h, i, j: tables[0][i, j] & (j <= i)  # noqa: E731
+        return pf.attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod, backend="pallas",
+                            kernel_options={"backward_batch_sum": "atomic"})
+
+    kernels = _lowered_backward_kernels(attend, (x, x, x, *tables, x))
+    assert set(kernels) == {"flex_attention_forward", "flex_attention_backward"}

@@ -26,7 +26,9 @@ The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
   - larger tables (a relative table [H, 2S-1], a pair bias [H, S, S]): the cotangent
     tile is scatter-added into a float32 buffer with Triton atomics (a second pass
     would recompute the whole attention tile, while the atomics touch one address per
-    element); the order of the adds is not fixed, so these differ in their last bits
+    element; a read at exactly q_idx / kv_idx, loaded as a block of the array
+    (`tile_mods.block_reads`), adds its cotangent tile as one block: vectorized
+    atomics); the order of the adds is not fixed, so these differ in their last bits
     from run to run (`backward_deterministic` refuses them with a ValueError). On the
     H100 atomics into a T5 table (32 addresses a head, hit by every element) took
     fwd+bwd from 18 to 262 ms at B4 H16 S4096 D128; the one-hot rows are what it
@@ -61,16 +63,17 @@ from pallas_flex.kernels.config import (
     KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    CaptureLog, apply_mask_on_tile, captured_inputs, captured_read_batch_axes,
-    captured_read_positions, captured_read_sites, captured_read_varying_axes,
-    score_vjp_on_tile, split_captured_refs)
+    CaptureLog, TileFrame, apply_mask_on_tile, captured_inputs, captured_read_batch_axes,
+    captured_read_blocks, captured_read_positions, captured_read_sites,
+    captured_read_varying_axes, padded_for_blocks, score_vjp_on_tile, split_captured_refs,
+    unpadded_gradient)
 from pallas_flex.masks.block_mask import EMPTY, FULL
 
 
 def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, mask_program,
                         mask_refs, score_program, score_refs, scale, q_len, kv_len,
                         mask_block_kv, precision, transposed=False, block_state=None,
-                        capture_log=None):
+                        capture_log=None, frame=None):
     """Recomputes one tile's probabilities: (P, score_vjp, sites).
 
     q [bq, D], k [bk, D], lse_log2 [bq, 1]; q_idx [bq, 1], kv_idx [1, bk] (unclamped).
@@ -84,7 +87,8 @@ def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, m
     block_state (with masked=True): the tile's BlockMask block state, traced (EMPTY,
     PARTIAL or FULL): the mask_mod applies to partial blocks only, empty ones get P = 0
     (the batch loop's programs visit every block). capture_log: the CaptureLog the
-    score_mod's reads are recorded in (`tile_mods.score_vjp_on_tile`).
+    score_mod's reads are recorded in (`tile_mods.score_vjp_on_tile`). frame: the tile's
+    TileFrame (the mods' reads at exactly q_idx / kv_idx load blocks), or None.
     """
     q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
     kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
@@ -100,11 +104,11 @@ def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, m
                                                      batch, head, q_idx_in_range,
                                                      kv_idx_in_range,
                                                      indices_below=indices_below,
-                                                     log=capture_log)
+                                                     log=capture_log, frame=frame)
         logits = scores * online_softmax.LOG2_E
     if masked:
         keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
-                                  kv_idx_in_range, indices_below=indices_below)
+                                  kv_idx_in_range, indices_below=indices_below, frame=frame)
         if block_state is not None:
             keep = (keep | (block_state == FULL)) & (block_state != EMPTY)
         if kv_len % mask_block_kv:  # else no tile reaches past the keys
@@ -261,11 +265,13 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
         k = refs.k[pl.ds(kv_start, block_kv), :]
         v = refs.v[pl.ds(kv_start, block_kv), :]
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
+        log = CaptureLog()
         probabilities, score_vjp, sites = _tile_probabilities(
             q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=batch, head=head,
             masked=masked, mask_program=mask_program, mask_refs=refs.mask,
             score_program=score_program, score_refs=refs.score, scale=scale, q_len=q_len,
-            kv_len=kv_len, mask_block_kv=mask_block_kv, precision=precision)
+            kv_len=kv_len, mask_block_kv=mask_block_kv, precision=precision,
+            capture_log=log, frame=TileFrame(q_tile * block_q, kv_start, block_q, block_kv))
         d_scores, site_cotangents = _tile_score_gradients(
             probabilities, v, d_out, delta, score_vjp, precision=precision)
         new_sums, new_bases = [], []
@@ -273,7 +279,11 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
             _, indices = sites[plan.site]
             cotangent = site_cotangents[plan.site].astype(jnp.float32)
             if plan.mode == "atomic":
-                _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
+                block = log.blocks[plan.site]
+                if block is not None:  # a read at q_idx / kv_idx: one block's atomic add
+                    block.scatter_add(refs.grads[plan.position], cotangent)
+                else:
+                    _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
                 continue
             fixed_axes = [axis for axis, varies in enumerate(plan.varying) if not varies]
             new_bases.append(loop_value(_flat_index(indices, plan.table_shape, fixed_axes),
@@ -339,7 +349,8 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
             head=kv_head * group + member, masked=masked, mask_program=mask_program,
             mask_refs=refs.mask, score_program=score_program, score_refs=refs.score,
             scale=scale, q_len=q_len, kv_len=kv_len, mask_block_kv=mask_block_kv,
-            precision=precision, transposed=True)
+            precision=precision, transposed=True,
+            frame=TileFrame(q_start, kv_tile * block_kv, block_q, block_kv, transposed=True))
         d_scores_t, _ = _tile_score_gradients(probabilities_t, v, d_out, delta, score_vjp,
                                               precision=precision, transposed=True)
         # dV's dot issued here, next to dK's, rather than before dP's as PyTorch orders
@@ -476,14 +487,17 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
                        plans, site_shapes, positions, mask_program, score_program, scale,
                        q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
                        num_kv_tiles, group, batch, rows_per_program, broadcast_batch,
-                       broadcast_heads, interpret):
+                       broadcast_heads, interpret, block_positions=frozenset()):
     """Grid (tile, query head, row chunk): the program owns the [block_q, block_kv] tile
     `tile` of one query head and walks the rows [chunk * rows_per_program, ...) in order,
     recomputing each row's P and dS on the tile (as a dQ program does) and summing the
     cotangents of the `plans` sites elementwise in registers. While the table entries
     the tile reaches stay the same from row to row (the flat index of the axes the site
     does not vary along: b // rows, h), the sum goes on; it is scatter-added into the
-    site's float32 buffer when they change and after the last row."""
+    site's float32 buffer when they change and after the last row. The buffers of the
+    positions in `block_positions` have the table's shape, and their sites (all reads at
+    exactly q_idx / kv_idx, `tile_mods.block_reads`) add the tile as one block; the
+    others are flat, added per element."""
     mask_refs, score_refs, rest = split_captured_refs(refs, mask_program, score_program)
     buffers = dict(zip(positions, rest[len(positions):]))  # after the aliased inputs
     tile, head, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -516,7 +530,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
             mask_program=mask_program, mask_refs=mask_refs, score_program=score_program,
             score_refs=score_refs, scale=scale, q_len=q_len, kv_len=kv_len,
             mask_block_kv=mask_block_kv, precision=precision, block_state=block_state,
-            capture_log=log)
+            capture_log=log, frame=TileFrame(q_start, kv_start, block_q, block_kv))
         _, cotangents = _tile_score_gradients(probabilities, v, d_out, delta, score_vjp,
                                               precision=precision)
         new_sums, new_bases = [], []
@@ -524,20 +538,34 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
             indices = log.unbroadcast[plan.site]
             fixed = [axis for axis, varies in enumerate(plan.varying) if not varies]
             base = _flat_index(indices, plan.table_shape, fixed)
-            offsets = jnp.broadcast_to(_flat_offsets(indices, plan), shape)
             cotangent = jnp.broadcast_to(cotangents[plan.site].astype(jnp.float32), shape)
             buffer = buffers[plan.position]
             changed = (b > first) & (base != previous)
+            if plan.position in block_positions:
+                block = log.blocks[plan.site]
+
+                def flush(total, lead=None, buffer=buffer, block=block):
+                    block.scatter_add(buffer, total, lead=lead)
+                flush_previous = functools.partial(
+                    flush, lead=_unflat_index(previous, plan.table_shape, fixed))
+                flush_current = flush
+            else:
+                offsets = jnp.broadcast_to(_flat_offsets(indices, plan), shape)
+
+                def flush(total, target, buffer=buffer):
+                    _scatter_add(buffer, (target,), total, interpret)
+                flush_previous = functools.partial(flush, target=previous + offsets)
+                flush_current = functools.partial(flush, target=base + offsets)
 
             @pl.when(changed)
-            def _(buffer=buffer, target=previous + offsets, total=total):
-                _scatter_add(buffer, (target,), total, interpret)
+            def _(flush_previous=flush_previous, total=total):
+                flush_previous(total)
 
             total = jnp.where(changed, 0.0, total) + cotangent
 
             @pl.when(b == last - 1)
-            def _(buffer=buffer, target=base + offsets, total=total):
-                _scatter_add(buffer, (target,), total, interpret)
+            def _(flush_current=flush_current, total=total):
+                flush_current(total)
 
             new_sums.append(total)
             new_bases.append(loop_value(base, b))
@@ -546,6 +574,16 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
     carry = (tuple(jnp.zeros(shape, jnp.float32) for shape in site_shapes),
              tuple(jnp.int32(0) for _ in plans))
     lax.fori_loop(first, last, row, carry)
+
+
+def _unflat_index(flat, shape, axes):
+    """The indices on `axes` of the flat offset `flat` (`_flat_index`'s inverse; None on
+    the other axes)."""
+    strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
+    indices = [None] * len(shape)
+    for axis in axes:
+        indices[axis] = lax.rem(lax.div(flat, jnp.int32(strides[axis])), jnp.int32(shape[axis]))
+    return tuple(indices)
 
 
 def _flat_offsets(indices, plan: _SitePlan):
@@ -633,10 +671,19 @@ def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: b
     for plan in plans:
         shape = np.broadcast_shapes(*(jnp.shape(i) for i in dummy_sites[plan.site][1]))
         site_shapes.append(tuple({4: block_q, 8: block_kv}.get(size, size) for size in shape))
-    score_inputs = captured_inputs(score_program)
-    mask_inputs = captured_inputs(block_mask.mask_mod)
+    # Arrays the mods read as blocks reach every tile (edge-padded where they do not).
+    score_inputs = padded_for_blocks(score_program, padded_q_len, padded_kv_len)
+    mask_inputs = padded_for_blocks(block_mask.mask_mod, padded_q_len, padded_kv_len)
     positions = tuple(sorted({plan.position for plan in plans}))
-    buffers = [jnp.zeros(int(np.prod(score_inputs[position].shape)), jnp.float32)
+    # Tables all of whose sites here are reads at exactly q_idx / kv_idx take their
+    # tiles' sums as blocks, into a buffer of the (padded) table's shape; the others flat.
+    blocks = captured_read_blocks(score_program)
+    block_positions = frozenset(
+        position for position in positions
+        if all(blocks[plan.site] is not None for plan in plans if plan.position == position))
+    buffers = [jnp.zeros(score_inputs[position].shape if position in block_positions
+                         else int(np.prod(jnp.shape(score_program.consts[position]))),
+                         jnp.float32)
                for position in positions]
     state = block_mask.block_state().astype(jnp.int32)
     inputs = (q, k, v, d_out, launch.lse_log2, launch.delta, state, *mask_inputs,
@@ -650,7 +697,7 @@ def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: b
         mask_block_kv=settings["mask_block_kv"], num_kv_tiles=num_kv_tiles,
         group=q_heads // kv_heads, batch=batch, rows_per_program=rows,
         broadcast_batch=state.shape[0] == 1, broadcast_heads=state.shape[1] == 1,
-        interpret=interpret)
+        interpret=interpret, block_positions=block_positions)
     whole = pl.no_block_spec
     outputs = pl.pallas_call(
         kernel,
@@ -665,7 +712,10 @@ def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: b
         interpret=interpret,
         name="flex_attention_backward_batch_loop",
     )(*inputs, *buffers)
-    return dict(zip(positions, outputs))
+    return {position: unpadded_gradient(output, jnp.shape(score_program.consts[position])
+                                        if position in block_positions else output.shape
+                                        ).reshape(-1)
+            for position, output in zip(positions, outputs)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -778,8 +828,9 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     dkdv_block_kv = min(options.backward_dkdv_block_kv, mask_block_kv)
     num_q_tiles, num_kv_tiles = padded_q_len // dq_block_q, padded_kv_len // dkdv_block_kv
 
-    mask_inputs = captured_inputs(block_mask.mask_mod)
-    score_inputs = captured_inputs(score_program)
+    # Arrays the mods read as blocks reach every tile (edge-padded where they do not).
+    mask_inputs = padded_for_blocks(block_mask.mask_mod, padded_q_len, padded_kv_len)
+    score_inputs = padded_for_blocks(score_program, padded_q_len, padded_kv_len)
     atomic_positions = tuple(sorted({plan.position for plan in site_plans
                                      if plan.mode == "atomic"}))
     summed_plans = [plan for plan in site_plans if plan.mode != "atomic"]
@@ -881,8 +932,10 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         buffers, partials = outputs[:len(grad_buffers)], outputs[len(grad_buffers):]
         grads = dict(loop_grads)
         for position, buffer in zip(atomic_positions, buffers):
-            grads[position] = (grads[position] + buffer.reshape(-1) if position in grads
-                               else buffer.reshape(-1))
+            # (a padded copy's buffer for arrays read as blocks: folded back)
+            buffer = unpadded_gradient(buffer, jnp.shape(score_program.consts[position])
+                                       ).reshape(-1)
+            grads[position] = grads[position] + buffer if position in grads else buffer
         for plan, values, bases in zip(summed_plans, partials[0::2], partials[1::2]):
             size = int(np.prod(plan.table_shape))
             total = _reduce_partials(plan, values, bases, size)

@@ -27,7 +27,7 @@ from pallas_flex.kernels.kv_tiles import (
     load_rows, page_table_row, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
-    apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
+    TileFrame, apply_mask_on_tile, apply_score_on_tile, padded_for_blocks, split_captured_refs)
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
@@ -102,6 +102,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             if quantized:
                 scores = scores * key_scale
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
+        # Mod reads at exactly q_idx / kv_idx load this tile's block of their array.
+        frame = TileFrame(q_tile * block_q, kv_start, block_q, block_kv)
         # The factor that turns scores into base-2 logits (the scale without a score_mod,
         # log2(e) after one) is applied inside the softmax's exponent, one FMA per score,
         # rather than by a multiply of its own.
@@ -113,11 +115,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
                                          head, q_idx, kv_idx_in_range,
-                                         indices_below=max(q_len, kv_len))
+                                         indices_below=max(q_len, kv_len), frame=frame)
             logit_scale = online_softmax.LOG2_E
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
-                                      kv_idx_in_range, indices_below=max(q_len, kv_len))
+                                      kv_idx_in_range, indices_below=max(q_len, kv_len),
+                                      frame=frame)
             if kv_len % mask_block_kv:  # else no tile reaches past the keys
                 keep = keep & (kv_idx < kv_len)
             if paged is not None:
@@ -235,7 +238,10 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     padded_q_len = q.shape[1]
 
     mask_program = block_mask.mask_mod
-    captured = captured_inputs(mask_program) + captured_inputs(score_program)
+    # Arrays the mods read as blocks reach every tile (edge-padded where they do not).
+    limits = (num_q_blocks * mask_block_q, num_kv_blocks * mask_block_kv)
+    captured = padded_for_blocks(mask_program, *limits) + padded_for_blocks(score_program,
+                                                                            *limits)
     tables = (block_mask.kv_num_blocks, block_mask.kv_indices,
               block_mask.full_kv_num_blocks, block_mask.full_kv_indices)
     kernel = functools.partial(

@@ -11,7 +11,14 @@ holds the measured points):
 * layout-conversion scratch for captured arrays read at a per-element index (a T5 bucket,
   a relative-position table, a pair bias): a [rows, columns] float32 gather result
   goes through shared memory, two tiles' worth, and three in the dQ programs when the
-  array gets a gradient (its scatter-add converts the cotangent tile too).
+  array gets a gradient (its scatter-add converts the cotangent tile too). Reads at
+  exactly q_idx and kv_idx, loaded as blocks (`tile_mods.block_reads`), are streamed
+  tiles of the array's dtype instead, within that allowance (pip triton 3.6.0: bf16
+  and float32 pair biases at D32 / 64 / 128, forward and backward);
+* reads along one tile axis (a key bias `bias[b, kv_idx]`) in the backward: two float32
+  vectors of the tile's longer side, and in the dQ programs, where the array is
+  differentiated, a cross-warp sum of its cotangent (up to 8 warps x 4 bytes a
+  position).
 
 Two cases keep more (pip triton 3.6.0 compiles of the GPU test matrix, `python -m
 benchmarks.inspect_kernels audit`, tests/gpu/results/shared-memory-audit.json):
@@ -57,9 +64,14 @@ class ModReads:
 
     tile_reads: reads at a per-element index (an index that varies along both tile
       axes) in the mask_mod and score_mod; tile_gradients: those of them whose array is
-      differentiated (the dQ programs scatter-add their cotangent tiles)."""
+      differentiated (the dQ programs scatter-add their cotangent tiles);
+      vector_reads: reads at an index that varies along one tile axis; vector_gradients:
+      those of them whose array is differentiated (their cotangents are summed across
+      warps)."""
     tile_reads: int = 0
     tile_gradients: int = 0
+    vector_gradients: int = 0
+    vector_reads: int = 0
 
 
 def _per_element(indices) -> bool:
@@ -69,17 +81,27 @@ def _per_element(indices) -> bool:
     return len(shape) == 2 and shape[0] > 1 and shape[1] > 1
 
 
+def _per_vector(indices) -> bool:
+    shape = ()
+    for index in indices:
+        shape = jnp.broadcast_shapes(shape, jnp.shape(index))
+    return len(shape) == 2 and (shape[0] > 1) != (shape[1] > 1)
+
+
 def mod_reads(mask_program, score_program, differentiated=()) -> ModReads:
     """ModReads of a call; `differentiated`: positions of the score_mod's captured
     arrays that get gradients."""
-    tile_reads = tile_gradients = 0
+    tile_reads = tile_gradients = vector_gradients = vector_reads = 0
     for program in (mask_program, score_program):
         for position, indices in captured_read_sites(program):
+            differentiated_read = program is score_program and position in differentiated
             if _per_element(indices):
                 tile_reads += 1
-                if program is score_program and position in differentiated:
-                    tile_gradients += 1
-    return ModReads(tile_reads, tile_gradients)
+                tile_gradients += differentiated_read
+            elif _per_vector(indices):
+                vector_reads += 1
+                vector_gradients += differentiated_read
+    return ModReads(tile_reads, tile_gradients, vector_gradients, vector_reads)
 
 
 def planned_capability(capability=None) -> tuple[int, int]:
@@ -145,10 +167,13 @@ def backward_bytes(*, dtype, head_dim: int, value_dim: int, dq_tile: tuple[int, 
                 capability=planned_capability(capability))
     dq = (_program_bytes(dtype, held_rows=dq_rows, held_width=head_dim + value_dim,
                          streamed_rows=dq_columns, num_stages=dq_stages, **dims)
-          + _scratch(dq_rows, dq_columns, 2 * reads.tile_reads + reads.tile_gradients))
+          + _scratch(dq_rows, dq_columns, 2 * reads.tile_reads + reads.tile_gradients)
+          + 4 * max(dq_rows, dq_columns) * (2 * reads.vector_reads
+                                             + 8 * reads.vector_gradients))
     dkdv = (_program_bytes(dtype, held_rows=dkdv_columns, held_width=head_dim + value_dim,
                            streamed_rows=dkdv_rows, num_stages=dkdv_stages, **dims)
-            + _scratch(dkdv_rows, dkdv_columns, 2 * reads.tile_reads))
+            + _scratch(dkdv_rows, dkdv_columns, 2 * reads.tile_reads)
+            + 4 * max(dkdv_rows, dkdv_columns) * 2 * reads.vector_reads)
     return max(dq, dkdv) + _FIXED_BYTES
 
 

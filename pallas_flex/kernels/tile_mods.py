@@ -12,10 +12,15 @@ tile meaning and is rejected with a message saying how to rewrite the mod.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 from jax.extend import core as jex_core
 
 # Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
@@ -43,11 +48,18 @@ class CaptureLog:
         # per site, its indices as the mod computed them (clamped, not broadcast to the
         # tile: scalars for indices of b and h, [rows, 1] / [1, columns] vectors)
         self.unbroadcast = []
+        # per site, a BlockRead where the read was loaded as a block of the array (at
+        # exactly q_idx / kv_idx, see `block_reads`), else None (a gather)
+        self.blocks = []
         self.values = []
 
-    def read(self, captured, indices, varying=None, unbroadcast=None):
+    def read(self, captured, indices, varying=None, unbroadcast=None, block=None,
+             load=None):
+        """The value of one read; `load()` loads it (default: `captured.ref[indices]`)."""
         if self.replay_values is not None:
             value = self.replay_values[len(self.sites)]
+        elif load is not None:
+            value = load()
         elif not indices:
             value = captured.ref[0]
         else:
@@ -55,8 +67,129 @@ class CaptureLog:
         self.sites.append((captured.position, indices))
         self.varying.append(varying if varying is not None else (False,) * len(indices))
         self.unbroadcast.append(unbroadcast if unbroadcast is not None else indices)
+        self.blocks.append(block)
         self.values.append(value)
         return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TileFrame:
+    """Where a kernel's score tile lies in the sequences, for loading a mod's reads at
+    exactly q_idx / kv_idx (`block_reads`) as blocks of the array instead of gathers.
+
+    q_start / kv_start: the tile's first query / key position (int32 scalars, traced);
+    block_q / block_kv: its extents; transposed: the tile is [block_kv, block_q] (the
+    dK/dV programs' P^T), else [block_q, block_kv]. The arrays of such reads reach every
+    tile (`padded_for_blocks`). `load(ref, block_read)` overrides the load (checks
+    outside kernels)."""
+    q_start: object
+    kv_start: object
+    block_q: int
+    block_kv: int
+    transposed: bool = False
+    load: object = None
+
+    def span(self, kind):
+        """(start, size) of the tile along the queries ("q") or keys ("kv")."""
+        return (self.q_start, self.block_q) if kind == "q" else (self.kv_start, self.block_kv)
+
+    def tile_axis(self, kind) -> int:
+        """The axis of the score tile the queries ("q") or keys ("kv") run along."""
+        return int(kind == "q") if self.transposed else int(kind == "kv")
+
+    def positions(self, kind):
+        """The tile's positions along `kind` as a [n, 1] or [1, n] vector of the tile."""
+        start, size = self.span(kind)
+        axis = self.tile_axis(kind)
+        shape = (size, 1) if axis == 0 else (1, size)
+        return start + lax.broadcasted_iota(jnp.int32, shape, axis)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRead:
+    """A read `array[i0, .., q_idx, .., kv_idx]` of a captured array loaded as one block
+    (or a vector, for a read at q_idx or kv_idx alone): `lead` are the clamped indices
+    of the other axes (scalars; None on the tile axes), `axes` ((axis, "q" / "kv"), ...)
+    its tile axes in the array's order. The kernel's array is edge-padded to reach every
+    tile (`padded_for_blocks`): no block is masked."""
+    lead: tuple
+    axes: tuple
+    frame: TileFrame
+
+    def index(self, lead=None):
+        """The indexer of the block: scalars and `pl.ds` slices (`lead` overrides the
+        scalars: the batch loop flushes the previous row's entries)."""
+        index = list(self.lead if lead is None else lead)
+        for axis, kind in self.axes:
+            index[axis] = pl.ds(*self.frame.span(kind))
+        return tuple(index)
+
+    def block_shape(self):
+        return tuple(self.frame.span(kind)[1] for _, kind in self.axes)
+
+    def _swapped(self) -> bool:
+        """Whether the array's axis order is the transpose of the tile's."""
+        return len(self.axes) == 2 and self.frame.tile_axis(self.axes[0][1]) == 1
+
+    def to_tile(self, block):
+        """The loaded block in the score tile's orientation ([n, 1] / [1, n] vectors)."""
+        if len(self.axes) == 1:
+            return block.reshape(self.frame.positions(self.axes[0][1]).shape)
+        return block.T if self._swapped() else block
+
+    def from_tile(self, tile):
+        """A tile-shaped value (a cotangent) in the block's orientation."""
+        if len(self.axes) == 1:
+            return jnp.broadcast_to(tile, self.frame.positions(self.axes[0][1]).shape
+                                    ).reshape(self.block_shape())
+        return tile.T if self._swapped() else tile
+
+    def load(self, ref):
+        if self.frame.load is not None:
+            return self.to_tile(self.frame.load(ref, self))
+        return self.to_tile(ref[self.index()])
+
+    def scatter_add(self, ref, tile, lead=None):
+        """ref[block] += tile (a tile in the score tile's orientation): one atomic add of
+        the block (vectorized on the GPU; interpret mode adds the slice)."""
+        plgpu.atomic_add(ref, self.index(lead), self.from_tile(tile.astype(ref.dtype)))
+
+
+def padded_for_blocks(program, q_limit: int, kv_limit: int):
+    """`captured_inputs(program)`, each array read as blocks (`block_reads`) edge-padded
+    along its tile axes to q_limit / kv_limit (how far the kernel's tiles reach: the
+    padded lengths): every block then lies inside its array, unmasked, and a position
+    past the array's end reads its last entry, which is what the clamped index of the
+    scalar semantics reads. Indices of other reads of those arrays keep their meaning
+    (the padding follows the array's own entries)."""
+    arrays = captured_inputs(program)
+    widths = {}
+    for position, axes in block_reads(program).values():
+        for axis, kind in axes:
+            limit = q_limit if kind == "q" else kv_limit
+            widths.setdefault(position, {})
+            widths[position][axis] = max(widths[position].get(axis, 0), limit)
+    for position, limits in widths.items():
+        array = arrays[position]
+        pads = [(0, max(0, limits.get(axis, 0) - size)) for axis, size in enumerate(array.shape)]
+        if any(after for _, after in pads):
+            arrays[position] = jnp.pad(array, pads, mode="edge")
+    return arrays
+
+
+def unpadded_gradient(gradient, shape):
+    """The gradient of an array from that of its `padded_for_blocks` copy (the VJP of the
+    edge padding): each padded axis's entries past the array's end sum into its last
+    entry, which those positions read (clamped indices: a table shorter than the
+    sequence; past the sequence, padded query rows and masked keys, the cotangents are
+    zero)."""
+    for axis, size in enumerate(shape):
+        if gradient.shape[axis] > size:
+            kept = lax.slice_in_dim(gradient, 0, size - 1, axis=axis)
+            edge = jnp.sum(lax.slice_in_dim(gradient, size - 1, gradient.shape[axis],
+                                            axis=axis), axis=axis, keepdims=True)
+            gradient = jnp.concatenate([kept, edge], axis=axis)
+    return gradient
 
 
 class CapturedRef:
@@ -88,6 +221,24 @@ class CapturedRef:
         if shape:
             indices = [jnp.broadcast_to(i, shape) for i in indices]
         return self.log.read(self, tuple(indices), varying, unbroadcast)
+
+    def block(self, indices, axes, frame: TileFrame):
+        """`array[indices]` where `indices[axis]` is exactly q_idx / kv_idx for each
+        (axis, kind) of `axes` (None there) and a scalar elsewhere: loaded as a block of
+        the array at the tile's positions (`BlockRead`), not gathered. The site is logged
+        with the indices a gather would have used (clamped), for gradients that scatter
+        per element."""
+        lead = [None if i is None else jnp.clip(i, 0, size - 1)
+                for i, size in zip(indices, self.shape)]
+        read = BlockRead(tuple(lead), tuple(axes), frame)
+        unbroadcast = list(lead)
+        for axis, kind in axes:
+            unbroadcast[axis] = jnp.clip(frame.positions(kind), 0, self.shape[axis] - 1)
+        shape = np.broadcast_shapes(*(jnp.shape(i) for i in unbroadcast))
+        broadcast = tuple(jnp.broadcast_to(i, shape) for i in unbroadcast)
+        varying = tuple(jnp.ndim(i) > 0 for i in unbroadcast)
+        return self.log.read(self, broadcast, varying, tuple(unbroadcast), block=read,
+                             load=lambda: read.load(self.ref))
 
 
 def _as_array(value, aval):
@@ -155,9 +306,10 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     kernels' index vectors are 1-D, tagged with the tile axis they run along
     (`mosaic_tiles.Vector`), their operations keep the tag, and sums and scalings stay
     unevaluated until an operation needs them (`mosaic_tiles.Affine`).
-    captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis)} replacing those
-    reads of captured arrays by `read(captured_ref, indices)`, whose `indices[axis]` is
-    None (the Mosaic GPU kernel loads reads at q_idx or kv_idx as contiguous slices).
+    captured_reads: {id(dynamic_slice equation of `jaxpr`): (read, axis or axes)}
+    replacing those reads of captured arrays by `read(captured_ref, indices)`, whose
+    `indices[axis]` is None on those axes (the kernels load reads at q_idx or kv_idx as
+    contiguous slices: `block_reads`, and the Mosaic GPU kernel's own).
     """
     primitive_overrides = primitive_overrides or {}
     captured_reads = captured_reads or {}
@@ -186,8 +338,8 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
     for equation in jaxpr.eqns:
         if id(equation) not in live:
             continue
-        sliced = _sliced_input(equation, captured_reads)
-        operands = [None if position == sliced else read(atom)
+        sliced = _sliced_inputs(equation, captured_reads)
+        operands = [None if position in sliced else read(atom)
                     for position, atom in enumerate(equation.invars)]
         primitive = equation.primitive.name
         if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
@@ -283,18 +435,20 @@ def live_equations(jaxpr: jex_core.Jaxpr, replaced_reads=()):
     return live
 
 
-def _sliced_input(equation, replaced_reads):
-    """The input position of a replaced read's index along its sliced axis
-    (`replaced_reads[id(equation)]` is a tuple whose second entry is that axis), or None."""
+def _sliced_inputs(equation, replaced_reads):
+    """The input positions of a replaced read's indices along its sliced axes
+    (`replaced_reads[id(equation)]` is a tuple whose second entry is that axis, or a
+    tuple of them), or none."""
     if id(equation) not in replaced_reads:
-        return None
-    return 1 + replaced_reads[id(equation)][1]
+        return ()
+    axes = replaced_reads[id(equation)][1]
+    return tuple(1 + axis for axis in (axes if isinstance(axes, tuple) else (axes,)))
 
 
 def _needed_inputs(equation, replaced_reads):
-    """equation.invars, less the index of a replaced read's sliced axis."""
-    sliced = _sliced_input(equation, replaced_reads)
-    return [atom for position, atom in enumerate(equation.invars) if position != sliced]
+    """equation.invars, less the indices of a replaced read's sliced axes."""
+    sliced = _sliced_inputs(equation, replaced_reads)
+    return [atom for position, atom in enumerate(equation.invars) if position not in sliced]
 
 
 def reads_argument(jaxpr: jex_core.Jaxpr, position: int, replaced_reads=()) -> bool:
@@ -306,6 +460,73 @@ def reads_argument(jaxpr: jex_core.Jaxpr, position: int, replaced_reads=()) -> b
         if id(equation) in live and argument in _needed_inputs(equation, replaced_reads):
             return True
     return argument in jaxpr.outvars
+
+
+def block_reads(program):
+    """The mod's reads of captured arrays that the Triton kernels load as blocks:
+    {id(dynamic_slice equation of program.jaxpr): (captured position, ((axis, "q" /
+    "kv"), ...))}.
+
+    A read qualifies when its index on one axis is exactly q_idx, or kv_idx, or on one
+    axis exactly q_idx and on another exactly kv_idx (in either order: `pair_bias[b //
+    rows, h, q_idx, kv_idx]`, `bias[h, kv_idx, q_idx]`, `key_bias[b, kv_idx]`), and its
+    other indices are uniform over a tile (functions of b, h and constants, not of q_idx,
+    kv_idx or the score). Such a read covers a contiguous block (or vector) of the array
+    per tile, which the kernels load with slices (`BlockRead`), where a gather computes
+    and loads one pointer per element; a read at a computed index (`table[h, kv_idx -
+    q_idx + S]`) stays a gather. jnp indexing wraps negative indices (`select_n(i < 0,
+    i, i + n)`); the kernels' indices are never negative, so that select is the index
+    itself. Reads inside calls the mod makes (`jax.jit` functions) stay gathers."""
+    if program is None:
+        return {}
+    jaxpr = program.jaxpr
+    first_index = 2 if program.kind == "mask" else 3
+    exact = {jaxpr.invars[first_index]: "q", jaxpr.invars[first_index + 1]: "kv"}
+    depends_on_tile = set(exact)
+    if program.kind == "score":
+        depends_on_tile.add(jaxpr.invars[0])
+    never_true = set()
+    positions = {var: position for position, var in enumerate(jaxpr.constvars)}
+
+    def is_var(atom):
+        return isinstance(atom, jex_core.Var)
+
+    reads = {}
+    for equation in jaxpr.eqns:
+        name, inputs = equation.primitive.name, equation.invars
+        kept = _integer_identity(equation)
+        if kept is not None and inputs[kept] in exact:  # `q_idx + 0`
+            exact[equation.outvars[0]] = exact[inputs[kept]]
+        elif (name == "lt" and is_var(inputs[0]) and inputs[0] in exact
+                and isinstance(inputs[1], jex_core.Literal) and inputs[1].val <= 0):
+            never_true.add(equation.outvars[0])
+        elif (name == "select_n" and len(inputs) == 3 and is_var(inputs[0])
+              and inputs[0] in never_true and is_var(inputs[1]) and inputs[1] in exact):
+            exact[equation.outvars[0]] = exact[inputs[1]]
+        elif (name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions
+              and all(size == 1 for size in equation.params["slice_sizes"])):
+            kinds = [exact.get(atom) if is_var(atom) else None for atom in inputs[1:]]
+            axes = tuple((axis, kind) for axis, kind in enumerate(kinds) if kind is not None)
+            uniform = not any(is_var(atom) and atom in depends_on_tile
+                              for atom, kind in zip(inputs[1:], kinds) if kind is None)
+            if axes and uniform and len({kind for _, kind in axes}) == len(axes):
+                reads[id(equation)] = (positions[inputs[0]], axes)
+        if any(is_var(atom) and atom in depends_on_tile for atom in inputs):
+            depends_on_tile.update(equation.outvars)
+    return reads
+
+
+def _block_readers(program, frame):
+    """`captured_reads` for `evaluate_jaxpr_on_tiles`: the `block_reads` of `program`
+    loaded at the tile `frame` (None: none, every read gathers)."""
+    if frame is None or program is None:
+        return None
+    readers = {}
+    for key, (_, axes) in block_reads(program).items():
+        def read(captured, indices, axes=axes):
+            return captured.block(indices, axes, frame)
+        readers[key] = (read, tuple(axis for axis, _ in axes))
+    return readers
 
 
 def _captured(program, refs, log):
@@ -321,49 +542,57 @@ def _small_index_args(first_index_arg, indices_below):
     return (first_index_arg, first_index_arg + 1)
 
 
-def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx, *, indices_below=None):
+def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx, *, indices_below=None,
+                       frame=None):
     """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]
     (or the transposed tile, for q_idx [1, block_q] and kv_idx [block_kv, 1]).
 
     indices_below: a bound on every q_idx and kv_idx value passed (the kernels clamp
-    them into their sequences), or None if unknown; see `evaluate_jaxpr_on_tiles`."""
+    them into their sequences), or None if unknown; see `evaluate_jaxpr_on_tiles`.
+    frame: the tile's TileFrame, with which reads at exactly q_idx / kv_idx load blocks
+    (`block_reads`); None: every read gathers."""
     consts = _captured(program, captured_refs, CaptureLog())
     (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name,
-                                      _small_index_args(2, indices_below))
+                                      _small_index_args(2, indices_below),
+                                      captured_reads=_block_readers(program, frame))
     return jnp.broadcast_to(mask, np.broadcast_shapes(jnp.shape(q_idx), jnp.shape(kv_idx)))
 
 
 def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
-                        indices_below=None):
-    """score_mod applied to score [block_q, block_kv] (float32); indices_below as for
-    `apply_mask_on_tile`."""
+                        indices_below=None, frame=None):
+    """score_mod applied to score [block_q, block_kv] (float32); indices_below and frame
+    as for `apply_mask_on_tile`."""
     consts = _captured(program, captured_refs, CaptureLog())
     (result,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (score, b, h, q_idx, kv_idx),
-                                        program.name, _small_index_args(3, indices_below))
+                                        program.name, _small_index_args(3, indices_below),
+                                        captured_reads=_block_readers(program, frame))
     return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
 
 
 def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
-                      indices_below=None, log=None):
+                      indices_below=None, log=None, frame=None):
     """The modded score and its VJP, for the backward kernels.
 
     Returns `(modded [block_q, block_kv], vjp, sites)`: `vjp(cotangent)` gives the
     cotangent of `score` and one cotangent per site in `sites` (a list of
     `(captured position, indices)` reads of captured arrays), already summed over the
-    tile dimensions the site's indices do not vary along. indices_below as for
+    tile dimensions the site's indices do not vary along. indices_below and frame as for
     `apply_mask_on_tile`. log: a CaptureLog to record the reads in (the caller reads
-    its `unbroadcast` indices), else a new one.
+    its `unbroadcast` indices and `blocks`), else a new one.
     """
     small_index_args = _small_index_args(3, indices_below)
     recording = log if log is not None else CaptureLog()
+    readers = _block_readers(program, frame)
     evaluate_jaxpr_on_tiles(program.jaxpr, _captured(program, captured_refs, recording),
-                            (score, b, h, q_idx, kv_idx), program.name, small_index_args)
+                            (score, b, h, q_idx, kv_idx), program.name, small_index_args,
+                            captured_reads=readers)
 
     def modded(score, site_values):
         replay = CaptureLog(replay_values=site_values)
         (result,) = evaluate_jaxpr_on_tiles(
             program.jaxpr, _captured(program, captured_refs, replay),
-            (score, b, h, q_idx, kv_idx), program.name, small_index_args)
+            (score, b, h, q_idx, kv_idx), program.name, small_index_args,
+            captured_reads=readers)
         return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
 
     result, vjp = jax.vjp(modded, score, list(recording.values))
@@ -453,6 +682,18 @@ class _DependentRef:
         return jnp.broadcast_to(total, shape).astype(self.dtype)
 
 
+def captured_read_blocks(program) -> list:
+    """Per read of a captured array (in program order), its tile axes ((axis, "q" /
+    "kv"), ...) where the kernels load it as a block (`block_reads`), else None (a
+    gather)."""
+    if program is None:
+        return []
+    frame = TileFrame(jnp.int32(0), jnp.int32(0), 4, 8,
+                      load=lambda ref, read: jnp.zeros(read.block_shape(), ref.dtype))
+    log = _dummy_tile_log(program, _block_readers(program, frame))
+    return [None if block is None else block.axes for block in log.blocks]
+
+
 def _dummy_tile_log(program, captured_reads):
     log = CaptureLog()
     if program is None:
@@ -480,8 +721,10 @@ class _ShapeOnlyRef:
         return jnp.zeros(shape, self.dtype)
 
 
-__all__ = ["apply_mask_on_tile", "apply_score_on_tile", "captured_inputs",
-           "captured_read_batch_axes", "captured_read_positions", "captured_read_sites",
+__all__ = ["apply_mask_on_tile", "apply_score_on_tile", "block_reads", "captured_inputs",
+           "captured_read_batch_axes", "captured_read_blocks", "captured_read_positions",
+           "captured_read_sites",
            "captured_read_varying_axes",
            "evaluate_jaxpr_on_tiles",
-           "split_captured_refs", "CapturedRef"]
+           "padded_for_blocks", "split_captured_refs", "unpadded_gradient", "BlockRead",
+           "CapturedRef", "TileFrame"]

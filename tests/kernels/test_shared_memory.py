@@ -74,6 +74,25 @@ MEASURED = [
           stages=1, capability=(7, 5), slack=25 * KIB), 81920),
     (dict(kind="forward", dtype=jnp.float32, head_dim=128, block_q=32, block_kv=16,
           stages=1, capability=(7, 5)), 32768),
+    # a differentiated key bias read at kv_idx (a vector a tile, summed across warps):
+    # D64 and D128 bf16 backwards; a query bias read at q_idx, differentiated by the
+    # batch loop, not here: D128 bf16; pip triton
+    (dict(kind="backward", dtype=jnp.bfloat16, head_dim=64, dq_tile=(128, 128),
+          dkdv_tile=(64, 128), stages=3, reads=ModReads(vector_gradients=1, vector_reads=1)),
+     136192),
+    (dict(kind="backward", dtype=jnp.bfloat16, head_dim=128, dq_tile=(128, 64),
+          dkdv_tile=(64, 128), stages=3, reads=ModReads(vector_gradients=1, vector_reads=1)),
+     166912),
+    (dict(kind="backward", dtype=jnp.bfloat16, head_dim=128, dq_tile=(128, 64),
+          dkdv_tile=(64, 128), stages=3, reads=ModReads(vector_reads=1)), 165888),
+    # a pair bias read at exactly q_idx, kv_idx, loaded as blocks (float32, D128
+    # backward; the forward: bf16 D128, float32 D64): pip triton
+    (dict(kind="backward", dtype=jnp.bfloat16, head_dim=128, dq_tile=(128, 64),
+          dkdv_tile=(64, 128), stages=3, reads=ModReads(1, 1), slack=32 * KIB), 230400),
+    (dict(kind="forward", dtype=jnp.bfloat16, head_dim=128, block_q=128, block_kv=64,
+          stages=2, reads=ModReads(1, 0), slack=49 * KIB), 114688),
+    (dict(kind="forward", dtype=jnp.bfloat16, head_dim=64, block_q=64, block_kv=64,
+          stages=3, reads=ModReads(1, 0), slack=24 * KIB), 73728),
     # large tiles of a small head dim: the two score tiles the estimate counts are not
     # both live there (float16 D32, dQ 128x128, dK/dV 64x128)
     (dict(kind="backward", dtype=jnp.float16, head_dim=32, dq_tile=(128, 128),
