@@ -160,9 +160,11 @@ def test_kernels_load_blocks_instead_of_gathers(kind, batch_sum):
     ("short_table", {}),
     ("long_table", {"backward_batch_sum": "loop"}),
 ])
-def test_outputs_and_gradients_match_float64(kind, options):
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_outputs_and_gradients_match_float64(kind, options, backend):
     """Causal mask, GQA 4:2, 45 queries over 38 keys on 16x16 tiles: partial tiles at
-    both ends, arrays padded to whole mask blocks and gradients folded back."""
+    both ends, arrays padded to whole mask blocks and gradients folded back (on the GPU:
+    the compiled Triton kernels, float32 dots at full precision)."""
     q, k, v = random_qkv(3, BATCH, Q_LEN, KV_LEN, Q_HEADS, KV_HEADS, DIM, DIM, jnp.float32)
     arrays, make = _arrays(kind)
     d_out = _cotangent((BATCH, Q_LEN, Q_HEADS, DIM), 4)
@@ -170,7 +172,7 @@ def test_outputs_and_gradients_match_float64(kind, options):
 
     def loss(q, k, v, *arrays):
         out = pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=make(*arrays),
-                           backend="interpret", kernel_options=kernel_options)
+                           backend=backend, kernel_options=kernel_options)
         return jnp.sum(out * d_out), out
 
     argnums = tuple(range(3 + len(arrays)))
