@@ -369,8 +369,9 @@ def _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
 def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
     """key_cache with the keys of blocks `indices` [R] rotated by LUT rows `deltas`
     [R, block_size], pairs (2j, 2j + 1) by (cos, sin) = (lut[r, j], lut[r, D/2 + j]),
-    in float32; a scatter over those blocks alone (entries clamped into the pool, out of
-    range ones dropped, so unchecked metadata under jit never writes outside it).
+    in float32; a scatter over those blocks alone, in place (`_store`: entries clamped
+    into the pool when read, out of range ones dropped when written, so unchecked
+    metadata under jit never reads or writes outside it).
 
     With `key_scales` [num_blocks, Hkv, block_size] (an int8 / float8 cache) the listed
     blocks' keys are dequantized (values times scales, float32), rotated, and quantized
@@ -391,12 +392,34 @@ def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
     even, odd = pairs[..., 0], pairs[..., 1]
     rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
     rotated = rotated.reshape(blocks.shape)
-    target = jnp.where((indices >= 0) & (indices < num_blocks), indices, num_blocks)
+    target = _unique_targets(indices, (indices >= 0) & (indices < num_blocks), num_blocks)
     if key_scales is None:
-        return key_cache.at[target].set(rotated.astype(key_cache.dtype), mode="drop"), None
+        return _store(key_cache, (target,), rotated.astype(key_cache.dtype)), None
     rotated, scales = quantize(rotated, key_cache.dtype)
-    return (key_cache.at[target].set(rotated, mode="drop"),
-            key_scales.at[target].set(scales, mode="drop"))
+    return _store(key_cache, (target,), rotated), _store(key_scales, (target,), scales)
+
+
+def _unique_targets(blocks, valid, num_blocks):
+    """`blocks` where `valid`, else a distinct block past the pool (`num_blocks + i` for
+    entry i, dropped by the write): indices that are all distinct when the valid blocks
+    are (checked metadata), as `_store` promises XLA."""
+    spare = num_blocks + jnp.arange(blocks.shape[0], dtype=jnp.int32)
+    return jnp.where(valid, blocks, spare)
+
+
+def _store(cache, index, updates):
+    """`cache.at[index].set(updates)` in place, out-of-range entries dropped, with
+    `unique_indices=True` (the caller makes the in-range entries distinct).
+
+    Without it XLA's GPU scatter must allow two updates of one element: it writes each
+    element with an atomic, and for 16- and 8-bit caches (bf16, int8, float8) with a
+    compare-and-swap loop on the 32-bit word around it (XLA's `rewriteAsAtomicCAS`;
+    only 32/64-bit overwrites become atomic exchanges), whose neighbours in the word
+    collide: the likely cause of issue 20's rotation cost (10 % of the blocks of a 537 MB
+    bf16 key cache added 0.29 ms to a 0.40 ms decode step on the H100, several times
+    what reading and writing those blocks takes; the compiled step copies no cache). With
+    unique indices the scatter is plain (vectorized) stores of the listed blocks alone."""
+    return cache.at[index].set(updates, mode="drop", unique_indices=True)
 
 
 def _validate_metadata(past_lens, subsequence_begins, block_indices, block_indices_begins, *,
@@ -563,18 +586,19 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            block_indices_begins, num_tokens, block_size, sliding_window)
 
     # (b) One scatter per cache; indices (block, :, offset) put the token axis first.
+    # Checked metadata gives every new token its own slot: the writes are unique stores.
     in_range = (layout.write_block >= 0) & (layout.write_block < num_blocks)
-    target = jnp.where(in_range, layout.write_block, num_blocks)  # out of range: dropped
+    target = _unique_targets(layout.write_block, in_range, num_blocks)  # else dropped
+    slots = (target, slice(None), layout.write_offset)
     key = key.reshape(num_tokens, kv_heads, head_dim)
     value = value.reshape(num_tokens, kv_heads, value_dim)
     if cache_scales is not None:  # quantized per token and head as they are written
         (key, key_scales), (value, value_scales) = (
             quantize(x, key_cache.dtype) for x in (key, value))
-        cache_scales = tuple(
-            scales.at[target, :, layout.write_offset].set(new, mode="drop")
-            for scales, new in zip(cache_scales, (key_scales, value_scales)))
-    key_cache = key_cache.at[target, :, layout.write_offset].set(key, mode="drop")
-    value_cache = value_cache.at[target, :, layout.write_offset].set(value, mode="drop")
+        cache_scales = tuple(_store(scales, slots, new)
+                             for scales, new in zip(cache_scales, (key_scales, value_scales)))
+    key_cache = _store(key_cache, slots, key)
+    value_cache = _store(value_cache, slots, value)
 
     # (c)
     context = (past_lens + jnp.diff(subsequence_begins))[layout.seq]  # [T]
