@@ -170,11 +170,18 @@ def test_context_parallel_with_sinks_equals_one_device():
 # The kernels that fold the sinks into their final normalization: (backend,
 # kernel_options, dtype, head dim). The Mosaic GPU forward takes 16-bit inputs at
 # D 64 / 128 only. The backward is the Triton kernel's in each (the Mosaic GPU backward
-# reads the same lse and delta: the GPU probe benchmarks/probes/sinks_gpu.py runs it).
+# reads the same lse and delta: GPU_FOLDING_KERNELS run it).
 FOLDING_KERNELS = {
     "xla": ("xla", None, jnp.float32, 16),
     "triton": ("interpret", None, jnp.float32, 16),
     "mosaic": ("interpret", {"forward_kernel": "mosaic"}, jnp.bfloat16, 64),
+}
+# On the GPU: the Mosaic GPU forward and backward (16-bit, D 64 / 128) and the Triton
+# kernels (float32).
+GPU_FOLDING_KERNELS = {
+    "gpu_mosaic_d64": ("pallas", None, jnp.bfloat16, 64),
+    "gpu_mosaic_d128": ("pallas", None, jnp.float16, 128),
+    "gpu_triton_float32": ("pallas", None, jnp.float32, 64),
 }
 # Head 3's sink lies far above every logit (its rows' weights all but vanish): the
 # kernels move their running max to it rather than overflow the sum.
@@ -210,14 +217,15 @@ def _model_with_gradients(q, k, v, sinks, visible, slopes, d_out, d_lse):
         return np.asarray(out), np.asarray(lse), [np.asarray(g) for g in grads]
 
 
-@pytest.mark.parametrize("kernel", list(FOLDING_KERNELS))
+@pytest.mark.parametrize("kernel", list(FOLDING_KERNELS) + [
+    pytest.param(name, marks=pytest.mark.gpu) for name in GPU_FOLDING_KERNELS])
 def test_kernels_fold_the_sinks_into_the_softmax(kernel):
     """Forward and gradients (q, k, v, sinks; through out and lse) of each kernel with
     the sinks in its normalization: GQA, a ragged length (200), fully masked rows (the
     first 32 queries see no key: zeros, lse = sink, d sink = d_lse) and ALiBi (whose
     query term the Mosaic GPU kernel adds to the lse at the end, so the sink is
     compared with the logits less that term)."""
-    backend, options, dtype, dim = FOLDING_KERNELS[kernel]
+    backend, options, dtype, dim = {**FOLDING_KERNELS, **GPU_FOLDING_KERNELS}[kernel]
     q_len = kv_len = 200
     q, k, v = random_qkv(11, 1, q_len, kv_len, 4, 2, dim, dim, dtype)
     slopes = np.array([0.25, 0.0625, 0.015625, 0.00390625])
