@@ -30,9 +30,10 @@ class KernelOptions:
       the split-KV decode kernel instead of the forward kernel.
     decode_block_kv: KV rows per decode tile (0 = by head dim: 128 up to D 128 (64 on
       contiguous 16-bit K/V), 64 up to 256, 32 above); decode_num_splits: programs
-      sharing one row's KV tiles (0 = enough to fill the GPU: one program per SM on
-      contiguous 16-bit K/V up to D 128, four otherwise; `kernels/decode.py` has the
-      figures); decode_num_warps/num_stages: decode launch parameters
+      sharing one row's KV tiles (0 = enough to fill the GPU: one wave of programs (at
+      most one per SM) on contiguous 16-bit K/V up to D 128, two waves on 8-bit pages,
+      about four per SM otherwise; `kernels/decode.py` has the figures);
+      decode_num_warps/num_stages: decode launch parameters
       (num_stages 0 = 3 on contiguous K/V when three tiles fit in shared memory, else 2:
       deeper pipelining stalls on the page-table reads of a paged cache).
     decode_max_rows: query rows (heads x positions) per decode program (0 = as many as
