@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 # Four host devices for the multi-device tests (tests/test_context_parallel.py): XLA reads
@@ -16,6 +17,18 @@ import numpy as np
 import pytest
 
 from pallas_flex.kernels.reference import reference_attention
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drops JAX's caches of compiled programs after each test module. Every XLA:CPU
+    executable keeps memory mappings of its own code; a worker that compiled a few
+    hundred modules' programs reached the kernel's limit (vm.max_map_count, 65530 by
+    default: ~100 mappings a second while test_attention runs) and aborted inside a
+    later compile."""
+    yield
+    jax.clear_caches()
+    gc.collect()
+
 
 # Backends every attention test runs on. "pallas" needs a CUDA GPU (the device machine);
 # CPU runs deselect it with `-m "not gpu"`.
