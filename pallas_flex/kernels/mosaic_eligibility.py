@@ -11,7 +11,8 @@ from jax.extend import core as jex_core
 
 from pallas_flex.kernels import device
 from pallas_flex.masks.mod_program import with_score_derivative
-from pallas_flex.kernels.tile_mods import EXACT_FLOAT32_INTEGERS, captured_read_sites
+from pallas_flex.kernels.tile_mods import (
+    EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_sites)
 
 BLOCK = 128  # the kernel's BlockMask block on both axes
 HEAD_DIMS = (64, 128)
@@ -78,10 +79,8 @@ def contiguous_reads(program):
     if program is None:
         return {}
     jaxpr = program.jaxpr
-    first_index = 2 if program.kind == "mask" else 3
-    exact = {jaxpr.invars[first_index]: "q", jaxpr.invars[first_index + 1]: "kv"}
-    depends_on_index = set(exact)
-    never_true = set()
+    exact = ExactIndices(program)
+    depends_on_index = set(exact.kind)
     positions = {var: position for position, var in enumerate(jaxpr.constvars)}
 
     def is_var(atom):
@@ -90,14 +89,10 @@ def contiguous_reads(program):
     reads = {}
     for equation in jaxpr.eqns:
         name, inputs = equation.primitive.name, equation.invars
-        if (name == "lt" and is_var(inputs[0]) and inputs[0] in exact
-                and isinstance(inputs[1], jex_core.Literal) and inputs[1].val <= 0):
-            never_true.add(equation.outvars[0])
-        elif (name == "select_n" and len(inputs) == 3 and is_var(inputs[0])
-              and inputs[0] in never_true and is_var(inputs[1]) and inputs[1] in exact):
-            exact[equation.outvars[0]] = exact[inputs[1]]
+        if exact.follow(equation):
+            pass
         elif name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions:
-            kinds = [exact.get(atom) if is_var(atom) else None for atom in inputs[1:]]
+            kinds = [exact.of(atom) for atom in inputs[1:]]
             vector_axes = [axis for axis, kind in enumerate(kinds) if kind is not None]
             others_scalar = not any(is_var(atom) and atom in depends_on_index
                                     for atom, kind in zip(inputs[1:], kinds) if kind is None)

@@ -462,6 +462,36 @@ def reads_argument(jaxpr: jex_core.Jaxpr, position: int, replaced_reads=()) -> b
     return argument in jaxpr.outvars
 
 
+class ExactIndices:
+    """The variables of a mod's jaxpr that equal q_idx or kv_idx exactly ("q" / "kv" in
+    `kind`), through jnp indexing's negative-index wrap `select_n(i < 0, i, i + n)`: the
+    kernels' indices are never negative, so that select is the index itself."""
+
+    def __init__(self, program):
+        first_index = 2 if program.kind == "mask" else 3
+        invars = program.jaxpr.invars
+        self.kind = {invars[first_index]: "q", invars[first_index + 1]: "kv"}
+        self._never_true = set()
+
+    def of(self, atom):
+        """"q", "kv" or None for an equation input."""
+        return self.kind.get(atom) if isinstance(atom, jex_core.Var) else None
+
+    def follow(self, equation) -> bool:
+        """Records what `equation` makes exact (or never true); whether it did."""
+        name, inputs = equation.primitive.name, equation.invars
+        if (name == "lt" and self.of(inputs[0]) and isinstance(inputs[1], jex_core.Literal)
+                and inputs[1].val <= 0):
+            self._never_true.add(equation.outvars[0])
+            return True
+        if (name == "select_n" and len(inputs) == 3
+                and isinstance(inputs[0], jex_core.Var) and inputs[0] in self._never_true
+                and self.of(inputs[1])):
+            self.kind[equation.outvars[0]] = self.of(inputs[1])
+            return True
+        return False
+
+
 def block_reads(program):
     """The mod's reads of captured arrays that the Triton kernels load as blocks:
     {id(dynamic_slice equation of program.jaxpr): (captured position, ((axis, "q" /
@@ -480,12 +510,10 @@ def block_reads(program):
     if program is None:
         return {}
     jaxpr = program.jaxpr
-    first_index = 2 if program.kind == "mask" else 3
-    exact = {jaxpr.invars[first_index]: "q", jaxpr.invars[first_index + 1]: "kv"}
-    depends_on_tile = set(exact)
+    exact = ExactIndices(program)
+    depends_on_tile = set(exact.kind)
     if program.kind == "score":
         depends_on_tile.add(jaxpr.invars[0])
-    never_true = set()
     positions = {var: position for position, var in enumerate(jaxpr.constvars)}
 
     def is_var(atom):
@@ -495,17 +523,13 @@ def block_reads(program):
     for equation in jaxpr.eqns:
         name, inputs = equation.primitive.name, equation.invars
         kept = _integer_identity(equation)
-        if kept is not None and inputs[kept] in exact:  # `q_idx + 0`
-            exact[equation.outvars[0]] = exact[inputs[kept]]
-        elif (name == "lt" and is_var(inputs[0]) and inputs[0] in exact
-                and isinstance(inputs[1], jex_core.Literal) and inputs[1].val <= 0):
-            never_true.add(equation.outvars[0])
-        elif (name == "select_n" and len(inputs) == 3 and is_var(inputs[0])
-              and inputs[0] in never_true and is_var(inputs[1]) and inputs[1] in exact):
-            exact[equation.outvars[0]] = exact[inputs[1]]
+        if kept is not None and exact.of(inputs[kept]):  # `q_idx + 0`
+            exact.kind[equation.outvars[0]] = exact.of(inputs[kept])
+        elif exact.follow(equation):
+            pass
         elif (name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions
               and all(size == 1 for size in equation.params["slice_sizes"])):
-            kinds = [exact.get(atom) if is_var(atom) else None for atom in inputs[1:]]
+            kinds = [exact.of(atom) for atom in inputs[1:]]
             axes = tuple((axis, kind) for axis, kind in enumerate(kinds) if kind is not None)
             uniform = not any(is_var(atom) and atom in depends_on_tile
                               for atom, kind in zip(inputs[1:], kinds) if kind is None)
