@@ -147,7 +147,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
-            with_max=with_max, sinks=sinks, **paging)
+            with_max=with_max, sinks=sinks,
+            items_per_program=options.forward_items_per_program, **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
                                   with_max=with_max, sinks=sinks, **paging)

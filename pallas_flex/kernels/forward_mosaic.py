@@ -1,11 +1,14 @@
 """Block-sparse FlexAttention forward for Hopper: a Pallas Mosaic GPU kernel.
 
-Warp-specialized, after FlashAttention-3. One program owns one 128-row BlockMask query
-block. Its memory warpgroup streams the K/V tiles of the blocks that the BlockMask row
-lists into shared memory with TMA, `num_stages` tiles ahead of use; its two compute
-warpgroups (64 query rows each) run wgmma for q·kᵀ and p·v and the online softmax. A
-schedule barrier makes the compute warpgroups take turns on the tensor cores, so one's
-softmax runs under the other's matmuls.
+Warp-specialized, after FlashAttention-3. A work item is one 128-row BlockMask query
+block of one head and batch row; a program walks `items_per_program` consecutive items
+(KernelOptions.forward_items_per_program, 2 by default: the figures are there). Its
+memory warpgroup streams the K/V tiles of the blocks that each item's BlockMask row
+lists into shared memory with TMA, `num_stages` tiles ahead of use and on from one
+item into the next; its two compute warpgroups (64 query rows each) run wgmma for q·kᵀ
+and p·v and the online softmax, and load the next item's queries while they store the
+current item's output. A schedule barrier makes the compute warpgroups take turns on
+the tensor cores, so one's softmax runs under the other's matmuls.
 
 The walk is the Triton kernel's (`forward.py`): the row's full blocks without the
 mask_mod, then its partial blocks with it; blocks the mask leaves empty are never
@@ -63,12 +66,10 @@ WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
 _STAGES = {64: 4, 128: 2}
-_MAX_GRID_AXIS = 65535
-# Grid axes, the first varying fastest between programs launched together. Heads first
-# (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
+# Work items (`_kernel`) vary heads fastest, then query blocks, then batch rows: heads
+# first (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
 # against 0.542; B8 S2048 D64 noop 0.358 against 0.429.
-_GRID_AXES = ("heads", "q_seq", "batch")
 # tanh runs as tanh.approx.f32 (what `approx_math=True` makes of it): one transcendental
 # instruction, where the exact form (`softcap.tanh_with_exp2`: an exp2 and a division)
 # costs two, and the softmax's exp2 already keeps that unit busy. Causal + soft-cap 30 at
@@ -80,38 +81,61 @@ _GRID_AXES = ("heads", "q_seq", "batch")
 # The kernel takes 16-bit inputs only; float32 runs on the Triton kernel (exact tanh).
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
-            num_stages, num_q_blocks, q_len, kv_len, broadcast_batch, broadcast_heads,
-            mask_reads, score_reads, paged, interpret, with_max=False, with_sinks=False):
+            num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
+            broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
+            with_max=False, with_sinks=False):
     """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
-    ref [Hq] of sink logits (natural units) follows (after the paging refs)."""
+    ref [Hq] of sink logits (natural units) follows (after the paging refs).
+
+    Work items are (head, query block, batch) triples, heads varying fastest and the
+    query blocks from the last (a causal mask's longest rows first). Program p runs
+    items p * items_per_program onwards, `items_per_program` of them (fewer in the last
+    program). Tile `t` of a program's whole walk, over all its items, sits in K/V slot
+    t % num_stages, so the memory warpgroup fetches the next item's first tiles while
+    the compute warpgroups finish the current one."""
     if paged:
         page_table_ref, lengths_ref, *refs = refs
     if with_sinks:
         sinks_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
-    (qo_smem2, k_smem, v_smem, lse_smem2, *max_smem2), barriers = scratch
+    (q_smem2, k_smem, v_smem, lse_smem2, *max_smem2), barriers = scratch
+    persistent = items_per_program > 1
+    o_smem2 = max_smem2.pop() if persistent else None
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
     early_hand_over = hand_over_early(head_dim, score_program)
-
-    # Longest rows of a causal mask first: the last query block starts first.
-    q_block = num_q_blocks - 1 - lax.axis_index("q_seq")
-    head, batch = lax.axis_index("heads"), lax.axis_index("batch")
-    table = (0 if broadcast_batch else batch, 0 if broadcast_heads else head, q_block)
+    first_item = lax.axis_index("programs") * items_per_program
+    num_local_items = jnp.minimum(items_per_program, num_items - first_item)
     last_listed = full_indices_ref.shape[-1] - 1
-    num_full = full_num_ref[table]
-    num_steps = num_full + partial_num_ref[table]
 
-    def kv_block_of(step):
-        """The K/V block that step `step` of the walk visits (full blocks, then partial)."""
-        full = full_indices_ref[table + (jnp.minimum(step, last_listed),)]
-        partial = partial_indices_ref[table + (jnp.clip(step - num_full, 0, last_listed),)]
-        return jnp.where(step < num_full, full, partial)
+    def item_at(local):
+        """(head, query block, batch, number of full blocks, of all blocks, kv_block_of)
+        of this program's item `local`."""
+        item = first_item + local
+        head = lax.rem(item, jnp.int32(num_heads))
+        rest = lax.div(item, jnp.int32(num_heads))
+        q_block = num_q_blocks - 1 - lax.rem(rest, jnp.int32(num_q_blocks))
+        batch = lax.div(rest, jnp.int32(num_q_blocks))
+        table = (0 if broadcast_batch else batch, 0 if broadcast_heads else head, q_block)
+        num_full = full_num_ref[table]
+        num_steps = num_full + partial_num_ref[table]
+
+        def kv_block_of(step):
+            """The K/V block that step `step` of the walk visits (full blocks, then
+            partial)."""
+            full = full_indices_ref[table + (jnp.minimum(step, last_listed),)]
+            partial = partial_indices_ref[table + (jnp.clip(step - num_full, 0, last_listed),)]
+            return jnp.where(step < num_full, full, partial)
+
+        return head, q_block, batch, num_full, num_steps, kv_block_of
+
+    def slot_of(tile):
+        return lax.rem(tile, jnp.int32(num_stages))
 
     warpgroup = lax.axis_index("warpgroup")
 
@@ -119,16 +143,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         plgpu.barrier_arrive(schedule_barrier)
         plgpu.barrier_wait(schedule_barrier)
 
-    @pl.when(warpgroup < COMPUTE_WARPGROUPS)
-    def _compute():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
-        qo_smem, lse_smem = qo_smem2.at[warpgroup], lse_smem2.at[warpgroup]
+    def _item(load_queries, q_smem, o_smem, lse_smem, local, consumed):
+        """One work item of a compute warpgroup; returns the tiles consumed after it."""
+        head, q_block, batch, num_full, num_steps, kv_block_of = item_at(local)
         q_start = q_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head],
-                                qo_smem, q_barriers.at[warpgroup])
         plgpu.barrier_wait(q_barriers.at[warpgroup])
-
         tile = (ROWS_PER_WARPGROUP, BLOCK)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         running_max = plgpu.layout_cast(
@@ -176,7 +195,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         @pl.when(num_steps > 0)
         def _():
-            plgpu.barrier_wait(k_barriers.at[0])
+            plgpu.barrier_wait(k_barriers.at[slot_of(consumed)])
 
         pl.when(warpgroup == 1)(schedule_turn)
 
@@ -201,9 +220,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         def visit(step, carry, masked):
             accumulator, running_max, running_sum, row_term = carry
-            slot = lax.rem(step, jnp.int32(num_stages))
+            slot = slot_of(consumed + step)
             # Then the other warpgroup's q·kᵀ goes next.
-            raw = matmul(qo_smem, k_smem.at[slot], shape=tile, interpret=interpret,
+            raw = matmul(q_smem, k_smem.at[slot], shape=tile, interpret=interpret,
                          transpose_b=True,
                          after_issue=schedule_turn if early_hand_over else None)
             if not early_hand_over:
@@ -271,7 +290,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
                 @pl.when(next_step < num_steps)
                 def _():
-                    plgpu.barrier_wait(k_barriers.at[lax.rem(next_step, jnp.int32(num_stages))])
+                    plgpu.barrier_wait(k_barriers.at[slot_of(consumed + next_step)])
 
             accumulator = matmul(p, v_smem.at[slot], shape=accumulator.shape,
                                  interpret=interpret, accumulator=accumulator,
@@ -284,6 +303,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         carry = lax.fori_loop(num_full, num_steps, functools.partial(visit, masked=True), carry)
         accumulator, running_max, running_sum, row_term = carry
         pl.when(warpgroup == 0)(schedule_turn)
+        if persistent:  # q_smem is free: the next item's queries load under the epilogue
+            pl.when(local + 1 < num_local_items)(lambda: load_queries(local + 1))
 
         normalizing_max, correction = running_max, None
         if with_sinks:
@@ -303,15 +324,17 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
         if row_term is not None:
             lse = lse + row_term
+        if persistent:  # the previous item's output has left the staging buffers
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
         if with_max:  # the running max, in the exponent's base-2 units, plus the row term
             row_max = running_max * online_softmax.LN_2
             if row_term is not None:
                 row_max = row_max + row_term
             max_smem2[0].at[warpgroup][...] = row_max
-        qo_smem[...] = out.astype(dtype)
+        o_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(qo_smem,
+        plgpu.copy_smem_to_gmem(o_smem,
                                 out_ref.at[batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head])
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
@@ -319,54 +342,82 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.copy_smem_to_gmem(
                 max_smem2[0].at[warpgroup],
                 max_ref[0].at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
+        return consumed + num_steps
+
+    @pl.when(warpgroup < COMPUTE_WARPGROUPS)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(232, action="increase")
+        q_smem, lse_smem = q_smem2.at[warpgroup], lse_smem2.at[warpgroup]
+        # A persistent program stages its output in a buffer of its own, so that the
+        # next item's queries load into q_smem while this one's output is stored.
+        o_smem = o_smem2.at[warpgroup] if persistent else q_smem
+
+        def load_queries(local):
+            head, q_block, batch, *_ = item_at(local)
+            q_start = q_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
+            plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head],
+                                    q_smem, q_barriers.at[warpgroup])
+
+        load_queries(0)
+        # `consumed`: the K/V tiles this program's earlier items walked.
+        lax.fori_loop(0, num_local_items, functools.partial(_item, load_queries, q_smem,
+                                                            o_smem, lse_smem), jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
         if not interpret:
             plgpu.set_max_registers(40, action="decrease")
-        kv_head = lax.div(head, jnp.int32(group))
 
-        def locate(block):
-            """Where block `block`'s rows lie: page-table entries, read once for K and V."""
-            if paged:
-                return _tile_pages(page_table_ref, batch, block, k_ref.shape[2], k_ref.shape[0])
-            return block
+        def fetch_item(local, fetched):
+            """Streams item `local`'s tiles; `fetched`: tiles of the earlier items."""
+            head, _, batch, _, num_steps, kv_block_of = item_at(local)
+            kv_head = lax.div(head, jnp.int32(group))
 
-        def copy_tile(source_ref, location, destination, barrier):
-            if paged:
-                _copy_pages(source_ref, location, kv_head, destination, barrier)
-            else:
-                rows = (batch, pl.ds(location * BLOCK, BLOCK), kv_head)
-                plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
+            def copy_tile(source_ref, location, destination, barrier):
+                if paged:
+                    _copy_pages(source_ref, location, kv_head, destination, barrier)
+                else:
+                    rows = (batch, pl.ds(location * BLOCK, BLOCK), kv_head)
+                    plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
 
-        def fetch(step, slot, after_release):
-            # The tables are read once for K and V, before the release waits (reading
-            # them after each wait measured the same on the H100's paged prefill:
-            # f908cd9:benchmarks/results/2026-11-23-h100-paged-mosaic.json).
-            location = locate(kv_block_of(step))
-            if after_release:
-                plgpu.barrier_wait(k_consumed.at[slot])
-            copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
-            if after_release:
-                plgpu.barrier_wait(v_consumed.at[slot])
-            copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
+            @pl.loop(0, num_steps)
+            def _fetch(step):
+                tile = fetched + step
+                slot = slot_of(tile)
+                # The tables (and a paged cache's page table) are read once for K and V,
+                # before the release waits (reading them after each wait measured the
+                # same on the H100's paged prefill:
+                # f908cd9:benchmarks/results/2026-11-23-h100-paged-mosaic.json).
+                block = kv_block_of(step)
+                location = (_tile_pages(page_table_ref, batch, block, k_ref.shape[2],
+                                        k_ref.shape[0]) if paged else block)
+                reuses_slot = tile >= num_stages  # its earlier tile must be released
 
-        for slot in range(num_stages):
-            pl.when(slot < num_steps)(functools.partial(fetch, slot, slot, False))
+                @pl.when(reuses_slot)
+                def _():
+                    plgpu.barrier_wait(k_consumed.at[slot])
 
-        @pl.loop(0, jnp.maximum(num_steps - num_stages, 0))
-        def _refill(step):
-            fetch(step + num_stages, lax.rem(step, jnp.int32(num_stages)), True)
+                copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
+
+                @pl.when(reuses_slot)
+                def _():
+                    plgpu.barrier_wait(v_consumed.at[slot])
+
+                copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
+
+            return fetched + num_steps
+
+        total = lax.fori_loop(0, num_local_items, fetch_item, jnp.int32(0))
 
         # Observe the last tiles' releases too, so that every phase of the release
         # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
         # only idles this warpgroup until the compute warpgroups finish).
-        @pl.loop(jnp.maximum(num_steps - num_stages, 0), num_steps)
-        def _drain(step):
-            slot = lax.rem(step, jnp.int32(num_stages))
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
+        @pl.loop(jnp.maximum(total - num_stages, 0), total)
+        def _drain(tile):
+            plgpu.barrier_wait(k_consumed.at[slot_of(tile)])
+            plgpu.barrier_wait(v_consumed.at[slot_of(tile)])
 
 
 def copies_per_tile(page_size: int) -> int:
@@ -418,11 +469,13 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
-                                  lengths=None, with_max: bool = False, sinks=None):
+                                  lengths=None, with_max: bool = False, sinks=None,
+                                  items_per_program: int = 1):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
     page_table given, k / v pages; and with sinks [Hq]); only for calls
-    `unsupported_reason` accepts."""
+    `unsupported_reason` accepts. items_per_program: how many consecutive (head, query
+    block, batch) items one program walks with one K/V pipeline (`_kernel`)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
@@ -431,7 +484,8 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
         sinks = sinks.astype(jnp.float32)
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
-                               num_stages=num_stages, with_max=with_max)
+                               num_stages=num_stages, with_max=with_max,
+                               items_per_program=items_per_program)
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
                               sinks)
 
@@ -459,9 +513,7 @@ def _vmappable(launch):
         reads_batch = mask_program.uses_batch or (score_program is not None
                                                   and score_program.uses_batch)
         batch = q.shape[1] if in_batched[0] else q.shape[0]  # vmapped axes come first
-        # CUDA caps the grid's second and third axes (query blocks, batch) at 65535.
-        fits_grid = axis_size * batch <= _MAX_GRID_AXIS
-        if only_qkv and not reads_batch and fits_grid:
+        if only_qkv and not reads_batch:
             q, k, v = (x if batched else jnp.broadcast_to(x, (axis_size,) + x.shape)
                        for x, batched in zip((q, k, v), in_batched[:3]))
             merged = [x.reshape((axis_size * batch,) + x.shape[2:]) for x in (q, k, v)]
@@ -478,7 +530,7 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_blocks,
-            kv_len, scale, interpret, num_stages, with_max=False):
+            kv_len, scale, interpret, num_stages, with_max=False, items_per_program=1):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
     (logical) key length; sinks: None or float32 [Hq]."""
     batch, q_len, q_heads, head_dim = q.shape
@@ -503,20 +555,26 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
+    num_items = q_heads * num_q_blocks * batch
+    items_per_program = max(1, min(items_per_program, num_items))
+    programs = pl.cdiv(num_items, items_per_program)
+    persistent = items_per_program > 1
     kernel = functools.partial(
         _kernel, mask_program=mask_program, score_program=score_program, scale=scale,
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
+        num_heads=q_heads, num_items=num_items, items_per_program=items_per_program,
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
         with_max=with_max, with_sinks=sinks is not None)
     row_buffers = 2 if with_max else 1  # lse (and the row max)
+    smem_buffers = 3 + row_buffers + persistent  # (and a persistent program's output)
 
     def entry(*refs):
         inputs_and_outputs = refs
 
         def scoped(*scratch):
-            smem, barriers = scratch[:3 + row_buffers], scratch[3 + row_buffers:]
+            smem, barriers = scratch[:smem_buffers], scratch[smem_buffers:]
             kernel(*inputs_and_outputs, (smem, barriers))
 
         pl.run_scoped(
@@ -527,6 +585,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
             plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
             *[plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32)
               for _ in range(row_buffers)],
+            *([plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype,
+                          transforms=transforms)] if persistent else []),
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
@@ -539,13 +599,11 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
                 ) + (jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
                      ) * row_buffers
-    grid = {"q_seq": num_q_blocks, "heads": q_heads, "batch": batch}
-    names = _GRID_AXES
     out, *rows = plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=tuple(grid[name] for name in names),
-        grid_names=tuple(names),
+        grid=(programs,),
+        grid_names=("programs",),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),

@@ -310,6 +310,52 @@ def test_ragged_keys_with_a_score_mod_that_reads_no_index(backend):
     assert_close_to_golden(out, expected, q, k, v, None, score_mod)
 
 
+ITEM_CASES = {  # (batch, q_len, kv_len, Hq, Hkv, D, mask, score, sinks, with_max)
+    "causal_ragged_gqa": (2, 300, 200, 4, 2, 64, "causal", None, False, False),
+    "document_alibi_max": (1, 384, 384, 2, 1, 128, "document", "alibi", False, True),
+    "empty_rows_sinks": (1, 256, 256, 3, 3, 64, "empty_rows", None, True, False),
+}
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", ITEM_CASES)
+def test_items_per_program_give_the_same_bits(case, backend):
+    """A program walking several (head, query block, batch) items with one K/V pipeline
+    (`forward_items_per_program`, persistent over them, its output staged in a buffer of
+    its own) computes each item exactly as a program of one item does: outputs, lse and
+    the row max bitwise equal, and equal to the reference. 5 items per program leave a
+    shorter last program; rows with nothing to attend to (a BlockMask row with no block)
+    sit between items that have some."""
+    batch, q_len, kv_len, q_heads, kv_heads, dim, mask_name, score_name, with_sinks, \
+        with_max = ITEM_CASES[case]
+    q, k, v = random_qkv(3, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, jnp.bfloat16)
+    ids = jnp.asarray(np.repeat(np.arange(4), [70, 100, 90, 124]).astype(np.int32))
+    mask_mod = {"causal": masks.causal_mask,
+                "document": lambda b, h, q_idx, kv_idx: (ids[q_idx] == ids[kv_idx])
+                & (q_idx >= kv_idx),
+                "empty_rows": lambda b, h, q_idx, kv_idx: (q_idx < 128) & (kv_idx <= q_idx),
+                }[mask_name]
+    slopes = jnp.asarray([0.25, 0.5], jnp.float32)
+    score_mod = None if score_name is None else (
+        lambda s, b, h, q_idx, kv_idx: s - slopes[h] * (q_idx - kv_idx))
+    sinks = jnp.linspace(-1.0, 1.0, q_heads).astype(jnp.float32) if with_sinks else None
+    results = []
+    for items in (1, 2, 5):
+        options = dict(MOSAIC, forward_items_per_program=items)
+        out, aux = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
+                                backend=backend, kernel_options=options,
+                                return_aux=pf.AuxRequest(lse=True, max_scores=with_max))
+        results.append([np.asarray(x.astype(jnp.float32)) for x in
+                        (out, aux.lse) + ((aux.max_scores,) if with_max else ())])
+    for other in results[1:]:
+        for expected, got in zip(results[0], other):
+            np.testing.assert_array_equal(got, expected)
+    if not with_sinks:
+        expected_out, _ = golden(q, k, v, mask_mod, score_mod)
+        assert_close_to_golden(jnp.asarray(results[1][0]).astype(q.dtype), expected_out,
+                               q, k, v, mask_mod, score_mod)
+
+
 # Paged prefill: (lengths, page_size, q_len, Hq, Hkv, D, dtype, mask, score). Page sizes
 # below 128 fill a tile with one TMA copy per page; 128 and above copy 128 rows of one
 # page. Logical lengths (max_pages * page_size) that are not whole blocks, an empty row.
@@ -330,8 +376,10 @@ def test_paged_prefill(case, backend):
 
     lengths, page_size, q_len, q_heads, kv_heads, dim, dtype, mask_name, score_name = \
         PAGED_CASES[case]
+    # Three items per program: the K/V pipeline runs on across rows of the page table.
     check_paged_against_golden(lengths, page_size, q_len, q_heads, kv_heads, dim, dim, dtype,
-                               mask_name, score_name, MOSAIC, backend, window=40)
+                               mask_name, score_name, dict(MOSAIC, forward_items_per_program=3),
+                               backend, window=40)
 
 
 def test_paged_page_sizes_it_does_not_take_are_refused():
