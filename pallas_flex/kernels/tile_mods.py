@@ -464,8 +464,9 @@ def reads_argument(jaxpr: jex_core.Jaxpr, position: int, replaced_reads=()) -> b
 
 class ExactIndices:
     """The variables of a mod's jaxpr that equal q_idx or kv_idx exactly ("q" / "kv" in
-    `kind`), through jnp indexing's negative-index wrap `select_n(i < 0, i, i + n)`: the
-    kernels' indices are never negative, so that select is the index itself."""
+    `kind`), through an integer `x + 0` / `x - 0` (`ids[q_idx + offset]` with offset 0)
+    and jnp indexing's negative-index wrap `select_n(i < 0, i, i + n)`: the kernels'
+    indices are never negative, so that select is the index itself."""
 
     def __init__(self, program):
         first_index = 2 if program.kind == "mask" else 3
@@ -480,6 +481,10 @@ class ExactIndices:
     def follow(self, equation) -> bool:
         """Records what `equation` makes exact (or never true); whether it did."""
         name, inputs = equation.primitive.name, equation.invars
+        kept = _integer_identity(equation)
+        if kept is not None and self.of(inputs[kept]):
+            self.kind[equation.outvars[0]] = self.of(inputs[kept])
+            return True
         if (name == "lt" and self.of(inputs[0]) and isinstance(inputs[1], jex_core.Literal)
                 and inputs[1].val <= 0):
             self._never_true.add(equation.outvars[0])
@@ -522,10 +527,7 @@ def block_reads(program):
     reads = {}
     for equation in jaxpr.eqns:
         name, inputs = equation.primitive.name, equation.invars
-        kept = _integer_identity(equation)
-        if kept is not None and exact.of(inputs[kept]):  # `q_idx + 0`
-            exact.kind[equation.outvars[0]] = exact.of(inputs[kept])
-        elif exact.follow(equation):
+        if exact.follow(equation):
             pass
         elif (name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions
               and all(size == 1 for size in equation.params["slice_sizes"])):

@@ -97,6 +97,17 @@ def test_contiguous_reads_recognizes_index_reads_only():
     reads = mosaic_eligibility.contiguous_reads(make_mod_program(score_mod, SCORE))
     assert sorted(reads.values()) == [(0, 1, "kv")]
 
+    offset = 0  # `ids[q_idx + offset]` as a prefill-with-cache mask writes it: exact at 0
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx + offset] + table[h, kv_idx - 0] + table[h, q_idx + 1]
+
+    reads = mosaic_eligibility.contiguous_reads(make_mod_program(shifted, SCORE))
+    assert sorted(reads.values()) == [(0, 1, "kv"), (0, 1, "q")]
+    assert mosaic_eligibility._mod_unsupported_reason(make_mod_program(shifted, SCORE))
+    assert mosaic_eligibility._mod_unsupported_reason(make_mod_program(
+        lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx + offset], SCORE)) is None
+
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_fully_masked_rows_and_empty_block_rows(backend):
