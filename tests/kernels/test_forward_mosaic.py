@@ -335,8 +335,9 @@ def test_items_per_program_give_the_same_bits(case, backend):
     (`forward_items_per_program`, persistent over them, its output staged in a buffer of
     its own) computes each item exactly as a program of one item does: outputs, lse and
     the row max bitwise equal, and equal to the reference. 5 items per program leave a
-    shorter last program; rows with nothing to attend to (a BlockMask row with no block)
-    sit between items that have some."""
+    shorter last program (2, the default, runs in every other test of this kernel); rows
+    with nothing to attend to (a BlockMask row with no block) sit between items that
+    have some."""
     batch, q_len, kv_len, q_heads, kv_heads, dim, mask_name, score_name, with_sinks, \
         with_max = ITEM_CASES[case]
     q, k, v = random_qkv(3, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, jnp.bfloat16)
@@ -351,7 +352,7 @@ def test_items_per_program_give_the_same_bits(case, backend):
         lambda s, b, h, q_idx, kv_idx: s - slopes[h] * (q_idx - kv_idx))
     sinks = jnp.linspace(-1.0, 1.0, q_heads).astype(jnp.float32) if with_sinks else None
     results = []
-    for items in (1, 2, 5):
+    for items in (1, 5):
         options = dict(MOSAIC, forward_items_per_program=items)
         out, aux = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, sinks=sinks,
                                 backend=backend, kernel_options=options,
@@ -363,7 +364,7 @@ def test_items_per_program_give_the_same_bits(case, backend):
             np.testing.assert_array_equal(got, expected)
     if not with_sinks:
         expected_out, _ = golden(q, k, v, mask_mod, score_mod)
-        assert_close_to_golden(jnp.asarray(results[1][0]).astype(q.dtype), expected_out,
+        assert_close_to_golden(jnp.asarray(results[0][0]).astype(q.dtype), expected_out,
                                q, k, v, mask_mod, score_mod)
 
 
