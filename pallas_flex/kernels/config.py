@@ -72,10 +72,10 @@ class KernelOptions:
       program of the Mosaic GPU forward walks, with one K/V pipeline across them (the
       next item's first tiles load while the current one finishes; its output is stored
       from a buffer of its own). H100, bf16, 1 -> 2 items (B4 H16 S4096 D128, B1 S16384,
-      B8 S2048 D64, GQA 32:8): noop 1.4-2.9 % faster, causal 0.8-5.6 %, sliding window
-      0.1-3.9 %, 12 documents +6.0 / -3.9 / +6.8 / +9.5 %, causal soft-cap -0.5-6.2 %. 4 or 8
-      items, or one program per SM, lose up to 26 % on causal masks: the hardware's
-      scheduling of programs no longer balances rows of unequal length.
+      B8 S2048 D64, GQA 32:8; docs/gpu-notes.md has the times): noop 1.1-1.9 % faster,
+      causal -0.6 to +4.5 %, 12 documents -2.7 to +11.5 %, soft-cap 1.3-4.4 %, ALiBi
+      0-5.8 %. 4 or 8 items, or one program per SM, lose up to 26 % on causal masks: the
+      hardware's scheduling of programs no longer balances rows of unequal length.
     backward_kernel: which backward kernel runs on the GPU, the same way: "auto" (the
       Mosaic GPU backward, `kernels/backward_mosaic.py`, where it covers the call: the
       forward's set, without gradients of captured arrays), "mosaic" (a ValueError
