@@ -237,9 +237,9 @@ BAD_KERNEL_OPTIONS = {
     "block_kv_zero": ({"block_kv": 0}, r"kernel_options\['block_kv'\] must be a power of two"),
     "block_kv_float": ({"block_kv": 16.0}, r"kernel_options\['block_kv'\] must be a power of two"),
     "num_warps": ({"num_warps": 0}, r"kernel_options\['num_warps'\] must be a positive int"),
-    "items_per_program": ({"forward_items_per_program": 0},
-                          r"kernel_options\['forward_items_per_program'\] must be a positive "
-                          r"int, got 0"),
+    "items_per_program": ({"forward_items_per_program": -1},
+                          r"kernel_options\['forward_items_per_program'\] must be a "
+                          r"non-negative int, got -1"),
     "backward_masked_first": ({"backward_masked_first": 1},
                               r"kernel_options\['backward_masked_first'\] must be a bool, got 1"),
     "not_a_dict": ([("block_q", 16)], r"kernel_options must be a dict or KernelOptions, got list"),

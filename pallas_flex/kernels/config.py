@@ -71,11 +71,13 @@ class KernelOptions:
     forward_items_per_program: how many (head, 128-row query block, batch) items one
       program of the Mosaic GPU forward walks, with one K/V pipeline across them (the
       next item's first tiles load while the current one finishes; its output is stored
-      from a buffer of its own). H100, bf16, 1 -> 2 items (B4 H16 S4096 D128, B1 S16384,
-      B8 S2048 D64, GQA 32:8; docs/gpu-notes.md has the times): noop 1.1-1.9 % faster,
-      causal -0.6 to +4.5 %, 12 documents -2.7 to +11.5 %, soft-cap 1.3-4.4 %, ALiBi
-      0-5.8 %. 4 or 8 items, or one program per SM, lose up to 26 % on causal masks: the
-      hardware's scheduling of programs no longer balances rows of unequal length.
+      from a buffer of its own); 0 = automatic (`forward_mosaic.choose_items_per_program`: 2,
+      or 8 at D 64 where every query block of a head has the same blocks). H100, bf16,
+      1 -> 2 items (B4 H16 S4096 D128, B1 S16384, B8 S2048 D64, GQA 32:8;
+      docs/gpu-notes.md has the times): noop 1.1-1.9 % faster, causal -0.6 to +4.5 %,
+      12 documents -2.7 to +11.5 %, soft-cap 1.3-4.4 %, ALiBi 0-5.8 %. 4 or 8 items, or
+      one program per SM, lose up to 26 % on causal masks: the hardware's scheduling of
+      programs no longer balances rows of unequal length.
     backward_kernel: which backward kernel runs on the GPU, the same way: "auto" (the
       Mosaic GPU backward, `kernels/backward_mosaic.py`, where it covers the call: the
       forward's set, without gradients of captured arrays), "mosaic" (a ValueError
@@ -105,7 +107,7 @@ class KernelOptions:
     backward_masked_first: bool = True
     forward_kernel: str = "auto"
     backward_kernel: str = "auto"
-    forward_items_per_program: int = 2
+    forward_items_per_program: int = 0
     backward_deterministic: bool = False
     backward_batch_sum: str = "auto"
     backward_batch_rows: int = 0
@@ -236,14 +238,10 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
                          f"of two, got {size!r}")
     for name in ("decode_max_q_len", "decode_num_splits", "decode_num_stages", "decode_max_rows",
                  "paged_num_stages", "backward_dkdv_num_warps", "backward_dkdv_num_stages",
-                 "backward_batch_rows"):
+                 "backward_batch_rows", "forward_items_per_program"):
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
-    count = kernel_options.get("forward_items_per_program", 1)
-    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
-        raise ValueError("kernel_options['forward_items_per_program'] must be a positive int, "
-                         f"got {count!r}")
     for name in ("forward_kernel", "backward_kernel"):
         if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
             raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "

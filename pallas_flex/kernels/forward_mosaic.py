@@ -2,13 +2,14 @@
 
 Warp-specialized, after FlashAttention-3. A work item is one 128-row BlockMask query
 block of one head and batch row; a program walks `items_per_program` consecutive items
-(KernelOptions.forward_items_per_program, 2 by default: the figures are there). Its
-memory warpgroup streams the K/V tiles of the blocks that each item's BlockMask row
-lists into shared memory with TMA, `num_stages` tiles ahead of use and on from one
-item into the next; its two compute warpgroups (64 query rows each) run wgmma for q·kᵀ
-and p·v and the online softmax, and load the next item's queries while they store the
-current item's output. A schedule barrier makes the compute warpgroups take turns on
-the tensor cores, so one's softmax runs under the other's matmuls.
+(KernelOptions.forward_items_per_program; 2, or 8 at D 64 where all of a head's query
+blocks walk the same blocks: `choose_items_per_program`). Its memory warpgroup streams
+the K/V tiles of the blocks that each item's BlockMask row lists into shared memory with
+TMA, `num_stages` tiles ahead of use and on from one item into the next; its two compute
+warpgroups (64 query rows each) run wgmma for q·kᵀ and p·v and the online softmax, and
+load the next item's queries while they store the current item's output. A schedule
+barrier makes the compute warpgroups take turns on the tensor cores, so one's softmax
+runs under the other's matmuls.
 
 The walk is the Triton kernel's (`forward.py`): the row's full blocks without the
 mask_mod, then its partial blocks with it; blocks the mask leaves empty are never
@@ -66,6 +67,14 @@ WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
 _STAGES = {64: 4, 128: 2}
+# Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
+# has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
+# that does not read q_idx: no mask, key padding) more items cost nothing in balance;
+# at D 64 they gain: B8 H16 S2048 D64 noop, paired rounds on the H100, 1 / 2 / 4 / 8
+# items 0.354 / 0.347 / 0.341 / 0.330 ms (at D 128 4 and 8 items were within 3 % of 2,
+# either way, and causal masks lose with more than 2).
+_ITEMS_PER_PROGRAM = 2
+_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
 # Work items (`_kernel`) vary heads fastest, then query blocks, then batch rows: heads
 # first (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
@@ -467,15 +476,26 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
     plgpu.warp_map(per_warp)
 
 
+def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int:
+    """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
+    or where that is 0, by head dim and whether the mask reads q_idx."""
+    if requested:
+        return requested
+    if head_dim == 64 and not reads_index(mask_program, {}, "q_idx"):
+        return _ITEMS_PER_PROGRAM_EQUAL_ROWS_D64
+    return _ITEMS_PER_PROGRAM
+
+
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
                                   lengths=None, with_max: bool = False, sinks=None,
-                                  items_per_program: int = 1):
+                                  items_per_program: int = 0):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
     page_table given, k / v pages; and with sinks [Hq]); only for calls
     `unsupported_reason` accepts. items_per_program: how many consecutive (head, query
-    block, batch) items one program walks with one K/V pipeline (`_kernel`)."""
+    block, batch) items one program walks with one K/V pipeline (`_kernel`; 0: chosen by
+    `choose_items_per_program`)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
@@ -485,7 +505,8 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
                                num_stages=num_stages, with_max=with_max,
-                               items_per_program=items_per_program)
+                               items_per_program=choose_items_per_program(
+                                   items_per_program, q.shape[3], block_mask.mask_mod))
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
                               sinks)
 

@@ -368,6 +368,29 @@ def test_items_per_program_give_the_same_bits(case, backend):
                                q, k, v, mask_mod, score_mod)
 
 
+def test_items_per_program_by_head_dim_and_mask():
+    """2 items per program, 8 at D 64 where every query block of a head walks the same
+    blocks (a mask that reads no q_idx); a number given in kernel_options is kept."""
+    from pallas_flex.kernels.forward_mosaic import choose_items_per_program
+    from pallas_flex.masks.mod_program import MASK
+
+    lengths = jnp.asarray([100, 200], jnp.int32)
+    ids = jnp.zeros((256,), jnp.int32)
+    program = {
+        "none": make_mod_program(masks.noop_mask, MASK),
+        "key_padding": make_mod_program(lambda b, h, q_idx, kv_idx: kv_idx < lengths[b], MASK),
+        "causal": make_mod_program(masks.causal_mask, MASK),
+        "document": make_mod_program(lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx],
+                                     MASK),
+    }
+    assert choose_items_per_program(0, 64, program["none"]) == 8
+    assert choose_items_per_program(0, 64, program["key_padding"]) == 8
+    assert choose_items_per_program(0, 64, program["causal"]) == 2
+    assert choose_items_per_program(0, 64, program["document"]) == 2
+    assert choose_items_per_program(0, 128, program["none"]) == 2
+    assert choose_items_per_program(3, 64, program["none"]) == 3
+
+
 # Paged prefill: (lengths, page_size, q_len, Hq, Hkv, D, dtype, mask, score). Page sizes
 # below 128 fill a tile with one TMA copy per page; 128 and above copy 128 rows of one
 # page. Logical lengths (max_pages * page_size) that are not whole blocks, an empty row.
