@@ -94,6 +94,18 @@ def test_dispatch_table(row, capability, kernel, plan_as):
     assert choice.kernel in dispatch.FORWARD_KERNELS and choice.reason
 
 
+def test_the_explanation_names_the_query_blocks_per_program(plan_as):
+    plan_as(H100)
+    causal = _choose(_shape(dim=64), _shape(dim=64), masks.causal_mask, None, None, "pallas")
+    dense = _choose(_shape(dim=64), _shape(dim=64), None, None, None, "pallas")
+    given = _choose(_shape(), _shape(), None, None, {"forward_items_per_program": 3},
+                    "pallas")
+    assert causal.kernel == dense.kernel == given.kernel == "mosaic_forward"
+    assert "2 query blocks per program" in causal.reason
+    assert "8 query blocks per program" in dense.reason
+    assert "3 query blocks per program" in given.reason
+
+
 @pytest.mark.parametrize("capability,reason", [
     (A100, "compute capability 8.0"), (NO_GPU, "no GPU")])
 def test_why_the_mosaic_kernel_is_not_taken(capability, reason, plan_as):
