@@ -116,15 +116,20 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
                                        interpret=interpret, paged=paged, out_dtype=out_dtype)
     if reason is None:
-        items = forward_mosaic.choose_items_per_program(
-            options.forward_items_per_program, q.shape[3], block_mask.mask_mod)
         return Choice("mosaic_forward", "the Mosaic GPU forward takes it (Hopper, "
-                                        f"warp-specialized, wgmma; {items} query blocks "
-                                        "per program)")
+                                        "warp-specialized, wgmma; "
+                                        f"{_mosaic_items_per_program(q, block_mask, options)} "
+                                        "query blocks per program)")
     if named:
         raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
                          f"forward kernel does not take this call: {reason}")
     return Choice("triton_forward", f"the Mosaic GPU forward does not take {reason}")
+
+
+def _mosaic_items_per_program(q, block_mask, options: KernelOptions) -> int:
+    """The (head, query block, batch) items a Mosaic GPU forward program walks."""
+    return forward_mosaic.choose_items_per_program(options.forward_items_per_program,
+                                                   q.shape[3], block_mask.mask_mod)
 
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
@@ -151,7 +156,7 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
             with_max=with_max, sinks=sinks,
-            items_per_program=options.forward_items_per_program, **paging)
+            items_per_program=_mosaic_items_per_program(q, block_mask, options), **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
                                   with_max=with_max, sinks=sinks, **paging)

@@ -111,9 +111,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         sinks_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
-    (q_smem2, k_smem, v_smem, lse_smem2, *max_smem2), barriers = scratch
+    # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max)
+    # and a persistent program's output tiles (see `_launch`).
+    (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
     persistent = items_per_program > 1
-    o_smem2 = max_smem2.pop() if persistent else None
+    max_smem2 = extra_smem[:1] if with_max else []
+    o_smem2 = extra_smem[-1] if persistent else None
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -489,13 +492,13 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
                                   lengths=None, with_max: bool = False, sinks=None,
-                                  items_per_program: int = 0):
+                                  items_per_program: int = 1):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
     page_table given, k / v pages; and with sinks [Hq]); only for calls
     `unsupported_reason` accepts. items_per_program: how many consecutive (head, query
-    block, batch) items one program walks with one K/V pipeline (`_kernel`; 0: chosen by
-    `choose_items_per_program`)."""
+    block, batch) items one program walks with one K/V pipeline (`_kernel`; the
+    dispatcher's is `choose_items_per_program`'s)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
@@ -505,8 +508,7 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
                                num_stages=num_stages, with_max=with_max,
-                               items_per_program=choose_items_per_program(
-                                   items_per_program, q.shape[3], block_mask.mask_mod))
+                               items_per_program=items_per_program)
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
                               sinks)
 
@@ -551,7 +553,7 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_blocks,
-            kv_len, scale, interpret, num_stages, with_max=False, items_per_program=1):
+            kv_len, scale, interpret, num_stages, items_per_program, with_max=False):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
     (logical) key length; sinks: None or float32 [Hq]."""
     batch, q_len, q_heads, head_dim = q.shape
