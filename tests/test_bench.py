@@ -287,3 +287,23 @@ def test_bench_quick_works_from_a_plain_install(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "| tiny_gqa causal |" in run.stdout
     assert not list(work.iterdir())  # --quick writes no results file
+
+
+def test_the_captured_gradients_suite_pairs_each_table_with_the_call_without_it():
+    """`captured_gradients`: ALiBi slopes and a T5 table, each forward+backward with and
+    without the array's gradient, timed in paired rounds with the 1.1x bar recorded."""
+    import types
+
+    import pallas_flex as pf
+    from pallas_flex.bench import jax_suites
+    options = types.SimpleNamespace(quick=True, backend=pf.default_backend(),
+                                    shapes=list(cases.QUICK_ATTENTION_SHAPES),
+                                    timing={"iters": 1, "repeats": 1})
+    columns, metric, rows = jax_suites.captured_gradients(options)
+    assert columns == ["pallas_flex", "no_table_gradient"] and metric == "ms"
+    assert [row["case"] for row in rows] == ["tiny_gqa alibi_slopes", "tiny_gqa t5_table"]
+    for row in rows:
+        assert row["pallas_flex"]["ms"] > 0 and row["no_table_gradient"]["ms"] > 0
+        assert row["acceptance"]["criterion"] == "pallas_flex / no_table_gradient <= 1.1"
+        assert row["acceptance"]["value"] == pytest.approx(
+            row["pallas_flex"]["ms"] / row["no_table_gradient"]["ms"])

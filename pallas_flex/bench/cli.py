@@ -30,7 +30,9 @@ SUITES = {  # each suite and what it is compared with
     "block_mask": "torch's create_block_mask", "compile": "- (seconds, per dtype)",
     "fuse": "the hand-written pf.attention call, XLA on the plain code",
     "variants": "sinks: the call without them; differential: two pf.attention calls, XLA; "
-                "gated: XLA"}
+                "gated: XLA",
+    "captured_gradients": "the same forward+backward without the captured array's "
+                          "gradient"}
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
 
 

@@ -279,6 +279,37 @@ def score_mods(options):
         "ms", rows
 
 
+def captured_gradients(options):
+    """Training a score_mod's captured array (issue 16): forward+backward of the causal
+    call with learnable ALiBi slopes [Hq] and a T5 table [Hq, 32], the gradients of q, k,
+    v and the array against those of q, k, v alone (the same call, which skips the
+    captured-gradient work), in paired rounds. At most 1.1x is the bar."""
+    causal = pf.masks.causal_mask
+    rows = []
+    for shape in options.shapes:
+        q, k, v, d_out = _bf16(*cases.inputs(shape))
+        block_mask = pf.create_block_mask(causal, None, None, shape.seq_len, shape.seq_len)
+        for name, table, make_mod in (
+                ("alibi_slopes", jnp.asarray(pf.scores.alibi_slopes(shape.q_heads)),
+                 pf.scores.alibi),
+                ("t5_table", jnp.asarray(cases.normal((shape.q_heads, 32), 4)),
+                 lambda table: pf.scores.t5_relative_bias(table, bidirectional=False))):
+
+            def attend(q, k, v, table, block_mask, make_mod=make_mod):
+                return pf.flex_attention(q, k, v, make_mod(table), block_mask,
+                                         backend=options.backend)
+            row = {"case": f"{shape.name} {name}", "params": {
+                **dataclasses.asdict(shape), "mode": "fwd_bwd", "captured": name,
+                "flops": cases.flops(cases.VARIANTS[1], shape, "fwd_bwd")}}
+            args = (q, k, v, table, block_mask, d_out)
+            _run_paired(row, {OURS: (_grad_step(attend, "fwd_bwd", (0, 1, 2, 3)), args),
+                              "no_table_gradient": (_grad_step(attend, "fwd_bwd", (0, 1, 2)),
+                                                    args)}, options)
+            _acceptance(row, "no_table_gradient", 1.1, at_most=True)
+            rows.append(row)
+    return [OURS, "no_table_gradient"], "ms", rows
+
+
 def plain_attention(variant: cases.Variant, shape: cases.Shape):
     """The variant as plain JAX code (what pf.fuse takes): einsums, `where` on a `tril`,
     ALiBi as broadcast arithmetic, a tanh cap, GQA by `jnp.repeat`, the softmax in
@@ -845,5 +876,5 @@ SUITES = {
     "decode": lambda options: attention(options, "fwd", decode=True),
     "paged": paged, "quantized": quantized, "ragged": ragged, "cascade": cascade,
     "memory": memory, "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
-    "variants": variants,
+    "variants": variants, "captured_gradients": captured_gradients,
 }

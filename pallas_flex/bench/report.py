@@ -17,7 +17,11 @@ LEGENDS = {  # what a suite's columns are, where their names do not say it
     "variants": "pallas_flex: the call with sinks, or pf.variants' function; no_sinks: the "
                 "same call without sinks; two_calls: two pf.attention calls combined by hand; "
                 "xla_plain: XLA on the plain-JAX formulation. Ratios: a column's time over "
-                "pallas_flex's (> 1: pallas_flex is faster); a decode row is ms per step."}
+                "pallas_flex's (> 1: pallas_flex is faster); a decode row is ms per step.",
+    "captured_gradients": "pallas_flex: forward+backward with the gradients of q, k, v and "
+                          "the captured array; no_table_gradient: the same call with those "
+                          "of q, k, v alone. A ratio below 1 is what the array's gradient "
+                          "costs."}
 ACCURACY = {  # entry keys an accuracy table shows (the `quantized` suite's)
     "max_abs_error_vs_float64": "max abs error vs float64",
     "max_abs_diff_vs_bf16": "max abs diff vs bf16's output"}
