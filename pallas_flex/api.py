@@ -198,7 +198,8 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
     sinks_wanted = _StaticFlags([sinks is not None and sinks.perturbed])
     q, k, v, block_mask, score_program, sinks = _unwrap_primals(
         (q, k, v, block_mask, score_program, sinks))
-    if not any(wanted.flags):
+    if not any(wanted.flags) or _backward_takes_exact_deltas(
+            q, k, v, block_mask, score_program, config, wanted.flags):
         out, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
                                            with_max=with_max, sinks=sinks)
         return (out, lse, *row_max), (q, k, v, block_mask, score_program, sinks, out, lse,
@@ -208,14 +209,25 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
     # exact output. From the output rounded to 16 bits, every row keeps its rounding
     # error, and an ALiBi slope's gradient multiplies it by key distances in the
     # thousands (relative error 0.37 at 3000 bidirectional tokens in bfloat16, against
-    # 0.005 for plain JAX attention). So the forward keeps its float32 output as the
-    # residual and rounds a copy for the caller.
+    # 0.005 for plain JAX attention). So for the Triton backward the forward keeps its
+    # float32 output as the residual and rounds a copy for the caller. (The Mosaic GPU
+    # backward sums each row's exact delta itself: `backward_mosaic._captured_gradients`.)
     out_unrounded, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
                                                  out_dtype=jnp.float32, with_max=with_max,
                                                  sinks=sinks)
     return ((out_unrounded.astype(q.dtype), lse, *row_max),
             (q, k, v, block_mask, score_program, sinks, out_unrounded, lse, wanted,
              sinks_wanted))
+
+
+def _backward_takes_exact_deltas(q, k, v, block_mask, score_program, config, wanted):
+    """Whether the backward kernel of this call computes the captured arrays' gradients
+    from each row's exact delta (the Mosaic GPU backward), so that the forward need not
+    keep a float32 output."""
+    backend, _, options = config
+    return dispatch.choose_backward(
+        q, k, v, block_mask, score_program, backend=backend, options=options,
+        wanted_const_grads=wanted).kernel == "mosaic_backward"
 
 
 def _fused_attention_backward(config, with_max, residuals, cotangents):

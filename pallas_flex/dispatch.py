@@ -21,8 +21,7 @@ backward of `pallas_flex.attention` (`choose_backward`), in the same way:
 |----------------------------------------------------------------|------------------|
 | backward_kernel "triton"                                       | triton_backward  |
 | backend "xla", or "interpret" with backward_kernel "auto"      | triton_backward (interpreted) |
-| gradients of arrays the score_mod captured are wanted          | triton_backward  |
-| the Mosaic GPU forward would take the call                     | mosaic_backward  |
+| the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only (`captured_gradient_unsupported_reason`) | mosaic_backward  |
 | otherwise (backward_kernel "mosaic" then raises a ValueError)  | triton_backward  |
 
 The ragged op (`paged.paged_attention`) has one kernel of its own.
@@ -175,16 +174,14 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
     if backend == "xla" or (interpret and not named):
         return Choice("triton_backward", f'backend "{backend}" runs the Triton backward in '
                                          "Pallas's interpreter")
-    reason = None
-    if score_program is not None and any(
-            wanted and jnp.issubdtype(const.dtype, jnp.floating)
-            for wanted, const in zip(wanted_const_grads or (), score_program.consts)):
-        reason = "gradients of arrays the score_mod captured (the Triton backward sums them)"
-    if reason is None:
-        reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program,
-                                           options=options, interpret=interpret)
+    reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
+                                       interpret=interpret)
     if reason is None:
         reason = mosaic_eligibility.backward_unsupported_reason(score_program)
+    if reason is None:
+        reason = mosaic_eligibility.captured_gradient_unsupported_reason(
+            score_program, mosaic_eligibility.differentiated_positions(
+                score_program, wanted_const_grads))
     if reason is None:
         return Choice("mosaic_backward", "the Mosaic GPU backward takes it (Hopper, "
                                          "warp-specialized, wgmma)")
@@ -200,11 +197,11 @@ def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, sc
     """(dq, dk, dv, d_score_consts) of the kernel `choice` names (d_score_consts as
     `backward.flex_attention_backward` returns them)."""
     if choice.kernel == "mosaic_backward":
-        d_q, d_k, d_v = backward_mosaic.flex_attention_backward_mosaic(
+        return backward_mosaic.flex_attention_backward_mosaic(
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
-            interpret=interpret, masked_first=options.backward_masked_first)
-        consts = score_program.consts if score_program is not None else ()
-        return d_q, d_k, d_v, [None] * len(consts)
+            interpret=interpret, masked_first=options.backward_masked_first,
+            gradient_positions=mosaic_eligibility.differentiated_positions(
+                score_program, wanted_const_grads))
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                                    scale=scale, options=options, interpret=interpret,
                                    wanted_const_grads=wanted_const_grads)

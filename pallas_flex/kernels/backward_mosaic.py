@@ -47,6 +47,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -58,9 +59,10 @@ from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
     map_each_element, materialize, padded_for_slices, reads_index, result, score_parts,
-    to_tile, with_accumulators)
-from pallas_flex.kernels.tile_mods import split_captured_refs
-from pallas_flex.masks.mod_program import with_score_derivative
+    to_tile, vector_layout, with_accumulators)
+from pallas_flex.kernels.tile_mods import (
+    CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles, split_captured_refs)
+from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # Query rows of one dK/dV step: two [64, 64] float32 tiles (S^T, dP^T) next to the
@@ -80,11 +82,13 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
                       q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret):
     """(base-2 logits of a tile, d score_mod / d score or None where it is 1, the mod's
     base-2 term that depends on the query only, left out of the logits, or None: the
-    caller subtracts it from the lse instead, once per query, as the forward added it).
-    score_program computes the mod and its derivative (`with_score_derivative`)."""
+    caller subtracts it from the lse instead, once per query, as the forward added it,
+    the derivatives of the values the mod read from the differentiated captured arrays:
+    scalars, Vectors or tiles). score_program computes the mod and its derivatives
+    (`with_score_derivative` or `with_read_derivatives`)."""
     if score_program is None:
-        return raw * (scale * online_softmax.LOG2_E), None, None
-    scores, derivative = evaluate(
+        return raw * (scale * online_softmax.LOG2_E), None, None, []
+    scores, derivative, *read_derivatives = evaluate(
         score_program, score_reads, score_refs,
         (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
         q_start=q_start, kv_start=kv_start, interpret=interpret, keep_affine=True)
@@ -92,11 +96,17 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     if query_term is not None:
         query_term = query_term.value * online_softmax.LOG2_E
     logits = scores.astype(jnp.float32) * (factor * online_softmax.LOG2_E)
+    read_derivatives = [materialize(d, tile) for d in read_derivatives]
     derivative = materialize(derivative, tile)
-    derivative_output = score_program.jaxpr.outvars[1]
-    if isinstance(derivative_output, jex_core.Literal) and derivative_output.val == 1.0:
-        return logits, None, query_term  # a bias: dS passes through
-    return logits, to_tile(derivative, tile), query_term
+    if _is_constant_one(derivative):
+        return logits, None, query_term, read_derivatives  # a bias: dS passes through
+    return logits, to_tile(derivative, tile), query_term, read_derivatives
+
+
+def _is_constant_one(x) -> bool:
+    """Whether x is a compile-time 1 (a bias's derivative), which costs nothing."""
+    return (isinstance(x, (int, float, np.ndarray, np.generic)) and np.ndim(x) == 0
+            and float(x) == 1.0)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
@@ -184,7 +194,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             if needs_q_idx[masked]:
                 q_idx = index_vector(q_start, Q_TILE, 1,
                                      below=q_len if q_len % BLOCK else None)
-            logits, score_derivative, query_term = _scores_to_logits(
+            logits, score_derivative, query_term, _ = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, q_start=q_start, **mods)
@@ -260,10 +270,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               interpret):
-    mask_refs, score_refs, (dq_ref, scratch) = split_captured_refs(
+               gradient_sites, interpret):
+    """gradient_sites: how many captured arrays' gradients the program accumulates (the
+    score program's read derivatives): per query row, C = sum P dP over the row's keys
+    and, per array, A = sum P dP g and B = sum P g (g: the derivative with respect to
+    the value read), written to rows_ref [1 + 2 sites, B, Hq, S] (see
+    `_captured_gradients`)."""
+    mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
-    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem), barriers = scratch
+    (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
     row_barriers, k_ready, v_ready, k_consumed, v_consumed = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -321,13 +336,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             for masked in (False, True)}
         mods = dict(tile=tile, q_axis=0, q_start=q_start, interpret=interpret)
 
-        def visit(step, d_q, masked):
+        def visit(step, carry, masked):
             slot = lax.rem(step, jnp.int32(num_stages))
-            (d_q,) = with_accumulators(functools.partial(step_matmuls, step, slot, masked),
-                                       [d_q], (tile, tile), interpret=interpret)
-            return d_q
+            d_q, *rows = carry
+            return tuple(with_accumulators(
+                functools.partial(step_matmuls, step, slot, masked), [d_q], (tile, tile),
+                interpret=interpret, states=rows))
 
-        def step_matmuls(step, slot, masked, carried, fresh):
+        def step_matmuls(step, slot, masked, carried, fresh, rows=()):
             """S and dP issued together; P computed while dP runs; then dQ's wgmma."""
             (d_q,), (scores_ref, d_probabilities_ref) = carried, fresh
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
@@ -343,7 +359,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                 # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
-            logits, score_derivative, query_term = _scores_to_logits(
+            logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, kv_start=kv_start, **mods)
@@ -363,17 +379,33 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             if score_derivative is not None:
                 d_scores = d_scores * score_derivative
             issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
+            if rows:
+                _accumulate_rows(rows, probabilities, d_probabilities, read_derivatives,
+                                 tile)
             result(d_q, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
 
         d_q = plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP, head_dim), 0.0, jnp.float32),
                                 plgpu.Layout.WGMMA)
-        d_q = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first), d_q)
-        d_q = lax.fori_loop(num_first, num_steps,
-                            functools.partial(visit, masked=not masked_first), d_q)
+        row_sums = tuple(
+            plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
+                              vector_layout(0))
+            for _ in range(1 + 2 * gradient_sites if gradient_sites else 0))
+        carry = (d_q, *row_sums)
+        carry = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first),
+                              carry)
+        d_q, *row_sums = lax.fori_loop(num_first, num_steps,
+                                       functools.partial(visit, masked=not masked_first),
+                                       carry)
         q_smem[...] = (d_q * scale).astype(dtype)
+        for index, row_sum in enumerate(row_sums):
+            rows_smem[0].at[warpgroup, index][...] = row_sum
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+        plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows], commit_group=False)
+        for index in range(len(row_sums)):
+            plgpu.copy_smem_to_gmem(rows_smem[0].at[warpgroup, index],
+                                    rows_ref[0].at[(index,) + vector], commit_group=False)
+        plgpu.commit_smem_to_gmem_group()
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
@@ -402,24 +434,97 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         _drain((k_consumed, v_consumed), num_steps, num_stages)
 
 
+def _accumulate_rows(rows, probabilities, d_probabilities, read_derivatives, tile):
+    """rows[0] += sum P dP; per read derivative g, rows[1 + 2i] += sum P dP g and
+    rows[2 + 2i] += sum P g, each over the tile's keys (see `_captured_gradients`)."""
+    weighted = probabilities * d_probabilities
+    rows[0][...] = rows[0][...] + weighted.sum(axis=1)
+    for index, derivative in enumerate(read_derivatives):
+        if _is_constant_one(derivative):  # a bias: g = 1
+            first, second = weighted, probabilities
+        else:
+            derivative = to_tile(derivative, tile)
+            first, second = weighted * derivative, probabilities * derivative
+        rows[1 + 2 * index][...] = rows[1 + 2 * index][...] + first.sum(axis=1)
+        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + second.sum(axis=1)
+
+
+def _captured_gradients(rows, d_lse, score_program, positions, q_len):
+    """Per captured array at `positions`, its gradient from the dQ kernel's row sums
+    rows [1 + 2 n, B, Hq, S]: a row's cotangent of the value it read is
+    sum dS g = sum P (dP - delta) g = A - delta B with A = sum P dP g, B = sum P g, taken
+    with the row's exact delta = sum P dP - dlse (C, summed beside them) rather than
+    rowsum(dO * out) from the output rounded to 16 bits: a row's rounding error there
+    would be multiplied by g (an ALiBi slope's: key distances in the thousands). Summed
+    over the rows of each (batch, head), then into the table entry that pair reads
+    (`table_gradient`), in a fixed order: bitwise reproducible."""
+    rows = rows[..., :q_len]
+    delta = rows[0] if d_lse is None else rows[0] - d_lse.astype(jnp.float32)
+    grads = []
+    for index, position in enumerate(positions):
+        per_row = rows[1 + 2 * index] - delta * rows[2 + 2 * index]
+        grads.append(table_gradient(score_program, position, jnp.sum(per_row, axis=-1)))
+    return grads
+
+
+def table_gradient(score_program, position, value_gradient):
+    """The gradient of the captured array at `position` from the cotangents of the value
+    each (batch, head) pair read from it, value_gradient [B, Hq]: the mod's read of the
+    array at indices of b and h only, evaluated for every pair, and a compare-and-select
+    sum per entry (XLA's scatter-add adds in no fixed order on the GPU)."""
+    const = score_program.consts[position]
+    shape = jnp.shape(const)
+    batch, heads = value_gradient.shape
+
+    def indices(b, h):
+        log = CaptureLog()
+        consts = [CapturedRef(jnp.reshape(c, (-1,)) if jnp.ndim(c) == 0 else c,
+                              jnp.shape(c), i, log)
+                  for i, c in enumerate(score_program.consts)]
+        evaluate_jaxpr_on_tiles(score_program.jaxpr, consts,
+                                [jnp.float32(0), b, h, jnp.int32(0), jnp.int32(0)],
+                                score_program.name)
+        (read,) = [index for site, index in log.sites if site == position]
+        flat = jnp.int32(0)
+        for index, stride in zip(read, np.cumprod((1,) + shape[::-1][:-1])[::-1]):
+            flat = flat + jnp.asarray(index, jnp.int32) * jnp.int32(stride)
+        return flat
+
+    flat = jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(
+        jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
+    entries = jnp.arange(int(np.prod(shape, dtype=int)), dtype=jnp.int32)
+    gradient = jnp.sum(jnp.where(flat[:, None] == entries[None, :],
+                                 value_gradient.reshape(-1, 1), 0.0), axis=0)
+    return gradient.reshape(shape).astype(const.dtype)
+
+
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
-                                   masked_first: bool = True):
-    """(dq, dk, dv) of FlexAttention, as `backward.flex_attention_backward` without
-    gradients of captured arrays; only for calls the Mosaic GPU forward takes."""
+                                   masked_first: bool = True, gradient_positions=()):
+    """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
+    only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
+    score_mod, its gradient for those at `gradient_positions` (each read once at indices
+    of b and h only: `mosaic_eligibility.captured_gradient_unsupported_reason`), else
+    None."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
               block_mask.q_num_blocks, block_mask.q_indices)
+    gradient_positions = tuple(gradient_positions)
     run = _vmappable(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
-        masked_first=masked_first))
-    d_q, d_k, d_v = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
-                        launch.delta, tuple(t.astype(jnp.int32) for t in tables),
-                        block_mask.mask_mod, score_program)
-    return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]]
+        masked_first=masked_first, gradient_positions=gradient_positions))
+    d_q, d_k, d_v, *rows = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
+                               launch.delta, tuple(t.astype(jnp.int32) for t in tables),
+                               block_mask.mask_mod, score_program)
+    const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
+    if gradient_positions:
+        for position, grad in zip(gradient_positions, _captured_gradients(
+                rows[0], d_lse, score_program, gradient_positions, q.shape[1])):
+            const_grads[position] = grad
+    return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
 def _vmappable(launch):
@@ -435,13 +540,20 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
-            kv_len, scale, interpret, masked_first):
-    """The two kernels on block-padded operands (`backward.prepare_operands`)."""
+            kv_len, scale, interpret, masked_first, gradient_positions):
+    """The two kernels on block-padded operands (`backward.prepare_operands`): (dq, dk,
+    dv), and the dQ kernel's row sums for captured-array gradients where
+    `gradient_positions` name any."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
     group = q_heads // kv_heads
+    dq_program = None
     if score_program is not None:
+        # The dQ kernel also differentiates the values read from the arrays whose
+        # gradients are wanted; the dK/dV kernel needs d score_mod / d score only.
+        dq_program = (with_read_derivatives(score_program, gradient_positions)
+                      if gradient_positions else with_score_derivative(score_program))
         score_program = with_score_derivative(score_program)
     mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
     captured = (padded_for_slices(mask_program, mask_reads, padded_q_len, padded_kv_len)
@@ -490,19 +602,26 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
         num_smem=6)
 
     dq_stages = _DQ_STAGES[head_dim]
+    row_count = 1 + 2 * len(gradient_positions) if gradient_positions else 0
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
-                           **settings)
-    d_q = call(
-        dq, kv_tables, jax.ShapeDtypeStruct(q.shape, q.dtype),
+                           **{**settings, "score_program": dq_program,
+                              "score_reads": contiguous_reads(dq_program)},
+                           gradient_sites=len(gradient_positions))
+    rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
+                                       jnp.float32),) if row_count else ())
+    rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
+    d_q, *rows = call(
+        dq, kv_tables, (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
          smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          smem((dq_stages, BLOCK, head_dim)), smem((dq_stages, BLOCK, value_dim)),
+         *rows_smem,
          plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WARPGROUPS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
-        num_smem=6)
-    return d_q, d_k, d_v
+        num_smem=6 + len(rows_smem))
+    return (d_q, d_k, d_v, *rows)

@@ -10,12 +10,16 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels import device
-from pallas_flex.masks.mod_program import with_score_derivative
+from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 from pallas_flex.kernels.tile_mods import (
-    EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_sites)
+    EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_positions, captured_read_sites,
+    captured_read_varying_axes)
 
 BLOCK = 128  # the kernel's BlockMask block on both axes
 HEAD_DIMS = (64, 128)
+# The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
+# by a compare-and-select sum (`backward_mosaic.table_gradient`): tables up to this size.
+GRADIENT_TABLE_ENTRIES = 1 << 16
 # Pages must hold a multiple of this many rows (one TMA copy per page and tile).
 PAGE_ROWS_MULTIPLE = 8
 
@@ -126,6 +130,43 @@ def backward_unsupported_reason(score_program):
     if score_program is None:
         return None
     return _mod_unsupported_reason(with_score_derivative(score_program))
+
+
+def differentiated_positions(score_program, wanted) -> tuple:
+    """The positions of the score_mod's captured arrays whose gradients are wanted
+    (`wanted`: one bool per captured array, or None for none) and floating."""
+    if score_program is None or wanted is None:
+        return ()
+    return tuple(position for position, (flag, const) in enumerate(
+        zip(wanted, score_program.consts))
+        if flag and jnp.issubdtype(jnp.result_type(const), jnp.floating))
+
+
+def captured_gradient_unsupported_reason(score_program, positions) -> str | None:
+    """None if the Mosaic GPU backward computes the gradients of the captured arrays at
+    `positions` (`differentiated_positions`), else why not. It takes arrays the mod
+    reads once, at indices of b and h only (learnable ALiBi slopes, a per-head bias or
+    temperature), of at most GRADIENT_TABLE_ENTRIES entries; the Triton backward sums
+    the others (reads per element: T5 and relative tables, a pair bias)."""
+    if not positions:
+        return None
+    read_positions = captured_read_positions(score_program)
+    varying = captured_read_varying_axes(score_program)
+    for position in positions:
+        sites = [site for site, read in enumerate(read_positions) if read == position]
+        what = f"score_mod {score_program.name!r} captured array #{position}"
+        if len(sites) != 1:
+            return f"gradients of {what}, read {len(sites)} times (it takes one read)"
+        if any(varying[sites[0]]):
+            return (f"gradients of {what}, read at indices computed from q_idx or kv_idx "
+                    "(the Triton backward sums those)")
+        if jnp.size(score_program.consts[position]) > GRADIENT_TABLE_ENTRIES:
+            return (f"gradients of {what}, of more than {GRADIENT_TABLE_ENTRIES} entries")
+    try:
+        program = with_read_derivatives(score_program, positions)
+    except ValueError as error:
+        return f"gradients of captured arrays: {error}"
+    return _mod_unsupported_reason(program)
 
 
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,

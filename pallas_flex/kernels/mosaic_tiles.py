@@ -183,6 +183,12 @@ def _stays_affine(primitive, operands) -> bool:
 
 
 def _scale(a: Affine, factor) -> Affine:
+    if _constant(factor) == 0.0:
+        # A derivative's zero direction (`jax.linearize` multiplies by a zero tangent):
+        # nothing left to compute. Scores are finite here (masking comes after the mods).
+        return Affine()
+    if _is_one(factor):
+        return a
     return Affine(
         tile=a.tile,
         factor=_scalar_product(a.factor, factor) if a.tile is not None else 1.0,
@@ -456,25 +462,55 @@ class _InterpretedAccumulator:
         self.value = value
 
 
-def with_accumulators(body, carried, fresh_shapes, *, interpret):
+def with_accumulators(body, carried, fresh_shapes, *, interpret, states=()):
     """Runs body(carried_accumulators, fresh_accumulators) and returns the carried
     accumulators' final values: `carried` float32 tiles (a loop's dK, dV), fresh ones
     zero tiles of `fresh_shapes` that live in `body` only (S, dP). `body` issues wgmmas
     into them with `issue` and reads them with `result`, so that several matmuls are in
-    flight while the elementwise work of the first result runs."""
+    flight while the elementwise work of the first result runs.
+
+    states: register values (row sums a loop carries) that `body` reads and updates as
+    refs (`ref[...]`), passed as a third argument when given; their final values follow
+    the accumulators' in the result."""
     if interpret:
         carried = [_InterpretedAccumulator(value) for value in carried]
         fresh = [_InterpretedAccumulator(jnp.zeros(shape, jnp.float32))
                  for shape in fresh_shapes]
-        body(carried, fresh)
-        return [accumulator.value for accumulator in carried]
+        holders = [_Holder(value) for value in states]
+        if states:
+            body(carried, fresh, holders)
+        else:
+            body(carried, fresh)
+        return [accumulator.value for accumulator in carried] + [h.value for h in holders]
 
-    def stateful(carried_refs):
+    count = len(carried)
+
+    def stateful(refs):
+        carried_refs, state_refs = list(refs[:count]), list(refs[count:])
+
         def scoped(*fresh_refs):
-            body(list(carried_refs), list(fresh_refs))
+            if states:
+                body(carried_refs, list(fresh_refs), state_refs)
+            else:
+                body(carried_refs, list(fresh_refs))
         pl.run_scoped(scoped, *[plgpu.ACC(shape, jnp.float32) for shape in fresh_shapes])
 
-    return list(pl.run_state(stateful)(tuple(plgpu.ACC.init(value) for value in carried)))
+    return list(pl.run_state(stateful)(
+        tuple(plgpu.ACC.init(value) for value in carried) + tuple(states)))
+
+
+class _Holder:
+    """Stands in for a discharged state ref in interpret mode: `ref[...]` reads and
+    writes a value."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __getitem__(self, index):
+        return self.value
+
+    def __setitem__(self, index, value):
+        self.value = value
 
 
 def issue(accumulator, a, b_smem, *, transpose_b=False, interpret):

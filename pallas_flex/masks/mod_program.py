@@ -224,6 +224,109 @@ def _with_score_derivative(structure, const_types, name):
     return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
 
 
+# Primitives that wrap a sub-jaxpr, and the parameter holding it.
+_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def with_read_derivatives(program: ModProgram, positions: tuple) -> ModProgram:
+    """A score program computing `(score_mod(score, ...), d score_mod / d score,
+    d score_mod / d read_p for p in positions)`: besides the score's derivative, that of
+    the value the mod read from each captured array in `positions` (each read exactly
+    once, see `mosaic_eligibility.captured_gradient_unsupported_reason`), all traced in one
+    pass (`jax.linearize`: the mod's primal work once). The Mosaic GPU backward sums
+    dS times each read's derivative into the array's gradient. Same consts, same order."""
+    positions = tuple(positions)
+    structure = _with_read_derivatives(program._structure, tuple(
+        (tuple(jnp.shape(c)), jnp.result_type(c)) for c in program.consts), positions,
+        program.name)
+    return ModProgram(SCORE, structure, program.consts,
+                      program.name + "_with_read_derivatives")
+
+
+def _evaluate_with_shifted_reads(jaxpr, consts, args, shifts):
+    """`jax.core.eval_jaxpr(jaxpr, consts, *args)` where every read of the constvar
+    `jaxpr.constvars[p]` (a size-1 `dynamic_slice` of it, or the array itself when it has
+    one element) adds `shifts[p]`: differentiating with respect to the shift gives the
+    derivative with respect to the value read. Calls taking a shifted array are inlined."""
+    environment, shifted = {}, {}
+
+    def read(atom):
+        return atom.val if isinstance(atom, jex_core.Literal) else environment[atom]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        environment[var] = value
+    for position, shift in shifts.items():
+        var = jaxpr.constvars[position]
+        if np.prod(var.aval.shape, dtype=int) == 1:
+            environment[var] = environment[var] + shift.astype(var.aval.dtype)
+        else:
+            shifted[var] = shift
+    for var, value in zip(jaxpr.invars, args):
+        environment[var] = value
+    for equation in jaxpr.eqns:
+        operands = [read(atom) for atom in equation.invars]
+        touched = {position: shifted[atom] for position, atom in enumerate(equation.invars)
+                   if isinstance(atom, jex_core.Var) and atom in shifted}
+        name = equation.primitive.name
+        if not touched:
+            outputs = equation.primitive.bind(*operands, **equation.params)
+            outputs = outputs if equation.primitive.multiple_results else [outputs]
+        elif name in _CALL_PARAMS:
+            inner = equation.params[_CALL_PARAMS[name]]
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            inner_consts = list(getattr(inner, "consts", ()))
+            count = len(inner_jaxpr.constvars)
+            # The inner jaxpr's inputs become constvars, so that its shifted reads are
+            # found as the outer ones are.
+            hoisted = jex_core.Jaxpr(list(inner_jaxpr.constvars) + list(inner_jaxpr.invars),
+                                     [], inner_jaxpr.outvars, inner_jaxpr.eqns)
+            outputs = _evaluate_with_shifted_reads(
+                hoisted, inner_consts + operands, [],
+                {count + position: shift for position, shift in touched.items()})
+        elif name == "dynamic_slice" and list(touched) == [0]:
+            outputs = [equation.primitive.bind(*operands, **equation.params)
+                       + touched[0].astype(equation.outvars[0].aval.dtype)]
+        else:
+            raise ValueError(f"score_mod uses a captured array in {name!r}; its gradient "
+                             "needs reads of single entries")
+        for var, value in zip(equation.outvars, outputs):
+            environment[var] = value
+    return [read(atom) for atom in jaxpr.outvars]
+
+
+@functools.lru_cache(maxsize=256)
+def _with_read_derivatives(structure, const_types, positions, name):
+    count = len(const_types)
+
+    def values_and_derivatives(*args):
+        consts, (score, b, h, q_idx, kv_idx) = args[:count], args[count:]
+
+        def mod(s, shifts):
+            (result,) = _evaluate_with_shifted_reads(
+                structure.jaxpr, consts, (s, b, h, q_idx, kv_idx), dict(zip(positions, shifts)))
+            return result.astype(jnp.float32)
+
+        shifts = tuple(jnp.zeros((), const_types[p][1]) for p in positions)
+        value, linear = jax.linearize(mod, score, shifts)
+        none = tuple(jnp.zeros_like(shift) for shift in shifts)
+        derivatives = [linear(jnp.ones_like(score), none)]
+        for k in range(len(positions)):
+            direction = tuple(jnp.ones_like(shift) if i == k else zero
+                              for i, (shift, zero) in enumerate(zip(shifts, none)))
+            derivatives.append(linear(jnp.zeros_like(score), direction))
+        return (value, *[d.astype(jnp.float32) for d in derivatives])
+
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    closed = jax.make_jaxpr(values_and_derivatives)(
+        *[jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in const_types],
+        jax.ShapeDtypeStruct((), jnp.float32), index, index, index, index)
+    if closed.consts:
+        raise ValueError(f"score_mod {name!r}: its derivative closes over constants")
+    placeholders = [np.zeros(shape, dtype) for shape, dtype in const_types]
+    return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
+
+
 def vmap_mask(program: ModProgram) -> Callable[..., Any]:
     """mask(b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
     over_kv = jax.vmap(program, in_axes=(None, None, None, 0))

@@ -202,3 +202,55 @@ def test_mosaic_affine_division_by_a_constant_is_a_multiplication():
                 if eqn.outvars[0].aval.shape == shape]
     assert "div" not in tile_ops
     assert tile_ops.count("mul") == 1 and tile_ops.count("tanh") == 1
+
+
+def test_read_derivatives_on_a_tile_match_autodiff_of_the_mod():
+    """`with_read_derivatives`: besides the mod and d mod / d score, the derivative with
+    respect to the value read from each differentiated captured array (a 0-d temperature,
+    ALiBi slopes at h, a bias shared by head pairs at h // 2), evaluated on a tile by the
+    Mosaic GPU interpreter, equals autodiff of the scalar mod with respect to the arrays
+    (each is read once, so the array's gradient is that derivative at the entry read)."""
+    from pallas_flex.kernels import mosaic_tiles
+    from pallas_flex.masks.mod_program import with_read_derivatives
+
+    temperature = jnp.float32(1.5)
+    slopes = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
+    pair_bias = jnp.asarray([0.3, -0.7], jnp.float32)
+
+    def mod(s, b, h, q, kv, temperature=temperature, slopes=slopes, pair_bias=pair_bias):
+        return 20.0 * jnp.tanh(s * temperature / 20.0) + slopes[h] * (kv - q) + pair_bias[h // 2]
+
+    scale, b, h, q_start, kv_start = 0.125, 0, 3, 5, 40
+    raw = jnp.asarray(np.random.default_rng(1).normal(size=(BLOCK_Q, BLOCK_KV)) * 10,
+                      jnp.float32)
+    q_positions, kv_positions = q_start + np.arange(BLOCK_Q), kv_start + np.arange(BLOCK_KV)
+    program = make_mod_program(mod, SCORE)
+    positions = tuple(range(len(program.consts)))
+    derived = with_read_derivatives(program, positions)
+    refs = [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in derived.consts]
+    args = (mosaic_tiles.Affine(raw, scale), jnp.int32(b), jnp.int32(h),
+            mosaic_tiles.Vector(jnp.asarray(q_positions, jnp.int32), 0),
+            mosaic_tiles.Vector(jnp.asarray(kv_positions, jnp.int32), 1))
+    outputs = mosaic_tiles.evaluate(derived, {}, refs, args, tile=(BLOCK_Q, BLOCK_KV),
+                                    q_axis=0, q_start=q_start, kv_start=kv_start,
+                                    interpret=True)
+    assert len(outputs) == 2 + len(positions)
+    tiles = [np.asarray(mosaic_tiles.to_tile(x, (BLOCK_Q, BLOCK_KV))) for x in outputs]
+
+    def per_element(function):
+        return jax.vmap(jax.vmap(function, (0, None, 0)), (0, 0, None))(
+            raw * scale, jnp.asarray(q_positions), jnp.asarray(kv_positions))
+
+    np.testing.assert_allclose(tiles[0], per_element(lambda s, q, kv: mod(s, b, h, q, kv)),
+                               rtol=2e-6, atol=2e-5)
+    np.testing.assert_allclose(tiles[1], per_element(
+        lambda s, q, kv: jax.grad(mod)(s, b, h, q, kv)), rtol=2e-6, atol=2e-6)
+    by_array = per_element(lambda s, q, kv: jax.grad(
+        lambda t, sl, pb: mod(s, b, h, q, kv, t, sl, pb), argnums=(0, 1, 2))(
+            temperature, slopes, pair_bias))
+    expected = [by_array[0], by_array[1][..., h], by_array[2][..., h // 2]]
+    # The program's consts keep the mod's capture order: match them by identity.
+    order = {id(c): i for i, c in enumerate((temperature, slopes, pair_bias))}
+    for position, tile in zip(positions, tiles[2:]):
+        want = expected[order[id(program.consts[position])]]
+        np.testing.assert_allclose(tile, want, rtol=2e-6, atol=2e-6)
