@@ -59,7 +59,7 @@ from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
     map_each_element, materialize, padded_for_slices, reads_index, result, score_parts,
-    to_tile, vector_layout, with_accumulators)
+    split_rows, to_tile, vector_layout, with_accumulators)
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles, split_captured_refs)
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
@@ -83,8 +83,8 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     """(base-2 logits of a tile, d score_mod / d score or None where it is 1, the mod's
     base-2 term that depends on the query only, left out of the logits, or None: the
     caller subtracts it from the lse instead, once per query, as the forward added it,
-    the derivatives of the values the mod read from the differentiated captured arrays:
-    scalars, Vectors or tiles). score_program computes the mod and its derivatives
+    the derivatives of the values the mod read from the differentiated captured arrays,
+    as they came out: `mosaic_tiles.split_rows` takes them apart). score_program computes the mod and its derivatives
     (`with_score_derivative` or `with_read_derivatives`)."""
     if score_program is None:
         return raw * (scale * online_softmax.LOG2_E), None, None, []
@@ -96,7 +96,6 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     if query_term is not None:
         query_term = query_term.value * online_softmax.LOG2_E
     logits = scores.astype(jnp.float32) * (factor * online_softmax.LOG2_E)
-    read_derivatives = [materialize(d, tile) for d in read_derivatives]
     derivative = materialize(derivative, tile)
     if _is_constant_one(derivative):
         return logits, None, query_term, read_derivatives  # a bias: dS passes through
@@ -272,9 +271,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
                gradient_sites, interpret):
     """gradient_sites: how many captured arrays' gradients the program accumulates (the
-    score program's read derivatives): per query row, C = sum P dP over the row's keys
-    and, per array, A = sum P dP g and B = sum P g (g: the derivative with respect to
-    the value read), written to rows_ref [1 + 2 sites, B, Hq, S] (see
+    score program's read derivatives g): per query row, sums over the row's keys
+    written to rows_ref [2 + 2 sites, B, Hq, S] (`_accumulate_rows`,
     `_captured_gradients`)."""
     mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
@@ -376,12 +374,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.barrier_arrive(v_consumed.at[slot])
             d_scores = probabilities * (d_probabilities
                                         - lax.broadcast_in_dim(delta, tile, [0]))
+            if rows:
+                # Before dQ's wgmma: after it, P and dS' would stay live next to the
+                # 16-bit dS it reads from registers.
+                _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile)
             if score_derivative is not None:
                 d_scores = d_scores * score_derivative
             issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
-            if rows:
-                _accumulate_rows(rows, probabilities, d_probabilities, read_derivatives,
-                                 tile)
             result(d_q, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(k_consumed.at[slot])
 
@@ -390,7 +389,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         row_sums = tuple(
             plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
                               vector_layout(0))
-            for _ in range(1 + 2 * gradient_sites if gradient_sites else 0))
+            for _ in range(2 + 2 * gradient_sites if gradient_sites else 0))
         carry = (d_q, *row_sums)
         carry = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first),
                               carry)
@@ -434,35 +433,47 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         _drain((k_consumed, v_consumed), num_steps, num_stages)
 
 
-def _accumulate_rows(rows, probabilities, d_probabilities, read_derivatives, tile):
-    """rows[0] += sum P dP; per read derivative g, rows[1 + 2i] += sum P dP g and
-    rows[2 + 2i] += sum P g, each over the tile's keys (see `_captured_gradients`)."""
-    weighted = probabilities * d_probabilities
-    rows[0][...] = rows[0][...] + weighted.sum(axis=1)
+def _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile):
+    """rows[0] += sum dS' and rows[1] += sum P over the tile's keys, per query row, with
+    dS' = P (dP - delta) before the score derivative; per read derivative g,
+    rows[2 + 2i] += sum dS' g and rows[3 + 2i] += sum P g (see `_captured_gradients`).
+    g's part that depends on the query only multiplies the first two sums instead of
+    every element (`mosaic_tiles.split_rows`)."""
+    d_sum, p_sum = d_scores.sum(axis=1), probabilities.sum(axis=1)
+    rows[0][...] = rows[0][...] + d_sum
+    rows[1][...] = rows[1][...] + p_sum
     for index, derivative in enumerate(read_derivatives):
-        if _is_constant_one(derivative):  # a bias: g = 1
-            first, second = weighted, probabilities
-        else:
-            derivative = to_tile(derivative, tile)
-            first, second = weighted * derivative, probabilities * derivative
-        rows[1 + 2 * index][...] = rows[1 + 2 * index][...] + first.sum(axis=1)
-        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + second.sum(axis=1)
+        varying, per_row = split_rows(derivative, tile, q_axis=0)
+        first = second = 0.0
+        if varying is not None:
+            first, second = (d_scores * varying).sum(axis=1), (probabilities * varying).sum(axis=1)
+        if per_row is not None:
+            first, second = first + per_row * d_sum, second + per_row * p_sum
+        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + first
+        rows[3 + 2 * index][...] = rows[3 + 2 * index][...] + second
 
 
-def _captured_gradients(rows, d_lse, score_program, positions, q_len):
+def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
     """Per captured array at `positions`, its gradient from the dQ kernel's row sums
-    rows [1 + 2 n, B, Hq, S]: a row's cotangent of the value it read is
-    sum dS g = sum P (dP - delta) g = A - delta B with A = sum P dP g, B = sum P g, taken
-    with the row's exact delta = sum P dP - dlse (C, summed beside them) rather than
-    rowsum(dO * out) from the output rounded to 16 bits: a row's rounding error there
-    would be multiplied by g (an ALiBi slope's: key distances in the thousands). Summed
-    over the rows of each (batch, head), then into the table entry that pair reads
-    (`table_gradient`), in a fixed order: bitwise reproducible."""
-    rows = rows[..., :q_len]
-    delta = rows[0] if d_lse is None else rows[0] - d_lse.astype(jnp.float32)
+    rows [2 + 2 n, B, Hq, S] (D = sum dS', E = sum P, then per array A = sum dS' g and
+    B = sum P g; `_accumulate_rows`) and the kernel's delta [B, Hq, S].
+
+    A row's cotangent of the value it read is sum P (dP - delta*) g, taken with the row's
+    exact delta* = sum P dP - dlse rather than the kernel's delta = rowsum(dO * out) -
+    dlse, from the output rounded to 16 bits: a row's rounding error there would be
+    multiplied by g (an ALiBi slope's: key distances in the thousands; with it the
+    Triton backward keeps a float32 output). With sum P dP = D + delta E that is
+    A + (delta (1 - E) + dlse - D) B. Summed over the rows of each (batch, head), then
+    into the table entry that pair reads (`table_gradient`), in a fixed order: bitwise
+    reproducible."""
+    rows, delta = rows[..., :q_len], delta[..., :q_len]
+    d_sum, p_sum = rows[0], rows[1]
+    correction = delta * (1.0 - p_sum) - d_sum
+    if d_lse is not None:
+        correction = correction + d_lse.astype(jnp.float32)
     grads = []
     for index, position in enumerate(positions):
-        per_row = rows[1 + 2 * index] - delta * rows[2 + 2 * index]
+        per_row = rows[2 + 2 * index] + correction * rows[3 + 2 * index]
         grads.append(table_gradient(score_program, position, jnp.sum(per_row, axis=-1)))
     return grads
 
@@ -522,7 +533,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     if gradient_positions:
         for position, grad in zip(gradient_positions, _captured_gradients(
-                rows[0], d_lse, score_program, gradient_positions, q.shape[1])):
+                rows[0], launch.delta, d_lse, score_program, gradient_positions,
+                q.shape[1])):
             const_grads[position] = grad
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
@@ -602,7 +614,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
         num_smem=6)
 
     dq_stages = _DQ_STAGES[head_dim]
-    row_count = 1 + 2 * len(gradient_positions) if gradient_positions else 0
+    row_count = 2 + 2 * len(gradient_positions) if gradient_positions else 0
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            **{**settings, "score_program": dq_program,
                               "score_reads": contiguous_reads(dq_program)},

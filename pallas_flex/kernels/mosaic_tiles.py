@@ -290,6 +290,30 @@ def score_parts(x, shape, q_axis: int):
     return tile, factor, query_term
 
 
+def split_rows(x, shape, q_axis: int):
+    """x (a mod's output: an Affine, Vector, scalar or tile) as (the part that varies
+    along the keys, as a tile of `shape`, or None; the part that depends on the query
+    only: a 1-D array along tile axis `q_axis`, a scalar, or None). A row sum of
+    X * x is then the row sum of X times the first part plus the second times X's own
+    row sum: ALiBi's slope derivative (kv - q) costs a product per element, not a
+    difference and a product."""
+    if isinstance(x, Affine):
+        rest, query_term = _split_vector(x, q_axis)
+        offset = rest.offset
+        rest = Affine(rest.tile, rest.factor, rest.vectors, 0.0)
+        varying = (None if rest.tile is None and not rest.vectors
+                   else to_tile(materialize(rest, shape), shape))
+        per_row = None if query_term is None else query_term.value
+        if _constant(offset) != 0.0:
+            per_row = offset if per_row is None else per_row + offset
+        return varying, per_row
+    if isinstance(x, Vector):
+        return (None, x.value) if x.axis == q_axis else (to_tile(x, shape), None)
+    if jnp.ndim(x) == 0:
+        return None, (None if _constant(x) == 0.0 else x)
+    return x, None
+
+
 def tile_applier(shape):
     """`apply` for `evaluate_jaxpr_on_tiles` on a tile of `shape`: sums and scalings of
     float32 scores and vectors stay unevaluated Affines; other operations on scalars and
@@ -536,4 +560,5 @@ def result(accumulator, *, in_flight_after: int, interpret):
 __all__ = ["Affine", "ROWS_PER_WARPGROUP", "Vector", "apply_mask", "evaluate", "index_vector",
            "issue", "load_vector", "map_each_element", "materialize", "matmul",
            "padded_for_slices", "reads_index", "result", "scaled_tile", "score_parts",
+           "split_rows",
            "tile_applier", "to_tile", "vector_layout", "with_accumulators"]
