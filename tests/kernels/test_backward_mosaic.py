@@ -190,7 +190,8 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend):
 
     captured = (temperature, slopes, pair_bias)
     ours = grad(backend, MOSAIC)(q, k, v, *captured)
-    again = grad(backend, MOSAIC)(q, k, v, *captured)
+    # Run to run on the GPU (the interpreter on the CPU is reproducible anyway).
+    again = grad(backend, MOSAIC)(q, k, v, *captured) if backend == "pallas" else ours
     want = grad("reference", None)(*[x.astype(jnp.float32) for x in (q, k, v)], *captured)
     for name, got, repeat, expected in zip(("dq", "dk", "dv", "d_temperature", "d_slopes",
                                             "d_pair_bias"), ours, again, want):
