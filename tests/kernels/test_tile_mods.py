@@ -254,3 +254,34 @@ def test_read_derivatives_on_a_tile_match_autodiff_of_the_mod():
     for position, tile in zip(positions, tiles[2:]):
         want = expected[order[id(program.consts[position])]]
         np.testing.assert_allclose(tile, want, rtol=2e-6, atol=2e-6)
+
+
+def test_small_tables_read_per_element_are_selected_not_gathered(monkeypatch):
+    """A T5 table (32 buckets a head) read per element runs as one select per entry a
+    tile reaches (`CapturedRef._select`) with the reference's values; a relative table
+    of 2S - 1 entries a head stays a gather."""
+    import pallas_flex as pf
+    from pallas_flex.kernels import tile_mods
+
+    selected = []
+    original = tile_mods.CapturedRef._select
+
+    def spy(self, *args):
+        selected.append(self.shape)
+        return original(self, *args)
+
+    monkeypatch.setattr(tile_mods.CapturedRef, "_select", spy)
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, 200, 2, 64)), jnp.float32) for _ in range(3))
+    t5 = pf.scores.t5_relative_bias(jnp.asarray(rng.normal(size=(2, 32)), jnp.float32))
+    relative = jnp.asarray(rng.normal(size=(2, 399)), jnp.float32)
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + relative[h, q_idx - kv_idx + 199]
+
+    for score_mod, expect_select in ((t5, True), (relative_bias, False)):
+        selected.clear()
+        out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret")
+        want = pf.attention(q, k, v, score_mod=score_mod, backend="reference")
+        np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
+        assert bool(selected) == expect_select and all(s == (2, 32) for s in selected)
