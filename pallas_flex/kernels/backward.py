@@ -104,11 +104,13 @@ def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, m
                                                      batch, head, q_idx_in_range,
                                                      kv_idx_in_range,
                                                      indices_below=indices_below,
-                                                     log=capture_log, frame=frame)
+                                                     log=capture_log, frame=frame,
+                                                     select_small_tables=True)
         logits = scores * online_softmax.LOG2_E
     if masked:
         keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
-                                  kv_idx_in_range, indices_below=indices_below, frame=frame)
+                                  kv_idx_in_range, indices_below=indices_below, frame=frame,
+                                  select_small_tables=True)
         if block_state is not None:
             keep = (keep | (block_state == FULL)) & (block_state != EMPTY)
         if kv_len % mask_block_kv:  # else no tile reaches past the keys

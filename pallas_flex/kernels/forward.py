@@ -35,7 +35,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
                     interpret, group=1, paged=None, with_max=False, quantized=False,
-                    with_sinks=False):
+                    with_sinks=False, select_small_tables=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables. with_sinks: a float32 ref
@@ -115,12 +115,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         else:
             scores = apply_score_on_tile(score_program, score_refs, scores * scale, batch,
                                          head, q_idx, kv_idx_in_range,
-                                         indices_below=max(q_len, kv_len), frame=frame)
+                                         indices_below=max(q_len, kv_len), frame=frame,
+                                         select_small_tables=select_small_tables)
             logit_scale = online_softmax.LOG2_E
         if masked:
             keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx,
                                       kv_idx_in_range, indices_below=max(q_len, kv_len),
-                                      frame=frame)
+                                      frame=frame, select_small_tables=select_small_tables)
             if kv_len % mask_block_kv:  # else no tile reaches past the keys
                 keep = keep & (kv_idx < kv_len)
             if paged is not None:
@@ -251,7 +252,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
         paged=paged_config, interpret=interpret, with_max=with_max,
-        quantized=k_scales is not None, with_sinks=sinks is not None)
+        quantized=k_scales is not None, with_sinks=sinks is not None,
+        select_small_tables=options.forward_selects_small_tables)
     scales = () if k_scales is None else (k_scales, v_scales)
     sink_inputs = () if sinks is None else (sinks.astype(jnp.float32),)
 

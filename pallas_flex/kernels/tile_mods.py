@@ -205,11 +205,14 @@ class CapturedRef:
     0-d arrays travel as shape `[1]` refs (kernels need at least one dimension).
     """
 
-    def __init__(self, ref, shape: tuple[int, ...], position: int = 0, log=None):
+    def __init__(self, ref, shape: tuple[int, ...], position: int = 0, log=None,
+                 select_small_tables: bool = False):
         self.ref = ref
         self.shape = shape
         self.position = position
         self.log = log if log is not None else CaptureLog()
+        # Per-element reads of small tables as selects (`_select`) rather than gathers.
+        self.select_small_tables = select_small_tables
 
     def load_scalar(self):
         return self.log.read(self, ())
@@ -229,7 +232,8 @@ class CapturedRef:
             indices = [jnp.broadcast_to(i, shape) for i in indices]
         entries = int(np.prod([size for size, v in zip(self.shape, varying) if v], dtype=int))
         load = None
-        if (len(shape) == 2 and 1 < entries <= SELECTED_GATHER_MAX_ENTRIES
+        if (self.select_small_tables and len(shape) == 2
+                and 1 < entries <= SELECTED_GATHER_MAX_ENTRIES
                 and isinstance(getattr(self.ref, "aval", None), AbstractRef)):
             load = functools.partial(self._select, unbroadcast, varying, shape)
         return self.log.read(self, tuple(indices), varying, unbroadcast, load=load)
@@ -238,8 +242,9 @@ class CapturedRef:
         """`array[indices]` on a tile as a select per table entry the tile reaches (between
         its least and greatest flat entry along the varying axes), each entry one scalar
         load: a T5 bucket or a clipped relative position takes one value on most tiles.
-        The same values as the gather; on the H100 a per-element gather from a [16, 32]
-        table cost 4.4 ms of a 4.9 ms causal forward (B4 H16 S4096 D128)."""
+        The same values as the gather. The tile's least and greatest entry are full
+        reductions of the tile: where that costs more than the gather depends on the
+        tiles (figures at `KernelOptions.forward_selects_small_tables`)."""
         sizes = [size for size, v in zip(self.shape, varying) if v]
         entry = jnp.zeros(shape, jnp.int32)
         for index, size, varies in zip(indices, self.shape, varying):
@@ -591,8 +596,8 @@ def _block_readers(program, frame):
     return readers
 
 
-def _captured(program, refs, log):
-    return [CapturedRef(ref, jnp.shape(c), position, log)
+def _captured(program, refs, log, select_small_tables=False):
+    return [CapturedRef(ref, jnp.shape(c), position, log, select_small_tables)
             for position, (ref, c) in enumerate(zip(refs, program.consts))]
 
 
@@ -605,15 +610,16 @@ def _small_index_args(first_index_arg, indices_below):
 
 
 def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx, *, indices_below=None,
-                       frame=None):
+                       frame=None, select_small_tables=False):
     """mask [block_q, block_kv] (bool) for q_idx [block_q, 1] and kv_idx [1, block_kv]
     (or the transposed tile, for q_idx [1, block_q] and kv_idx [block_kv, 1]).
 
     indices_below: a bound on every q_idx and kv_idx value passed (the kernels clamp
     them into their sequences), or None if unknown; see `evaluate_jaxpr_on_tiles`.
     frame: the tile's TileFrame, with which reads at exactly q_idx / kv_idx load blocks
-    (`block_reads`); None: every read gathers."""
-    consts = _captured(program, captured_refs, CaptureLog())
+    (`block_reads`); None: every read gathers. select_small_tables: per-element reads of
+    small tables as selects (`CapturedRef._select`)."""
+    consts = _captured(program, captured_refs, CaptureLog(), select_small_tables)
     (mask,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (b, h, q_idx, kv_idx), program.name,
                                       _small_index_args(2, indices_below),
                                       captured_reads=_block_readers(program, frame))
@@ -621,10 +627,10 @@ def apply_mask_on_tile(program, captured_refs, b, h, q_idx, kv_idx, *, indices_b
 
 
 def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
-                        indices_below=None, frame=None):
-    """score_mod applied to score [block_q, block_kv] (float32); indices_below and frame
-    as for `apply_mask_on_tile`."""
-    consts = _captured(program, captured_refs, CaptureLog())
+                        indices_below=None, frame=None, select_small_tables=False):
+    """score_mod applied to score [block_q, block_kv] (float32); indices_below, frame and
+    select_small_tables as for `apply_mask_on_tile`."""
+    consts = _captured(program, captured_refs, CaptureLog(), select_small_tables)
     (result,) = evaluate_jaxpr_on_tiles(program.jaxpr, consts, (score, b, h, q_idx, kv_idx),
                                         program.name, _small_index_args(3, indices_below),
                                         captured_reads=_block_readers(program, frame))
@@ -632,20 +638,21 @@ def apply_score_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
 
 
 def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
-                      indices_below=None, log=None, frame=None):
+                      indices_below=None, log=None, frame=None, select_small_tables=False):
     """The modded score and its VJP, for the backward kernels.
 
     Returns `(modded [block_q, block_kv], vjp, sites)`: `vjp(cotangent)` gives the
     cotangent of `score` and one cotangent per site in `sites` (a list of
     `(captured position, indices)` reads of captured arrays), already summed over the
-    tile dimensions the site's indices do not vary along. indices_below and frame as for
-    `apply_mask_on_tile`. log: a CaptureLog to record the reads in (the caller reads
+    tile dimensions the site's indices do not vary along. indices_below, frame and
+    select_small_tables as for `apply_mask_on_tile`. log: a CaptureLog to record the reads in (the caller reads
     its `unbroadcast` indices and `blocks`), else a new one.
     """
     small_index_args = _small_index_args(3, indices_below)
     recording = log if log is not None else CaptureLog()
     readers = _block_readers(program, frame)
-    evaluate_jaxpr_on_tiles(program.jaxpr, _captured(program, captured_refs, recording),
+    evaluate_jaxpr_on_tiles(program.jaxpr,
+                            _captured(program, captured_refs, recording, select_small_tables),
                             (score, b, h, q_idx, kv_idx), program.name, small_index_args,
                             captured_reads=readers)
 

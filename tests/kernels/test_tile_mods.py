@@ -258,8 +258,9 @@ def test_read_derivatives_on_a_tile_match_autodiff_of_the_mod():
 
 def test_small_tables_read_per_element_are_selected_not_gathered(monkeypatch):
     """A T5 table (32 buckets a head) read per element runs as one select per entry a
-    tile reaches (`CapturedRef._select`) with the reference's values; a relative table
-    of 2S - 1 entries a head stays a gather."""
+    tile reaches (`CapturedRef._select`) with the reference's values where
+    `forward_selects_small_tables` says so (the D 64 default); a relative table of
+    2S - 1 entries a head stays a gather, and so does everything with the option off."""
     import pallas_flex as pf
     from pallas_flex.kernels import tile_mods
 
@@ -279,9 +280,12 @@ def test_small_tables_read_per_element_are_selected_not_gathered(monkeypatch):
     def relative_bias(score, b, h, q_idx, kv_idx):
         return score + relative[h, q_idx - kv_idx + 199]
 
-    for score_mod, expect_select in ((t5, True), (relative_bias, False)):
+    for score_mod, options, expect_select in (
+            (t5, None, True), (relative_bias, None, False),
+            (t5, {"forward_selects_small_tables": False}, False)):
         selected.clear()
-        out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret")
+        out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret",
+                           kernel_options=options)
         want = pf.attention(q, k, v, score_mod=score_mod, backend="reference")
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
         assert bool(selected) == expect_select and all(s == (2, 32) for s in selected)
