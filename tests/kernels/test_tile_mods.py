@@ -141,6 +141,21 @@ _AFFINE_MODS = {
 }
 
 
+def _evaluate_on_mosaic_tile(program, raw, scale, b, h, q_start, kv_start,
+                             keep_affine=False):
+    """The Mosaic GPU tile interpreter's outputs of a score program on the tile of raw
+    scores [BLOCK_Q, BLOCK_KV] at (q_start, kv_start), queries along axis 0."""
+    from pallas_flex.kernels import mosaic_tiles
+
+    refs = [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in program.consts]
+    args = (mosaic_tiles.Affine(raw, scale), jnp.int32(b), jnp.int32(h),
+            mosaic_tiles.Vector(jnp.arange(q_start, q_start + BLOCK_Q, dtype=jnp.int32), 0),
+            mosaic_tiles.Vector(jnp.arange(kv_start, kv_start + BLOCK_KV, dtype=jnp.int32), 1))
+    return mosaic_tiles.evaluate(program, {}, refs, args, tile=(BLOCK_Q, BLOCK_KV), q_axis=0,
+                                 q_start=q_start, kv_start=kv_start, interpret=True,
+                                 keep_affine=keep_affine)
+
+
 @pytest.mark.parametrize("name", sorted(_AFFINE_MODS))
 @pytest.mark.parametrize("with_derivative", [False, True])
 def test_mosaic_affine_evaluation_matches_the_scalar_mod(name, with_derivative):
@@ -161,13 +176,8 @@ def test_mosaic_affine_evaluation_matches_the_scalar_mod(name, with_derivative):
     program = make_mod_program(mod, SCORE)
     if with_derivative:
         program = with_score_derivative(program)
-    refs = [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in program.consts]
-    args = (mosaic_tiles.Affine(raw, scale), jnp.int32(b), jnp.int32(h),
-            mosaic_tiles.Vector(jnp.asarray(q_positions, jnp.int32), 0),
-            mosaic_tiles.Vector(jnp.asarray(kv_positions, jnp.int32), 1))
-    outputs = mosaic_tiles.evaluate(program, {}, refs, args, tile=(BLOCK_Q, BLOCK_KV),
-                                    q_axis=0, q_start=q_start, kv_start=kv_start,
-                                    interpret=True, keep_affine=True)
+    outputs = _evaluate_on_mosaic_tile(program, raw, scale, b, h, q_start, kv_start,
+                                       keep_affine=True)
     tile, factor = mosaic_tiles.scaled_tile(outputs[0], (BLOCK_Q, BLOCK_KV))
     assert factor == pytest.approx(folded_factor if name != "negative_factor" else -0.25)
     expected = per_element(lambda s, q, kv: mod(s, b, h, q, kv))
@@ -227,13 +237,7 @@ def test_read_derivatives_on_a_tile_match_autodiff_of_the_mod():
     program = make_mod_program(mod, SCORE)
     positions = tuple(range(len(program.consts)))
     derived = with_read_derivatives(program, positions)
-    refs = [jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c for c in derived.consts]
-    args = (mosaic_tiles.Affine(raw, scale), jnp.int32(b), jnp.int32(h),
-            mosaic_tiles.Vector(jnp.asarray(q_positions, jnp.int32), 0),
-            mosaic_tiles.Vector(jnp.asarray(kv_positions, jnp.int32), 1))
-    outputs = mosaic_tiles.evaluate(derived, {}, refs, args, tile=(BLOCK_Q, BLOCK_KV),
-                                    q_axis=0, q_start=q_start, kv_start=kv_start,
-                                    interpret=True)
+    outputs = _evaluate_on_mosaic_tile(derived, raw, scale, b, h, q_start, kv_start)
     assert len(outputs) == 2 + len(positions)
     tiles = [np.asarray(mosaic_tiles.to_tile(x, (BLOCK_Q, BLOCK_KV))) for x in outputs]
 
