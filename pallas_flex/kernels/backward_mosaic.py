@@ -55,7 +55,6 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.extend import core as jex_core
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import prepare_operands
