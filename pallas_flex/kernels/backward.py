@@ -206,7 +206,7 @@ class _SitePlan:
         return offsets
 
 
-def _flat_index(indices, shape, axes):
+def flat_index(indices, shape, axes):
     """The flat (row-major) offset in an array of `shape` of the index on `axes`
     (scalar int32; the other axes count as 0)."""
     flat = jnp.int32(0)
@@ -288,7 +288,7 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
                     _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
                 continue
             fixed_axes = [axis for axis, varies in enumerate(plan.varying) if not varies]
-            new_bases.append(loop_value(_flat_index(indices, plan.table_shape, fixed_axes),
+            new_bases.append(loop_value(flat_index(indices, plan.table_shape, fixed_axes),
                                         kv_start))
             if plan.mode == "sum":
                 new_sums.append(sums[len(new_sums)] + jnp.sum(cotangent))
@@ -481,6 +481,13 @@ def _reduce_partials(plan: _SitePlan, values, bases, size: int):
     if plan.width != plan.entries:  # padded slots hold zeros
         keep = np.tile(np.arange(plan.width) < plan.entries, values.shape[0] // plan.width)
         values = jnp.where(jnp.asarray(keep), values, 0.0)
+    return fixed_order_scatter_sum(flat, values, size)
+
+
+def fixed_order_scatter_sum(flat, values, size: int):
+    """[size] with values [N] summed at flat indices [N]: a compare-and-select reduce in
+    a fixed order, no scatter (XLA's scatter-add on the GPU uses atomics, whose order,
+    and so whose last bits, vary from run to run)."""
     return jnp.sum(jnp.where(flat[:, None] == jnp.arange(size, dtype=jnp.int32)[None, :],
                              values[:, None], 0.0), axis=0)
 
@@ -539,7 +546,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
         for plan, shape, total, previous in zip(plans, site_shapes, sums, bases):
             indices = log.unbroadcast[plan.site]
             fixed = [axis for axis, varies in enumerate(plan.varying) if not varies]
-            base = _flat_index(indices, plan.table_shape, fixed)
+            base = flat_index(indices, plan.table_shape, fixed)
             cotangent = jnp.broadcast_to(cotangents[plan.site].astype(jnp.float32), shape)
             buffer = buffers[plan.position]
             changed = (b > first) & (base != previous)
@@ -579,7 +586,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
 
 
 def _unflat_index(flat, shape, axes):
-    """The indices on `axes` of the flat offset `flat` (`_flat_index`'s inverse; None on
+    """The indices on `axes` of the flat offset `flat` (`flat_index`'s inverse; None on
     the other axes)."""
     strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
     indices = [None] * len(shape)

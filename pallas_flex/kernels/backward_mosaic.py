@@ -51,16 +51,17 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
-from pallas_flex.kernels.backward import prepare_operands
+from pallas_flex.kernels.backward import (
+    fixed_order_scatter_sum, flat_index, prepare_operands)
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, issue, load_vector,
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
+    issue, load_vector,
     map_each_element, materialize, padded_for_slices, reads_index, result, score_parts,
     split_rows, to_tile, vector_layout, with_accumulators)
 from pallas_flex.kernels.tile_mods import (
@@ -100,15 +101,9 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
         query_term = query_term.value * online_softmax.LOG2_E
     logits = scores.astype(jnp.float32) * (factor * online_softmax.LOG2_E)
     derivative = materialize(derivative, tile)
-    if _is_constant_one(derivative):
+    if constant_value(derivative) == 1.0:
         return logits, None, query_term, read_derivatives  # a bias: dS passes through
     return logits, to_tile(derivative, tile), query_term, read_derivatives
-
-
-def _is_constant_one(x) -> bool:
-    """Whether x is a compile-time 1 (a bias's derivative), which costs nothing."""
-    return (isinstance(x, (int, float, np.ndarray, np.generic)) and np.ndim(x) == 0
-            and float(x) == 1.0)
 
 
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
@@ -467,30 +462,29 @@ def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
     multiplied by g (an ALiBi slope's: key distances in the thousands; with it the
     Triton backward keeps a float32 output). With sum P dP = D + delta E that is
     A + (delta (1 - E) + dlse - D) B. Summed over the rows of each (batch, head), then
-    into the table entry that pair reads (`table_gradient`), in a fixed order: bitwise
-    reproducible."""
+    into the table entry that pair reads, in a fixed order (`fixed_order_scatter_sum`):
+    bitwise reproducible."""
     rows, delta = rows[..., :q_len], delta[..., :q_len]
     d_sum, p_sum = rows[0], rows[1]
     correction = delta * (1.0 - p_sum) - d_sum
     if d_lse is not None:
         correction = correction + d_lse.astype(jnp.float32)
+    batch, heads = delta.shape[:2]
+    flat = _read_entries(score_program, positions, batch, heads)
     grads = []
     for index, position in enumerate(positions):
-        per_row = rows[2 + 2 * index] + correction * rows[3 + 2 * index]
-        grads.append(table_gradient(score_program, position, jnp.sum(per_row, axis=-1)))
+        per_pair = jnp.sum(rows[2 + 2 * index] + correction * rows[3 + 2 * index], axis=-1)
+        const = score_program.consts[position]
+        gradient = fixed_order_scatter_sum(flat[index], per_pair.reshape(-1), jnp.size(const))
+        grads.append(gradient.reshape(jnp.shape(const)).astype(const.dtype))
     return grads
 
 
-def table_gradient(score_program, position, value_gradient):
-    """The gradient of the captured array at `position` from the cotangents of the value
-    each (batch, head) pair read from it, value_gradient [B, Hq]: the mod's read of the
-    array at indices of b and h only, evaluated for every pair, and a compare-and-select
-    sum per entry (XLA's scatter-add adds in no fixed order on the GPU)."""
-    const = score_program.consts[position]
-    shape = jnp.shape(const)
-    batch, heads = value_gradient.shape
-
-    def indices(b, h):
+def _read_entries(score_program, positions, batch, heads):
+    """Per captured array at `positions`, the flat entry each (batch, head) pair's read
+    of it reaches, [B * Hq] int32: the mod evaluated once per pair (its reads there are
+    at indices of b and h only)."""
+    def entries(b, h):
         log = CaptureLog()
         consts = [CapturedRef(jnp.reshape(c, (-1,)) if jnp.ndim(c) == 0 else c,
                               jnp.shape(c), i, log)
@@ -498,18 +492,13 @@ def table_gradient(score_program, position, value_gradient):
         evaluate_jaxpr_on_tiles(score_program.jaxpr, consts,
                                 [jnp.float32(0), b, h, jnp.int32(0), jnp.int32(0)],
                                 score_program.name)
-        (read,) = [index for site, index in log.sites if site == position]
-        flat = jnp.int32(0)
-        for index, stride in zip(read, np.cumprod((1,) + shape[::-1][:-1])[::-1]):
-            flat = flat + jnp.asarray(index, jnp.int32) * jnp.int32(stride)
-        return flat
+        sites = dict(log.sites)  # each array at `positions` is read once
+        return [flat_index(sites[p], jnp.shape(score_program.consts[p]),
+                           range(jnp.ndim(score_program.consts[p]))) for p in positions]
 
-    flat = jax.vmap(jax.vmap(indices, (None, 0)), (0, None))(
-        jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32)).reshape(-1)
-    entries = jnp.arange(int(np.prod(shape, dtype=int)), dtype=jnp.int32)
-    gradient = jnp.sum(jnp.where(flat[:, None] == entries[None, :],
-                                 value_gradient.reshape(-1, 1), 0.0), axis=0)
-    return gradient.reshape(shape).astype(const.dtype)
+    per_pair = jax.vmap(jax.vmap(entries, (None, 0)), (0, None))(
+        jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32))
+    return [entry.reshape(-1) for entry in per_pair]
 
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,

@@ -18,7 +18,7 @@ from pallas_flex.kernels.tile_mods import (
 BLOCK = 128  # the kernel's BlockMask block on both axes
 HEAD_DIMS = (64, 128)
 # The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
-# by a compare-and-select sum (`backward_mosaic.table_gradient`): tables up to this size.
+# by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
 GRADIENT_TABLE_ENTRIES = 1 << 16
 # Pages must hold a multiple of this many rows (one TMA copy per page and tile).
 PAGE_ROWS_MULTIPLE = 8

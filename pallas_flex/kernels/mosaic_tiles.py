@@ -226,6 +226,12 @@ def _linear(primitive, operands):
     return _scale(_as_affine(other), scalar)
 
 
+def constant_value(x):
+    """A mod's output (scalar, Vector, Affine or tile) as a Python float when it is a
+    compile-time constant (a bias's derivative, 1), else None."""
+    return None if isinstance(x, (Vector, Affine)) else _constant(x)
+
+
 def _is_one(x) -> bool:
     """Whether x is a constant that rounds to 1 in float32 (1 / 30 * 30 does)."""
     constant = _constant(x)
@@ -557,8 +563,8 @@ def result(accumulator, *, in_flight_after: int, interpret):
     return plgpu.wgmma_accumulator_load(accumulator, wait_n=in_flight_after)
 
 
-__all__ = ["Affine", "ROWS_PER_WARPGROUP", "Vector", "apply_mask", "evaluate", "index_vector",
-           "issue", "load_vector", "map_each_element", "materialize", "matmul",
-           "padded_for_slices", "reads_index", "result", "scaled_tile", "score_parts",
-           "split_rows",
-           "tile_applier", "to_tile", "vector_layout", "with_accumulators"]
+__all__ = ["Affine", "ROWS_PER_WARPGROUP", "Vector", "apply_mask", "constant_value", "evaluate",
+           "index_vector", "issue", "load_vector", "map_each_element", "materialize",
+           "matmul", "padded_for_slices", "reads_index", "result", "scaled_tile",
+           "score_parts", "split_rows", "tile_applier", "to_tile", "vector_layout",
+           "with_accumulators"]

@@ -23,7 +23,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.extend import core as jex_core
-from jax._src.state.types import AbstractRef
 
 # Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
 # are the identity (the scalar program's `x[i]` is `dynamic_slice` then `squeeze`).
@@ -233,8 +232,7 @@ class CapturedRef:
         entries = int(np.prod([size for size, v in zip(self.shape, varying) if v], dtype=int))
         load = None
         if (self.select_small_tables and len(shape) == 2
-                and 1 < entries <= SELECTED_GATHER_MAX_ENTRIES
-                and isinstance(getattr(self.ref, "aval", None), AbstractRef)):
+                and 1 < entries <= SELECTED_GATHER_MAX_ENTRIES):
             load = functools.partial(self._select, unbroadcast, varying, shape)
         return self.log.read(self, tuple(indices), varying, unbroadcast, load=load)
 
@@ -280,6 +278,23 @@ class CapturedRef:
         varying = tuple(jnp.ndim(i) > 0 for i in unbroadcast)
         return self.log.read(self, broadcast, varying, tuple(unbroadcast), block=read,
                              load=lambda: read.load(self.ref))
+
+
+class ShiftedReads(CapturedRef):
+    """A captured array (traced, outside any kernel) whose every read adds `shift` to
+    the value read: `mod_program.with_read_derivatives` differentiates with respect to
+    the shift."""
+
+    def __init__(self, array, shift):
+        super().__init__(jnp.reshape(array, (1,)) if jnp.ndim(array) == 0 else array,
+                         jnp.shape(array))
+        self.shift = shift
+
+    def load_scalar(self):
+        return super().load_scalar() + self.shift
+
+    def gather(self, indices):
+        return super().gather(indices) + self.shift
 
 
 def _as_array(value, aval):

@@ -224,11 +224,6 @@ def _with_score_derivative(structure, const_types, name):
     return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
 
 
-# Primitives that wrap a sub-jaxpr, and the parameter holding it.
-_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
-
-
 def with_read_derivatives(program: ModProgram, positions: tuple) -> ModProgram:
     """A score program computing `(score_mod(score, ...), d score_mod / d score,
     d score_mod / d read_p for p in positions)`: besides the score's derivative, that of
@@ -244,68 +239,25 @@ def with_read_derivatives(program: ModProgram, positions: tuple) -> ModProgram:
                       program.name + "_with_read_derivatives")
 
 
-def _evaluate_with_shifted_reads(jaxpr, consts, args, shifts):
-    """`jax.core.eval_jaxpr(jaxpr, consts, *args)` where every read of the constvar
-    `jaxpr.constvars[p]` (a size-1 `dynamic_slice` of it, or the array itself when it has
-    one element) adds `shifts[p]`: differentiating with respect to the shift gives the
-    derivative with respect to the value read. Calls taking a shifted array are inlined."""
-    environment, shifted = {}, {}
-
-    def read(atom):
-        return atom.val if isinstance(atom, jex_core.Literal) else environment[atom]
-
-    for var, value in zip(jaxpr.constvars, consts):
-        environment[var] = value
-    for position, shift in shifts.items():
-        var = jaxpr.constvars[position]
-        if np.prod(var.aval.shape, dtype=int) == 1:
-            environment[var] = environment[var] + shift.astype(var.aval.dtype)
-        else:
-            shifted[var] = shift
-    for var, value in zip(jaxpr.invars, args):
-        environment[var] = value
-    for equation in jaxpr.eqns:
-        operands = [read(atom) for atom in equation.invars]
-        touched = {position: shifted[atom] for position, atom in enumerate(equation.invars)
-                   if isinstance(atom, jex_core.Var) and atom in shifted}
-        name = equation.primitive.name
-        if not touched:
-            outputs = equation.primitive.bind(*operands, **equation.params)
-            outputs = outputs if equation.primitive.multiple_results else [outputs]
-        elif name in _CALL_PARAMS:
-            inner = equation.params[_CALL_PARAMS[name]]
-            inner_jaxpr = getattr(inner, "jaxpr", inner)
-            inner_consts = list(getattr(inner, "consts", ()))
-            count = len(inner_jaxpr.constvars)
-            # The inner jaxpr's inputs become constvars, so that its shifted reads are
-            # found as the outer ones are.
-            hoisted = jex_core.Jaxpr(list(inner_jaxpr.constvars) + list(inner_jaxpr.invars),
-                                     [], inner_jaxpr.outvars, inner_jaxpr.eqns)
-            outputs = _evaluate_with_shifted_reads(
-                hoisted, inner_consts + operands, [],
-                {count + position: shift for position, shift in touched.items()})
-        elif name == "dynamic_slice" and list(touched) == [0]:
-            outputs = [equation.primitive.bind(*operands, **equation.params)
-                       + touched[0].astype(equation.outvars[0].aval.dtype)]
-        else:
-            raise ValueError(f"score_mod uses a captured array in {name!r}; its gradient "
-                             "needs reads of single entries")
-        for var, value in zip(equation.outvars, outputs):
-            environment[var] = value
-    return [read(atom) for atom in jaxpr.outvars]
-
-
 @functools.lru_cache(maxsize=256)
 def _with_read_derivatives(structure, const_types, positions, name):
     count = len(const_types)
 
     def values_and_derivatives(*args):
+        # The tile interpreter reads the captured arrays (the kernels' semantics: clamped
+        # indices, calls inlined); a read of an array at `positions` adds a shift, and
+        # the derivative with respect to the shift is that with respect to the value read.
+        from pallas_flex.kernels.tile_mods import ShiftedReads, evaluate_jaxpr_on_tiles
+
         consts, (score, b, h, q_idx, kv_idx) = args[:count], args[count:]
 
         def mod(s, shifts):
-            (result,) = _evaluate_with_shifted_reads(
-                structure.jaxpr, consts, (s, b, h, q_idx, kv_idx), dict(zip(positions, shifts)))
-            return result.astype(jnp.float32)
+            shift_of = dict(zip(positions, shifts))
+            refs = [ShiftedReads(c, shift_of[p]) if p in shift_of else c
+                    for p, c in enumerate(consts)]
+            (result,) = evaluate_jaxpr_on_tiles(structure.jaxpr, refs,
+                                                (s, b, h, q_idx, kv_idx), name)
+            return jnp.asarray(result).astype(jnp.float32)
 
         shifts = tuple(jnp.zeros((), const_types[p][1]) for p in positions)
         value, linear = jax.linearize(mod, score, shifts)
