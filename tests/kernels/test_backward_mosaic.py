@@ -16,6 +16,7 @@ import pytest
 
 import pallas_flex as pf
 from pallas_flex import dispatch, masks
+from pallas_flex.api import attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
@@ -199,6 +200,58 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend):
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         tolerance = 2e-2 if name in ("dq", "dk", "dv") else 1e-4
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
+    """Learnable ALiBi slopes next to learnable sinks, with query rows that see no key:
+    the kernel takes each row's probability mass as 1 less the sink's weight (0 on the
+    empty rows) instead of summing P; the backward given the same out and
+    lse from elsewhere, sums P in the kernel and agrees."""
+    length = 200 if backend == "interpret" else 1000
+    q, k, v = random_qkv(8, 1, length, length, 4, 4, 64, 64, jnp.bfloat16)
+    slopes = jnp.asarray(masks.alibi_slopes(4))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    d_out = _cotangent(q.shape, 9).astype(jnp.bfloat16).astype(jnp.float32)
+    d_lse = _cotangent((1, 4, length), 10)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 8) & (kv_idx <= q_idx)
+
+    def score_mod_of(slopes):
+        return lambda s, b, h, q_idx, kv_idx: s - slopes[h] * jnp.abs(q_idx - kv_idx)
+
+    def loss(q, k, v, slopes, sinks, backend, options):
+        out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
+                                sinks=sinks, return_lse=True, backend=backend,
+                                kernel_options=options)
+        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse)
+
+    def grad(backend, options, *args):
+        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
+                                argnums=range(5)))(*args)
+
+    ours = grad(backend, MOSAIC, q, k, v, slopes, sinks)
+    want = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes, sinks)
+    for name, got, expected in zip(("dq", "dk", "dv", "d_slopes", "d_sinks"), ours, want):
+        got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+        # The sinks' gradient takes its rows' delta from the 16-bit output
+        # (`pallas_flex.sinks.sink_gradient`): 16-bit accuracy, as dq, dk, dv.
+        tolerance = 1e-4 if name == "d_slopes" else 2e-2
+        assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
+
+    # The same backward from statistics handed in (as context parallelism's ring does).
+    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
+                            sinks=sinks, return_lse=True, backend=backend,
+                            kernel_options=MOSAIC)
+    block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
+    d_lse_kernel = jnp.where(jnp.isneginf(lse), 0.0, d_lse)
+    *_, (d_slopes,) = attention_backward(
+        q, k, v, out, lse, d_out.astype(q.dtype), d_lse_kernel, block_mask=block_mask,
+        score_mod=score_mod_of(slopes), backend=backend, kernel_options=MOSAIC)
+    np.testing.assert_allclose(np.asarray(d_slopes), np.asarray(ours[3]), rtol=1e-4,
+                               atol=1e-4 * float(np.max(np.abs(np.asarray(ours[3])))))
 
 
 def test_the_dispatcher_rules():
