@@ -241,16 +241,8 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
     # With sinks, out and lse are those of the softmax the sinks take part in: the
     # kernels' backward is the same (a sink is a key with no value), and the sinks'
     # own gradient comes from the lse and the rows' delta (`sinks.sink_gradient`).
-    # out and lse are this call's own: each row's P sums to one over its keys, less a
-    # sink's weight (which the Mosaic backward's captured-array gradients use).
-    row_mass = jnp.where(jnp.isneginf(lse), 0.0, 1.0)
-    if sinks is not None:
-        row_mass = row_mass - jnp.where(
-            jnp.isneginf(lse), 0.0,
-            jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse))
     d_q, d_k, d_v, const_grads = _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask,
-                                                score_program, config, wanted.flags,
-                                                row_mass=row_mass)
+                                                score_program, config, wanted.flags)
     d_sinks = None
     if sinks is not None:
         d_sinks = (sink_gradient(sinks, out, lse, d_out, d_lse) if sinks_wanted.flags[0]
@@ -266,7 +258,7 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
 
 
 def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,
-                   wanted_flags, row_mass=None):
+                   wanted_flags):
     """(dq, dk, dv, per captured array of the score_mod its gradient or None) of the
     backward kernel `pallas_flex.dispatch` picks, given the forward's out (float32 where
     captured-array gradients are wanted) and lse; d_lse may be None. Run per shard where
@@ -278,14 +270,14 @@ def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, c
                                       options=options, wanted_const_grads=wanted_flags)
 
     def backward(operands, offsets):
-        q, k, v, out, lse, d_out, d_lse, row_mass, block_mask, score_program = operands
+        q, k, v, out, lse, d_out, d_lse, block_mask, score_program = operands
         block_mask, shifted_program, positions = sharding.shift_mods(
             block_mask, score_program, offsets)
         d_q, d_k, d_v, shifted_grads = dispatch.run_backward(
             choice, q, k, v, out, lse, d_out, d_lse, block_mask, shifted_program,
             scale=scale, options=options, interpret=backend != "pallas",
             wanted_const_grads=tuple(False if position is None else wanted_flags[position]
-                                     for position in positions), row_mass=row_mass)
+                                     for position in positions))
         const_grads = [None] * len(wanted_flags)
         for position, grad in zip(positions, shifted_grads):
             if position is not None:
@@ -293,10 +285,9 @@ def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, c
         return d_q, d_k, d_v, const_grads
 
     return sharding.call(
-        backward, (q, k, v, out, lse, d_out, d_lse, row_mass, block_mask, score_program),
+        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.QUERY, sharding.ROW,
-         sharding.QUERY, sharding.ROW, sharding.ROW, sharding.roles_of(block_mask, None),
-         sharding.WHOLE),
+         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE),
         lambda results: (sharding.QUERY, sharding.KEY, sharding.KEY,
                          jax.tree.map(lambda _: sharding.SUM, results[3])),
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])

@@ -193,16 +193,15 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
 
 def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                  *, scale: float, options: KernelOptions, interpret: bool,
-                 wanted_const_grads=None, row_mass=None):
+                 wanted_const_grads=None):
     """(dq, dk, dv, d_score_consts) of the kernel `choice` names (d_score_consts as
-    `backward.flex_attention_backward` returns them). row_mass: None or each row's sum of
-    P over these keys, where the caller knows it (`backward_mosaic`)."""
+    `backward.flex_attention_backward` returns them)."""
     if choice.kernel == "mosaic_backward":
         return backward_mosaic.flex_attention_backward_mosaic(
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
             interpret=interpret, masked_first=options.backward_masked_first,
             gradient_positions=mosaic_eligibility.differentiated_positions(
-                score_program, wanted_const_grads), row_mass=row_mass)
+                score_program, wanted_const_grads))
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                                    scale=scale, options=options, interpret=interpret,
                                    wanted_const_grads=wanted_const_grads)

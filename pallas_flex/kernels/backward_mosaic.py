@@ -267,11 +267,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               gradient_sites, sums_probabilities, interpret):
+               gradient_sites, interpret):
     """gradient_sites: how many captured arrays' gradients the program accumulates (the
     score program's read derivatives g): per query row, sums over the row's keys
-    written to rows_ref [row_count(...), B, Hq, S] (`_accumulate_rows`,
-    `_captured_gradients`); sums_probabilities: whether those include sum P."""
+    written to rows_ref [2 + 2 sites, B, Hq, S] (`_accumulate_rows`,
+    `_captured_gradients`)."""
     mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_captured_refs(
         refs, mask_program, score_program)
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
@@ -375,8 +375,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             if rows:
                 # Before dQ's wgmma: after it, P and dS' would stay live next to the
                 # 16-bit dS it reads from registers.
-                _accumulate_rows(rows, probabilities, d_scores, read_derivatives,
-                                 sums_probabilities, tile)
+                _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile)
             if score_derivative is not None:
                 d_scores = d_scores * score_derivative
             issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
@@ -388,7 +387,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         row_sums = tuple(
             plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
                               vector_layout(0))
-            for _ in range(row_count(gradient_sites, sums_probabilities)))
+            for _ in range(2 + 2 * gradient_sites if gradient_sites else 0))
         carry = (d_q, *row_sums)
         carry = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first),
                               carry)
@@ -432,53 +431,45 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         _drain((k_consumed, v_consumed), num_steps, num_stages)
 
 
-def row_count(gradient_sites: int, sums_probabilities: bool) -> int:
-    """The dQ kernel's row sums: D, E where it sums P, then A, B, R per array (see
-    `_accumulate_rows`); none without captured-array gradients."""
-    return 1 + sums_probabilities + 3 * gradient_sites if gradient_sites else 0
-
-
-def _accumulate_rows(rows, probabilities, d_scores, read_derivatives, sums_probabilities,
-                     tile):
-    """Per query row, over the tile's keys: rows[0] += D = sum dS' (dS' = P (dP - delta),
-    before the score derivative), rows[1] += E = sum P where sums_probabilities; then per
-    read derivative g = g_k + g_q (`mosaic_tiles.split_rows`: g_q, the part that depends
-    on the query only, is the same on every tile of the row), A += sum dS' g_k,
-    B += sum P g_k and R = g_q: the row's sums of dS' g and P g are A + R D and B + R E
-    (`_captured_gradients`), g_q applied once per row, not once per tile. Without
-    sums_probabilities the caller knows E (1 where the lse is the row's own)."""
-    base = 1 + sums_probabilities
-    rows[0][...] = rows[0][...] + d_scores.sum(axis=1)
-    if sums_probabilities:
-        rows[1][...] = rows[1][...] + probabilities.sum(axis=1)
+def _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile):
+    """rows[0] += sum dS' and rows[1] += sum P over the tile's keys, per query row, with
+    dS' = P (dP - delta) before the score derivative; per read derivative g,
+    rows[2 + 2i] += sum dS' g and rows[3 + 2i] += sum P g (see `_captured_gradients`).
+    g's part that depends on the query only multiplies the first two sums instead of
+    every element (`mosaic_tiles.split_rows`)."""
+    d_sum, p_sum = d_scores.sum(axis=1), probabilities.sum(axis=1)
+    rows[0][...] = rows[0][...] + d_sum
+    rows[1][...] = rows[1][...] + p_sum
     for index, derivative in enumerate(read_derivatives):
         varying, per_row = split_rows(derivative, tile, q_axis=0)
-        a_ref, b_ref, r_ref = rows[base + 3 * index: base + 3 * index + 3]
+        first = second = 0.0
         if varying is not None:
-            a_ref[...] = a_ref[...] + (d_scores * varying).sum(axis=1)
-            b_ref[...] = b_ref[...] + (probabilities * varying).sum(axis=1)
+            first, second = (d_scores * varying).sum(axis=1), (probabilities * varying).sum(axis=1)
         if per_row is not None:
-            r_ref[...] = r_ref[...] * 0.0 + per_row
+            first, second = first + per_row * d_sum, second + per_row * p_sum
+        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + first
+        rows[3 + 2 * index][...] = rows[3 + 2 * index][...] + second
 
 
-def _captured_gradients(rows, delta, d_lse, row_mass, score_program, positions, q_len):
+def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
     """Per captured array at `positions`, its gradient from the dQ kernel's row sums
-    rows [row_count, B, Hq, S] (`_accumulate_rows`: D = sum dS', E = sum P unless
-    row_mass [B, Hq, Sq] gives it, then per array the parts of A = sum dS' g and
-    B = sum P g) and the kernel's delta [B, Hq, S].
+    rows [2 + 2 n, B, Hq, S] (D = sum dS', E = sum P, then per array A = sum dS' g and
+    B = sum P g; `_accumulate_rows`) and the kernel's delta [B, Hq, S].
 
     A row's cotangent of the value it read is sum P (dP - delta*) g, taken with the row's
     exact delta* = sum P dP - dlse rather than the kernel's delta = rowsum(dO * out) -
     dlse, from the output rounded to 16 bits: a row's rounding error there would be
     multiplied by g (an ALiBi slope's: key distances in the thousands; with it the
     Triton backward keeps a float32 output). With sum P dP = D + delta E that is
-    A + (delta (1 - E) + dlse - D) B. Summed over the rows of each (batch, head), then
+    A + (delta (1 - E) + dlse - D) B. E is summed, not taken as 1 (nor as 1 less a
+    sink's weight): the lse holds the mod's query-only term (ALiBi's, thousands at
+    S 16384), which its float32 rounding leaves in E - 1 at up to 1e-3, and with E = 1
+    the slopes' gradient moved 0.8 % (B1 H16 S16384 D128 on the H100) where the summed
+    E keeps it at float32 precision. Summed over the rows of each (batch, head), then
     into the table entry that pair reads, in a fixed order (`fixed_order_scatter_sum`):
     bitwise reproducible."""
     rows, delta = rows[..., :q_len], delta[..., :q_len]
-    d_sum = rows[0]
-    p_sum = rows[1] if row_mass is None else row_mass
-    base = 1 if row_mass is not None else 2
+    d_sum, p_sum = rows[0], rows[1]
     correction = delta * (1.0 - p_sum) - d_sum
     if d_lse is not None:
         correction = correction + d_lse.astype(jnp.float32)
@@ -486,9 +477,7 @@ def _captured_gradients(rows, delta, d_lse, row_mass, score_program, positions, 
     flat = _read_entries(score_program, positions, batch, heads)
     grads = []
     for index, position in enumerate(positions):
-        a_part, b_part, per_row = rows[base + 3 * index: base + 3 * index + 3]
-        per_pair = jnp.sum(a_part + per_row * d_sum + correction * (b_part + per_row * p_sum),
-                           axis=-1)
+        per_pair = jnp.sum(rows[2 + 2 * index] + correction * rows[3 + 2 * index], axis=-1)
         const = score_program.consts[position]
         gradient = fixed_order_scatter_sum(flat[index], per_pair.reshape(-1), jnp.size(const))
         grads.append(gradient.reshape(jnp.shape(const)).astype(const.dtype))
@@ -518,15 +507,12 @@ def _read_entries(score_program, positions, batch, heads):
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
-                                   masked_first: bool = True, gradient_positions=(),
-                                   row_mass=None):
+                                   masked_first: bool = True, gradient_positions=()):
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
     of b and h only: `mosaic_eligibility.captured_gradient_unsupported_reason`), else
-    None. row_mass: None, or [B, Hq, Sq] float32, each row's sum of P over the keys
-    here (1 where lse is the call's own; 1 - the sink's weight with sinks; 0 on rows
-    with no mass): given, the dQ kernel need not sum P for those gradients."""
+    None."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -536,15 +522,14 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     gradient_positions = tuple(gradient_positions)
     run = _vmappable(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
-        masked_first=masked_first, gradient_positions=gradient_positions,
-        sums_probabilities=row_mass is None))
+        masked_first=masked_first, gradient_positions=gradient_positions))
     d_q, d_k, d_v, *rows = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, tuple(t.astype(jnp.int32) for t in tables),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     if gradient_positions:
         for position, grad in zip(gradient_positions, _captured_gradients(
-                rows[0], launch.delta, d_lse, row_mass, score_program, gradient_positions,
+                rows[0], launch.delta, d_lse, score_program, gradient_positions,
                 q.shape[1])):
             const_grads[position] = grad
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
@@ -563,7 +548,7 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
-            kv_len, scale, interpret, masked_first, gradient_positions, sums_probabilities):
+            kv_len, scale, interpret, masked_first, gradient_positions):
     """The two kernels on block-padded operands (`backward.prepare_operands`): (dq, dk,
     dv), and the dQ kernel's row sums for captured-array gradients where
     `gradient_positions` name any."""
@@ -625,16 +610,14 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
         num_smem=6)
 
     dq_stages = _DQ_STAGES[head_dim]
-    num_rows = row_count(len(gradient_positions), sums_probabilities)
+    row_count = 2 + 2 * len(gradient_positions) if gradient_positions else 0
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            **{**settings, "score_program": dq_program,
                               "score_reads": contiguous_reads(dq_program)},
-                           gradient_sites=len(gradient_positions),
-                           sums_probabilities=sums_probabilities)
-    rows_type = ((jax.ShapeDtypeStruct((num_rows, batch, q_heads, padded_q_len),
-                                       jnp.float32),) if num_rows else ())
-    rows_smem = ((vectors(COMPUTE_WARPGROUPS, num_rows, ROWS_PER_WARPGROUP),) if num_rows
-                 else ())
+                           gradient_sites=len(gradient_positions))
+    rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
+                                       jnp.float32),) if row_count else ())
+    rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
     d_q, *rows = call(
         dq, kv_tables, (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},

@@ -205,9 +205,10 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend):
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
     """Learnable ALiBi slopes next to learnable sinks, with query rows that see no key:
-    the kernel takes each row's probability mass as 1 less the sink's weight (0 on the
-    empty rows) instead of summing P; the backward given the same out and
-    lse from elsewhere, sums P in the kernel and agrees."""
+    each row's probability mass over its keys (which the captured-array gradients'
+    exact delta needs) is 1 less the sink's weight, 0 on the empty rows; the backward
+    given the same out and lse from elsewhere (`api.attention_backward`, as context
+    parallelism calls it) agrees."""
     length = 200 if backend == "interpret" else 1000
     q, k, v = random_qkv(8, 1, length, length, 4, 4, 64, 64, jnp.bfloat16)
     slopes = jnp.asarray(masks.alibi_slopes(4))
