@@ -51,6 +51,7 @@ from pallas_flex.kernels.mosaic_tiles import (
     matmul, padded_for_slices, reads_index, score_parts)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.tile_mods import split_captured_refs
+from pallas_flex.masks.mod_program import score_bounds
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
@@ -92,7 +93,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
-            with_max=False, with_sinks=False):
+            with_max=False, with_sinks=False, fixed_max=None):
     """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
@@ -163,7 +164,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         tile = (ROWS_PER_WARPGROUP, BLOCK)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         running_max = plgpu.layout_cast(
-            jnp.full((ROWS_PER_WARPGROUP,), -jnp.inf, jnp.float32), row_layout)
+            jnp.full((ROWS_PER_WARPGROUP,),
+                     -jnp.inf if fixed_max is None else fixed_max, jnp.float32), row_layout)
         running_sum = plgpu.layout_cast(
             jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32), row_layout)
         accumulator = plgpu.layout_cast(
@@ -277,14 +279,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                     tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
                                     interpret=interpret)
 
-            new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
-            # A row that has seen only masked scores keeps max -inf: subtract 0 instead,
-            # so its exponentials are exp2(-inf) = 0, never exp2(-inf - -inf) = NaN.
-            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            correction = jnp.exp2(running_max - safe_max)
-            p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
-            accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
-            running_sum = running_sum * correction + p.sum(axis=1)
+            if fixed_max is not None:  # a bounded score_mod: no max, no rescaling
+                new_max = running_max
+                p = jnp.exp2(logits * logit_scale - fixed_max)
+                running_sum = running_sum + p.sum(axis=1)
+            else:
+                new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
+                # A row that has seen only masked scores keeps max -inf: subtract 0
+                # instead, so its exponentials are exp2(-inf) = 0, never
+                # exp2(-inf - -inf) = NaN.
+                safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+                correction = jnp.exp2(running_max - safe_max)
+                p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
+                accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape,
+                                                                 [0])
+                running_sum = running_sum * correction + p.sum(axis=1)
             p = p.astype(dtype)
             # The ordering barrier keeps the softmax ahead of the turn handover below
             # (without it the compiler may sink work past it, serializing the two
@@ -479,6 +488,35 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
     plgpu.warp_map(per_warp)
 
 
+# A score_mod whose results lie within this much of a centre (natural units) runs with
+# the centre as a fixed shift of its exponentials (`fixed_softmax_shift`): e**60 times a
+# row of 2**20 keys stays far below float32's and bfloat16's largest value, e**-60 far
+# above their smallest normal one.
+FIXED_SHIFT_MAX_HALF_WIDTH = 60.0
+
+
+def fixed_softmax_shift(score_program, dtype, with_max: bool):
+    """The fixed shift (base-2 units) of the exponentials where the score_mod's results
+    are bounded (`mod_program.score_bounds`: a soft-cap's (-cap, cap)), else None.
+
+    A softmax is the same whatever shift its exponentials take; the running row max is
+    there only to keep them in range, and bounded logits are in range already. Without
+    it a tile saves the row max (a maximum per score and a shuffle reduction per row), its
+    exp2 per row and the rescaling of the [64, D] accumulator. bfloat16 only: the
+    exponentials, up to e**60, are cast to the input type for p @ v, and float16's
+    range ends at 65504. Not with the row max asked for (`with_max`), which this leaves
+    uncomputed."""
+    if with_max or dtype != jnp.bfloat16:
+        return None
+    bounds = score_bounds(score_program)
+    if bounds is None:
+        return None
+    low, high = bounds
+    if (high - low) / 2 > FIXED_SHIFT_MAX_HALF_WIDTH:
+        return None
+    return (low + high) / 2 * online_softmax.LOG2_E
+
+
 def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
     or where that is 0, by head dim and whether the mask reads q_idx."""
@@ -589,7 +627,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
-        with_max=with_max, with_sinks=sinks is not None)
+        with_max=with_max, with_sinks=sinks is not None,
+        fixed_max=fixed_softmax_shift(score_program, q.dtype, with_max))
     row_buffers = 2 if with_max else 1  # lse (and the row max)
     smem_buffers = 3 + row_buffers + persistent  # (and a persistent program's output)
 

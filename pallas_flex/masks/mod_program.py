@@ -289,3 +289,84 @@ def vmap_score(program: ModProgram) -> Callable[..., Any]:
     """score(s [Q, K], b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
     over_kv = jax.vmap(program, in_axes=(0, None, None, None, 0))
     return jax.vmap(over_kv, in_axes=(0, None, None, 0, None))
+
+
+def _interval_of(atom, bounds):
+    """The interval of a jaxpr atom: a literal's value, a variable's bound (unbounded
+    where it has none)."""
+    if isinstance(atom, jex_core.Literal):
+        value = float(np.asarray(atom.val))
+        return value, value
+    return bounds.get(atom, (-np.inf, np.inf))
+
+
+def _product(a, b):
+    if any(np.isinf(x) for x in a + b):  # keeps 0 * inf out of the corners
+        if a == (0.0, 0.0) or b == (0.0, 0.0):
+            return 0.0, 0.0
+        return -np.inf, np.inf
+    corners = [x * y for x in a for y in b]
+    return min(corners), max(corners)
+
+
+def _quotient(a, b):
+    low, high = b
+    if low <= 0.0 <= high:
+        return -np.inf, np.inf
+    return _product(a, (1.0 / high, 1.0 / low))
+
+
+_INTERVAL_RULES = {
+    "add": lambda a, b: (a[0] + b[0], a[1] + b[1]),
+    "sub": lambda a, b: (a[0] - b[1], a[1] - b[0]),
+    "mul": _product,
+    "div": _quotient,
+    "neg": lambda a: (-a[1], -a[0]),
+    "tanh": lambda a: (float(np.tanh(a[0])), float(np.tanh(a[1]))),
+    "logistic": lambda a: (float(1 / (1 + np.exp(-a[0]))), float(1 / (1 + np.exp(-a[1])))),
+    "sin": lambda a: (-1.0, 1.0),
+    "cos": lambda a: (-1.0, 1.0),
+    "max": lambda a, b: (max(a[0], b[0]), max(a[1], b[1])),
+    "min": lambda a, b: (min(a[0], b[0]), min(a[1], b[1])),
+    "convert_element_type": lambda a: a,
+    "copy": lambda a: a,
+    "copy_p": lambda a: a,
+}
+
+
+def _bounds_of(jaxpr, in_intervals):
+    """The intervals of `jaxpr`'s outputs given its inputs', or None where an operation
+    has no rule. Nested jit calls (`jnp.clip`) are followed."""
+    bounds = dict(zip(jaxpr.invars, in_intervals))
+    for equation in jaxpr.eqns:
+        operands = [_interval_of(atom, bounds) for atom in equation.invars]
+        inner = equation.params.get("jaxpr") if equation.primitive.name in ("pjit", "jit") else None
+        if inner is not None:
+            results = _bounds_of(inner.jaxpr, operands)
+        else:
+            rule = _INTERVAL_RULES.get(equation.primitive.name)
+            results = None if rule is None or len(equation.outvars) != 1 else [rule(*operands)]
+        if results is None or any(np.isnan(x) for interval in results for x in interval):
+            return None
+        bounds.update(zip(equation.outvars, results))
+    return [_interval_of(atom, bounds) for atom in jaxpr.outvars]
+
+
+def score_bounds(program: ModProgram | None) -> tuple[float, float] | None:
+    """(low, high) bounds of a score_mod's result for every score, or None: found by
+    interval arithmetic on its jaxpr, for mods that read the score only (no index, no
+    captured array) through the operations of `_INTERVAL_RULES` (a soft-cap's
+    cap * tanh(score / cap) is within (-cap, cap)). The Mosaic GPU forward then
+    normalizes its softmax by a fixed shift instead of a running row max."""
+    if program is None or program.kind != SCORE or program.consts:
+        return None
+    if any(program._reads_argument(position) for position in range(1, 5)):
+        return None
+    unbounded = (-np.inf, np.inf)
+    results = _bounds_of(program.jaxpr, [unbounded] * len(program.jaxpr.invars))
+    if results is None:
+        return None
+    low, high = results[0]
+    if not (np.isfinite(low) and np.isfinite(high)):
+        return None
+    return float(low), float(high)
