@@ -17,7 +17,8 @@ import pallas_flex as pf
 from pallas_flex import masks
 from pallas_flex.kernels import mosaic_eligibility
 from pallas_flex.kernels.config import resolve_options
-from pallas_flex.masks.mod_program import SCORE, make_mod_program
+from pallas_flex.kernels.forward_mosaic import fixed_softmax_shift
+from pallas_flex.masks.mod_program import SCORE, make_mod_program, score_bounds
 from tests.conftest import assert_close_to_golden, golden, random_qkv
 from tests.test_attention import LAYOUTS, VARIANTS
 
@@ -493,3 +494,68 @@ def test_soft_cap_on_the_approximate_tanh_keeps_16_bit_accuracy(cap):
         approximate, exact = approximate.astype(jnp.float32), exact.astype(jnp.float32)
         assert float(jnp.max(jnp.abs(approximate - exact))) <= 2e-2 * float(
             jnp.max(jnp.abs(exact)))
+
+
+def test_score_bounds_are_found_for_mods_that_read_the_score_only():
+    """Interval arithmetic on the mod's jaxpr: a soft-cap, a clip (a nested jit), a
+    sigmoid are bounded; anything reading an index or a captured array, the exp2 form
+    of tanh (a division by an interval the rules cannot bound) or an unbounded score
+    is not, and those keep the running max."""
+    def bounds(score_mod):
+        return score_bounds(make_mod_program(score_mod, SCORE))
+    assert bounds(masks.tanh_softcap(30.0)) == pytest.approx((-30.0, 30.0))
+    assert bounds(lambda s, b, h, q, kv: jnp.clip(s, -5, 5) + 1.0) == pytest.approx((-4, 6))
+    assert bounds(lambda s, b, h, q, kv: 2 * jax.nn.sigmoid(s) - 1) == pytest.approx((-1, 1))
+    assert bounds(lambda s, b, h, q, kv: s) is None
+    assert bounds(lambda s, b, h, q, kv: jnp.tanh(s) * s) is None
+    assert bounds(lambda s, b, h, q, kv: jnp.tanh(s) + 0 * q) is None
+    assert bounds(masks.tanh_softcap(jnp.float32(30.0))) is None  # a captured cap
+    assert bounds(masks.tanh_softcap(30.0, approx=True)) is None
+    soft_cap = make_mod_program(masks.tanh_softcap(30.0), SCORE)
+    assert fixed_softmax_shift(soft_cap, jnp.bfloat16, with_max=False) == 0.0
+    assert fixed_softmax_shift(soft_cap, jnp.float16, with_max=False) is None
+    assert fixed_softmax_shift(soft_cap, jnp.bfloat16, with_max=True) is None
+    wide = make_mod_program(masks.tanh_softcap(61.0), SCORE)
+    assert fixed_softmax_shift(wide, jnp.bfloat16, with_max=False) is None
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_bounded_score_mod_with_a_fixed_shift_matches_the_running_max(backend):
+    """A soft-cap's exponentials shifted by the centre of its range instead of the row
+    max (`forward_mosaic.fixed_softmax_shift`): scores driven to both ends of the cap,
+    rows that see no key (zeros, lse -inf), sinks and a ragged length give the float64
+    golden's output within the bf16 tolerance, the lse to float32 accuracy, and the same
+    result as the running max (the call with the row max asked for) within a bf16 ulp."""
+    length = 200 if backend == "interpret" else 1000
+    q, k, v = random_qkv(12, 1, length, length, 4, 2, 64, 64, jnp.bfloat16)
+    q = q * 6  # scores far past the cap in both directions
+    score_mod = masks.tanh_softcap(20.0)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 5) & (kv_idx <= q_idx)
+
+    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            return_lse=True, kernel_options={"forward_kernel": "mosaic"})
+    expected, expected_lse = golden(q, k, v, mask_mod, score_mod)
+    assert_close_to_golden(out, expected, q, k, v, mask_mod, score_mod)
+    assert np.all(np.asarray(out[:, :5], np.float32) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, :5]))
+    np.testing.assert_allclose(np.asarray(lse)[:, :, 5:], np.asarray(expected_lse)[:, :, 5:],
+                               rtol=1e-5, atol=1e-4)
+    # The row max asked for runs the running max: the two differ by bf16 rounding only.
+    running, aux = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                backend=backend, return_aux=pf.AuxRequest(max_scores=True),
+                                kernel_options={"forward_kernel": "mosaic"})
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(running, np.float32),
+                               atol=2 ** -7 * float(np.max(np.abs(np.asarray(v, np.float32)))))
+    sinks = jnp.asarray([0.0, 25.0, -3.0, 10.0], jnp.float32)
+    with_sinks, sink_lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                        sinks=sinks, backend=backend, return_lse=True,
+                                        kernel_options={"forward_kernel": "mosaic"})
+    reference, reference_lse = pf.attention(
+        *[x.astype(jnp.float32) for x in (q, k, v)], mask_mod=mask_mod, score_mod=score_mod,
+        sinks=sinks, backend="reference", return_lse=True)
+    np.testing.assert_allclose(np.asarray(with_sinks, np.float32), np.asarray(reference),
+                               atol=2e-2 * float(np.max(np.abs(np.asarray(reference)))))
+    np.testing.assert_allclose(np.asarray(sink_lse), np.asarray(reference_lse), rtol=1e-5,
+                               atol=1e-4)
