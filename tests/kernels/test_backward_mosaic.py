@@ -20,15 +20,15 @@ from pallas_flex.api import attention_backward
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
-from tests.kernels.test_forward_mosaic import SHAPES, SLICED, SUPPORTED, _mods
-from tests.test_attention import LAYOUTS
+from tests.kernels.test_forward_mosaic import (SHAPES, SLICED, SUPPORTED, _mods, heads_of,
+                                              layout_id)
 from tests.test_backward import _assert_gradient_close, _cotangent, _golden_gradients
 
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
 
 def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5):
-    q_heads, kv_heads = LAYOUTS[layout]
+    q_heads, kv_heads = heads_of(layout, backend)
     batch = 2
     q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
     mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
@@ -49,15 +49,17 @@ def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5
     return grads
 
 
-def _cases(variants, shape_offset=0):
+def _cases(variants, shape_offset=0, backend="pallas"):
     for index, variant in enumerate(variants):
         dtype, layout, q_len, kv_len, dim = SHAPES[(index + shape_offset) % len(SHAPES)]
         yield pytest.param(variant, dtype, layout, q_len, kv_len, dim,
-                           id=f"{variant}-{jnp.dtype(dtype).name}-{layout}-{q_len}x{kv_len}-d{dim}")
+                           id=f"{variant}-{jnp.dtype(dtype).name}-{layout_id(layout, backend)}"
+                              f"-{q_len}x{kv_len}-d{dim}")
 
 
 @pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
-                         list(_cases(SUPPORTED)) + list(_cases(SLICED, 1)))
+                         list(_cases(SUPPORTED, backend="interpret"))
+                         + list(_cases(SLICED, 1, backend="interpret")))
 def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret")
 
