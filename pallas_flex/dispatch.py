@@ -177,7 +177,7 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
     reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
                                        interpret=interpret)
     if reason is None:
-        reason = mosaic_eligibility.backward_unsupported_reason(score_program)
+        reason = mosaic_eligibility.backward_unsupported_reason(score_program, q.shape[3])
     if reason is None:
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
             score_program, mosaic_eligibility.differentiated_positions(

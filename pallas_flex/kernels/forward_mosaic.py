@@ -67,7 +67,7 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
-_STAGES = {64: 4, 128: 2}
+_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 1}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
 # that does not read q_idx: no mask, key padding) more items cost nothing in balance;
@@ -517,6 +517,14 @@ def fixed_softmax_shift(score_program, dtype, with_max: bool):
     return (low + high) / 2 * online_softmax.LOG2_E
 
 
+def tile_transforms(head_dim: int):
+    """The shared-memory layout of a [rows, head_dim] 16-bit tile: rows of 8 x
+    swizzle / 2 elements, swizzled by the widest of 128, 64 and 32 bytes that divides a
+    row (wgmma reads the contraction in groups of that width: D 80 in 16s, 96 in 32s)."""
+    swizzle = next(width for width in (128, 64, 32) if head_dim * 2 % width == 0)
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
 def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
     or where that is 0, by head dim and whether the mask reads q_idx."""
@@ -614,7 +622,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     tables = tuple(t.astype(jnp.int32) for t in tables)
     # Each TMA copy into a K/V tile arrives once on its barrier.
     arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    transforms = tile_transforms(head_dim)
 
     num_items = q_heads * num_q_blocks * batch
     items_per_program = max(1, min(items_per_program, num_items))

@@ -16,7 +16,10 @@ from pallas_flex.kernels.tile_mods import (
     captured_read_varying_axes)
 
 BLOCK = 128  # the kernel's BlockMask block on both axes
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 80, 96, 128, 192)
+# The backward kernels and the paged forward keep the two head dims their tiles were
+# sized and measured for.
+BACKWARD_HEAD_DIMS = PAGED_HEAD_DIMS = (64, 128)
 # The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
 # by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
 GRADIENT_TABLE_ENTRIES = 1 << 16
@@ -124,9 +127,12 @@ def _mod_unsupported_reason(program):
     return None
 
 
-def backward_unsupported_reason(score_program):
-    """None if the Mosaic GPU backward can run the score_mod's derivative (traced with
-    `mod_program.with_score_derivative`), else why not."""
+def backward_unsupported_reason(score_program, head_dim: int = 128):
+    """None if the Mosaic GPU backward takes a call the Mosaic forward takes: its head
+    dim, and the score_mod's derivative (traced with `mod_program.with_score_derivative`)
+    in what the kernels run; else why not."""
+    if head_dim not in BACKWARD_HEAD_DIMS:
+        return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
     return _mod_unsupported_reason(with_score_derivative(score_program))
@@ -178,6 +184,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
         return f"dtype {q.dtype} (it takes bfloat16 and float16)"
     if head_dim not in HEAD_DIMS or v.shape[3] != head_dim:
         return f"head dims {head_dim}/{v.shape[3]} (it takes D = Dv in {HEAD_DIMS})"
+    if paged and head_dim not in PAGED_HEAD_DIMS:
+        return f"head dim {head_dim} on pages (it takes D in {PAGED_HEAD_DIMS} there)"
     if tuple(block_mask.block_size) != (BLOCK, BLOCK):
         return f"BlockMask block size {block_mask.block_size} (it takes {BLOCK}x{BLOCK})"
     kv_len = block_mask.shape[3]

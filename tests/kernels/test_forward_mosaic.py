@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pallas_flex as pf
-from pallas_flex import masks
+from pallas_flex import dispatch, masks
 from pallas_flex.kernels import mosaic_eligibility
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.forward_mosaic import fixed_softmax_shift
@@ -576,3 +576,41 @@ def test_bounded_score_mod_with_a_fixed_shift_matches_the_running_max(backend):
                                atol=2e-2 * float(np.max(np.abs(np.asarray(reference)))))
     np.testing.assert_allclose(np.asarray(sink_lse), np.asarray(reference_lse), rtol=1e-5,
                                atol=1e-4)
+
+
+HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
+                  (80, "softcap_causal", jnp.float16, "MHA", 200, 256),
+                  (96, "noop", jnp.float16, "MQA", 256, 130),
+                  (96, "alibi_causal", jnp.bfloat16, "MHA", 256, 256),
+                  (96, "document", jnp.bfloat16, "GQA4", 300, 300),
+                  (192, "causal", jnp.bfloat16, "MHA", 256, 200),
+                  (192, "softcap_causal", jnp.bfloat16, "GQA4", 130, 384)]
+
+
+# The interpreter does not model shared-memory layouts (what these head dims change):
+# one case a head dim on the CPU, every case on the GPU.
+@pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
+    ("interpret",) + case for case in (HEAD_DIM_CASES[0], HEAD_DIM_CASES[4], HEAD_DIM_CASES[6])
+] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
+def test_head_dims_80_96_192(dim, variant, dtype, layout, q_len, kv_len, backend):
+    """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
+    swizzles, `forward_mosaic.tile_transforms`) and 192 (one K/V stage in shared memory):
+    the gallery's check against the float64 golden; their backward is the Triton one."""
+    _check(variant, dtype, layout, q_len, kv_len, dim, backend)
+
+
+def test_head_dims_the_mosaic_backward_and_paged_forward_keep():
+    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, 96, 96, jnp.bfloat16)
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
+    options = resolve_options({"forward_kernel": "mosaic", "backward_kernel": "auto"}, 96)
+    assert dispatch.choose_forward(q, k, v, block_mask, None, backend="interpret",
+                                   options=options).kernel == "mosaic_forward"
+    assert mosaic_eligibility.backward_unsupported_reason(None, 96) == (
+        "head dim 96 (the Mosaic backward takes D in (64, 128))")
+    assert mosaic_eligibility.backward_unsupported_reason(None, 128) is None
+    with pytest.raises(ValueError, match="head dim 96"):
+        dispatch.choose_backward(q, k, v, block_mask, None, backend="interpret",
+                                 options=resolve_options({"backward_kernel": "mosaic"}, 96))
+    pages = jnp.zeros((4, 2, 64, 96), jnp.bfloat16)
+    assert "on pages" in mosaic_eligibility.unsupported_reason(
+        q, pages, pages, block_mask, None, interpret=True, paged=True)
