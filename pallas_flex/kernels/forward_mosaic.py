@@ -67,7 +67,7 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
-_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 1}
+_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 1, 256: 1}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
 # that does not read q_idx: no mask, key padding) more items cost nothing in balance;
@@ -528,6 +528,8 @@ def tile_transforms(head_dim: int):
 def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
     or where that is 0, by head dim and whether the mask reads q_idx."""
+    if head_dim == 256:  # a persistent program's output buffer would not fit
+        return 1
     if requested:
         return requested
     if head_dim == 64 and not reads_index(mask_program, {}, "q_idx"):

@@ -16,7 +16,7 @@ from pallas_flex.kernels.tile_mods import (
     captured_read_varying_axes)
 
 BLOCK = 128  # the kernel's BlockMask block on both axes
-HEAD_DIMS = (64, 80, 96, 128, 192)
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The backward kernels and the paged forward keep the two head dims their tiles were
 # sized and measured for.
 BACKWARD_HEAD_DIMS = PAGED_HEAD_DIMS = (64, 128)

@@ -584,18 +584,21 @@ HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
                   (96, "alibi_causal", jnp.bfloat16, "MHA", 256, 256),
                   (96, "document", jnp.bfloat16, "GQA4", 300, 300),
                   (192, "causal", jnp.bfloat16, "MHA", 256, 200),
-                  (192, "softcap_causal", jnp.bfloat16, "GQA4", 130, 384)]
+                  (192, "softcap_causal", jnp.bfloat16, "GQA4", 130, 384),
+                  (256, "causal", jnp.float16, "MHA", 256, 200),
+                  (256, "softcap_causal", jnp.bfloat16, "GQA4", 130, 384)]
 
 
 # The interpreter does not model shared-memory layouts (what these head dims change):
 # one case a head dim on the CPU, every case on the GPU.
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
-    ("interpret",) + case for case in (HEAD_DIM_CASES[0], HEAD_DIM_CASES[4], HEAD_DIM_CASES[6])
+    ("interpret",) + HEAD_DIM_CASES[index] for index in (0, 4, 6, 8)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
-def test_head_dims_80_96_192(dim, variant, dtype, layout, q_len, kv_len, backend):
+def test_head_dims_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
     """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
-    swizzles, `forward_mosaic.tile_transforms`) and 192 (one K/V stage in shared memory):
-    the gallery's check against the float64 golden; their backward is the Triton one."""
+    swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (one K/V stage in shared
+    memory; 256 one item a program): the gallery's check against the float64 golden;
+    their backward is the Triton one."""
     _check(variant, dtype, layout, q_len, kv_len, dim, backend)
 
 
