@@ -211,12 +211,12 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
     exact delta needs) is 1 less the sink's weight, 0 on the empty rows; the backward
     given the same out and lse from elsewhere (`api.attention_backward`, as context
     parallelism calls it) agrees."""
-    length = 200 if backend == "interpret" else 1000
-    q, k, v = random_qkv(8, 1, length, length, 4, 4, 64, 64, jnp.bfloat16)
-    slopes = jnp.asarray(masks.alibi_slopes(4))
-    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+    length, heads = (130, 2) if backend == "interpret" else (1000, 4)
+    q, k, v = random_qkv(8, 1, length, length, heads, heads, 64, 64, jnp.bfloat16)
+    slopes = jnp.asarray(masks.alibi_slopes(heads))
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0][:heads], jnp.float32)
     d_out = _cotangent(q.shape, 9).astype(jnp.bfloat16).astype(jnp.float32)
-    d_lse = _cotangent((1, 4, length), 10)
+    d_lse = _cotangent((1, heads, length), 10)
 
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= 8) & (kv_idx <= q_idx)
