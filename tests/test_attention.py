@@ -1,9 +1,9 @@
 """The shared forward suite: every backend against the float64 dense reference.
 
 Each gallery variant runs on two (dtype, head layout, lengths, head dims) cases drawn
-in rotation from CASES, so across the gallery every dtype, layout, awkward length pair
-and Dv != D combination is exercised on every backend without the full product's
-compile time. A full product over dtypes x layouts x lengths runs on one variant (on
+in rotation from CASES (on the CPU, one on each of its two backends), so across the
+gallery every dtype, layout, awkward length pair and Dv != D combination is exercised on
+every backend without the full product's compile time. A full product over dtypes x layouts x lengths runs on one variant (on
 the GPU; the CPU backends take one of the two length pairs per dtype x layout).
 """
 
@@ -78,12 +78,19 @@ def _shape_for(case, needs):
 
 
 def _variant_cases():
+    """Each variant on two cases of CASES (offsets 0 and 4 in the rotation). The GPU runs
+    both on its backend; on the CPU, where a case is mostly compile time, the interpret
+    backend runs the first and the xla backend the second: every variant still meets both
+    cases, and each CPU backend still meets every dtype, layout, length pair and head
+    dims of CASES (20 variants over 9 cases)."""
     for index, (name, (_, _, needs)) in enumerate(VARIANTS.items()):
-        for offset in range(2):
+        for offset, cpu_backend in enumerate(("interpret", "xla")):
             case = CASES[(index + 4 * offset) % len(CASES)]
             dtype, layout, q_len, kv_len, (dim, value_dim) = _shape_for(case, needs)
-            yield pytest.param(name, dtype, layout, q_len, kv_len, dim, value_dim,
-                               id=f"{name}-{dtype}-{layout}-{q_len}x{kv_len}-d{dim}v{value_dim}")
+            shape_id = f"{name}-{dtype}-{layout}-{q_len}x{kv_len}-d{dim}v{value_dim}"
+            for backend, marks in ((cpu_backend, ()), ("pallas", pytest.mark.gpu)):
+                yield pytest.param(backend, name, dtype, layout, q_len, kv_len, dim, value_dim,
+                                   marks=marks, id=f"{shape_id}-{backend}")
 
 
 def _run(backend, variant, dtype, layout, q_len, kv_len, dim, value_dim, seed=0):
@@ -100,8 +107,8 @@ def _run(backend, variant, dtype, layout, q_len, kv_len, dim, value_dim, seed=0)
     return (q, k, v, mask_mod, score_mod), out, lse
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim,value_dim", list(_variant_cases()))
+@pytest.mark.parametrize("backend,variant,dtype,layout,q_len,kv_len,dim,value_dim",
+                         list(_variant_cases()))
 def test_gallery_matches_float64_reference(backend, variant, dtype, layout, q_len, kv_len, dim,
                                            value_dim):
     (q, k, v, mask_mod, score_mod), out, lse = _run(backend, variant, dtype, layout, q_len,
