@@ -172,7 +172,7 @@ def test_gathering_mods_are_refused_with_the_reason(variant):
 
 @pytest.mark.parametrize("change,reason", [
     (dict(dtype=jnp.float32), "dtype"),
-    (dict(dim=96), "head dims"),
+    (dict(dim=32), "head dims"),
     (dict(value_dim=128), "head dims"),
     (dict(block_size=64), "block size"),
 ])
