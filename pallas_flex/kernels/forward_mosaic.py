@@ -67,7 +67,16 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
 # the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
-_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 1, 256: 1}
+_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
+# K/V tiles per BlockMask block by head dim (the rest: 1, a tile of 128 keys). At D 192
+# and 256 one 128-row K and V stage is all shared memory holds next to the queries: with
+# 64-row tiles two are in flight, and the [64, 64] float32 score tile leaves registers
+# next to the [64, D] accumulator. H200, B4 H16 S4096 bf16, paired rounds, ms, 128-key
+# tiles at 1 stage / 64-key tiles at 2: D256 noop 2.213 / 2.168 (cuDNN 1.685), causal
+# 1.115 / 1.109; D192 noop 1.507 / 1.484 (3 stages at 1 item a program: 1.501), causal
+# 0.777 / 0.779. 64-key tiles at D128 (4 stages) were slower (noop 0.969 -> 0.972,
+# causal 0.504 -> 0.513), at D64 (8 stages) the same.
+_PARTS_PER_BLOCK = {192: 2, 256: 2}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
 # that does not read q_idx: no mask, key padding) more items cost nothing in balance;
@@ -93,12 +102,14 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
-            with_max=False, with_sinks=False, fixed_max=None):
+            with_max=False, with_sinks=False, fixed_max=None, parts_per_block=1):
     """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
     ref [Hq] of sink logits (natural units) follows (after the paging refs).
+    parts_per_block: K/V tiles a BlockMask block is walked in (`_PARTS_PER_BLOCK`); a
+    block's tiles take consecutive slots.
 
     Work items are (head, query block, batch) triples, heads varying fastest and the
     query blocks from the last (a causal mask's longest rows first). Program p runs
@@ -120,6 +131,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     o_smem2 = extra_smem[-1] if persistent else None
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
+    tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
     early_hand_over = hand_over_early(head_dim, score_program)
     first_item = lax.axis_index("programs") * items_per_program
@@ -161,7 +173,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         head, q_block, batch, num_full, num_steps, kv_block_of = item_at(local)
         q_start = q_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
         plgpu.barrier_wait(q_barriers.at[warpgroup])
-        tile = (ROWS_PER_WARPGROUP, BLOCK)
+        tile = (ROWS_PER_WARPGROUP, tile_rows)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         running_max = plgpu.layout_cast(
             jnp.full((ROWS_PER_WARPGROUP,),
@@ -209,7 +221,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         @pl.when(num_steps > 0)
         def _():
-            plgpu.barrier_wait(k_barriers.at[slot_of(consumed)])
+            plgpu.barrier_wait(k_barriers.at[slot_of(consumed * parts_per_block)])
 
         pl.when(warpgroup == 1)(schedule_turn)
 
@@ -233,10 +245,23 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     plgpu.commit_smem()  # before the wgmma reads the tile
 
         def visit(step, carry, masked):
+            block_start = None
+            if any(kv_needs[masked]):
+                block_start = kv_block_of(step) * BLOCK
+            for part in range(parts_per_block):
+                carry = visit_part(part, block_start, step, carry, masked)
+            return carry
+
+        def visit_part(part, block_start, step, carry, masked):
+            """Keys [part * tile_rows, (part + 1) * tile_rows) of the step's block: the K/V
+            tile in slot `slot_of((consumed + step) * parts_per_block + part)`."""
             accumulator, running_max, running_sum, row_term = carry
-            slot = slot_of(consumed + step)
+            last_part = part == parts_per_block - 1
+            tile_number = (consumed + step) * parts_per_block + part
+            slot = slot_of(tile_number)
+            k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
             # Then the other warpgroup's q·kᵀ goes next.
-            raw = matmul(q_smem, k_smem.at[slot], shape=tile, interpret=interpret,
+            raw = matmul(q_smem, k_tile, shape=tile, interpret=interpret,
                          transpose_b=True,
                          after_issue=schedule_turn if early_hand_over else None)
             if not early_hand_over:
@@ -246,12 +271,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             kv_idx = kv_position = kv_start = None
             needs_kv_vector, needs_kv_start = kv_needs[masked]
             if needs_kv_start:
-                kv_start = kv_block_of(step) * BLOCK
+                kv_start = block_start + part * tile_rows
             if needs_kv_vector:
-                kv_position = index_vector(kv_start, BLOCK, 1)
+                kv_position = index_vector(kv_start, tile_rows, 1)
                 # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
+
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
@@ -302,18 +328,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 (accumulator, running_sum, new_max, p))
             plgpu.barrier_arrive(schedule_barrier)  # softmax done
             plgpu.barrier_wait(v_barriers.at[slot])
-            if masked and paged:
+            if masked and paged:  # (pages: one part a block)
                 zero_values_past_length(v_smem.at[slot], kv_start)
             plgpu.barrier_wait(schedule_barrier)  # the tensor cores are ours again
 
             def wait_for_next_keys():
-                next_step = step + 1
+                next_keys = k_barriers.at[slot_of(tile_number + 1)]
+                if not last_part:  # the block's next part
+                    plgpu.barrier_wait(next_keys)
+                    return
 
-                @pl.when(next_step < num_steps)
+                @pl.when(step + 1 < num_steps)
                 def _():
-                    plgpu.barrier_wait(k_barriers.at[slot_of(consumed + next_step)])
+                    plgpu.barrier_wait(next_keys)
 
-            accumulator = matmul(p, v_smem.at[slot], shape=accumulator.shape,
+            accumulator = matmul(p, v_tile, shape=accumulator.shape,
                                  interpret=interpret, accumulator=accumulator,
                                  after_issue=wait_for_next_keys)
             plgpu.barrier_arrive(v_consumed.at[slot])
@@ -396,17 +425,16 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             head, _, batch, _, num_steps, kv_block_of = item_at(local)
             kv_head = lax.div(head, jnp.int32(group))
 
-            def copy_tile(source_ref, location, destination, barrier):
+            def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
                     _copy_pages(source_ref, location, kv_head, destination, barrier)
                 else:
-                    rows = (batch, pl.ds(location * BLOCK, BLOCK), kv_head)
+                    rows = (batch, pl.ds(location * BLOCK + part * tile_rows, tile_rows),
+                            kv_head)
                     plgpu.copy_gmem_to_smem(source_ref.at[rows], destination, barrier)
 
             @pl.loop(0, num_steps)
             def _fetch(step):
-                tile = fetched + step
-                slot = slot_of(tile)
                 # The tables (and a paged cache's page table) are read once for K and V,
                 # before the release waits (reading them after each wait measured the
                 # same on the H100's paged prefill:
@@ -414,23 +442,26 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 block = kv_block_of(step)
                 location = (_tile_pages(page_table_ref, batch, block, k_ref.shape[2],
                                         k_ref.shape[0]) if paged else block)
-                reuses_slot = tile >= num_stages  # its earlier tile must be released
+                for part in range(parts_per_block):
+                    tile = (fetched + step) * parts_per_block + part
+                    slot = slot_of(tile)
+                    reuses_slot = tile >= num_stages  # its earlier tile must be released
 
-                @pl.when(reuses_slot)
-                def _():
-                    plgpu.barrier_wait(k_consumed.at[slot])
+                    @pl.when(reuses_slot)
+                    def _():
+                        plgpu.barrier_wait(k_consumed.at[slot])
 
-                copy_tile(k_ref, location, k_smem.at[slot], k_barriers.at[slot])
+                    copy_tile(k_ref, location, part, k_smem.at[slot], k_barriers.at[slot])
 
-                @pl.when(reuses_slot)
-                def _():
-                    plgpu.barrier_wait(v_consumed.at[slot])
+                    @pl.when(reuses_slot)
+                    def _():
+                        plgpu.barrier_wait(v_consumed.at[slot])
 
-                copy_tile(v_ref, location, v_smem.at[slot], v_barriers.at[slot])
+                    copy_tile(v_ref, location, part, v_smem.at[slot], v_barriers.at[slot])
 
             return fetched + num_steps
 
-        total = lax.fori_loop(0, num_local_items, fetch_item, jnp.int32(0))
+        total = lax.fori_loop(0, num_local_items, fetch_item, jnp.int32(0)) * parts_per_block
 
         # Observe the last tiles' releases too, so that every phase of the release
         # barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware
@@ -617,6 +648,9 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         v = pad_axis(v, 1, num_kv_blocks * BLOCK)
     padded_q_len = q.shape[1]
     num_stages = num_stages or _STAGES[head_dim]
+    # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
+    # tile a block.
+    parts_per_block = 1 if paged else _PARTS_PER_BLOCK.get(head_dim, 1)
     mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
     padded_lengths = (num_q_blocks * BLOCK, num_kv_blocks * BLOCK)
     captured = (padded_for_slices(mask_program, mask_reads, *padded_lengths)
@@ -638,7 +672,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
         with_max=with_max, with_sinks=sinks is not None,
-        fixed_max=fixed_softmax_shift(score_program, q.dtype, with_max))
+        fixed_max=fixed_softmax_shift(score_program, q.dtype, with_max),
+        parts_per_block=parts_per_block)
     row_buffers = 2 if with_max else 1  # lse (and the row max)
     smem_buffers = 3 + row_buffers + persistent  # (and a persistent program's output)
 
@@ -653,8 +688,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
             scoped,
             plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype,
                        transforms=transforms),
-            plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
-            plgpu.SMEM((num_stages, BLOCK, head_dim), q.dtype, transforms=transforms),
+            plgpu.SMEM((num_stages, BLOCK // parts_per_block, head_dim), q.dtype,
+                       transforms=transforms),
+            plgpu.SMEM((num_stages, BLOCK // parts_per_block, head_dim), q.dtype,
+                       transforms=transforms),
             *[plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP), jnp.float32)
               for _ in range(row_buffers)],
             *([plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype,

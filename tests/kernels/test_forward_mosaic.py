@@ -596,8 +596,8 @@ HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
 def test_head_dims_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
     """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
-    swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (one K/V stage in shared
-    memory; 256 one item a program): the gallery's check against the float64 golden;
+    swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (64-key K/V tiles,
+    `forward_mosaic._PARTS_PER_BLOCK`; 256 one item a program): the gallery's check against the float64 golden;
     their backward is the Triton one."""
     _check(variant, dtype, layout, q_len, kv_len, dim, backend)
 
