@@ -26,6 +26,11 @@ def _t5_score_mod():
     return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(q_idx - kv_idx, 0, 31)]
 
 
+def _gathering_score_mod():
+    table = jnp.zeros((4, 32))
+    return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(q_idx + kv_idx, 0, 31)]
+
+
 # (name, q, k/v, mask_mod, score_mod, kernel_options, backend, {device: kernel})
 ROWS = [
     ("bf16 D128 causal", _shape(), _shape(), masks.causal_mask, None, None, "pallas",
@@ -40,7 +45,9 @@ ROWS = [
      {H100: "mosaic_forward", A100: "triton_forward"}),
     ("bf16 D32", _shape(dim=32), _shape(dim=32), masks.causal_mask, None, None, "pallas",
      {H100: "triton_forward", A100: "triton_forward"}),
-    ("bf16 D128 T5 gather", _shape(), _shape(), masks.causal_mask, _t5_score_mod(), None,
+    ("bf16 D128 T5 (a read at kv_idx - q_idx)", _shape(), _shape(), masks.causal_mask,
+     _t5_score_mod(), None, "pallas", {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("bf16 D128 gather", _shape(), _shape(), masks.causal_mask, _gathering_score_mod(), None,
      "pallas", {H100: "triton_forward", A100: "triton_forward"}),
     ("bf16 D128 ALiBi", _shape(), _shape(), masks.causal_mask, masks.alibi(4), None, "pallas",
      {H100: "mosaic_forward", A100: "triton_forward"}),

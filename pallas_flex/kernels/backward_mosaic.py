@@ -58,14 +58,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
-from pallas_flex.kernels.mosaic_eligibility import BLOCK, contiguous_reads
+from pallas_flex.kernels.mosaic_eligibility import BLOCK, tile_reads
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector,
-    map_each_element, materialize, padded_for_slices, reads_index, result, score_parts,
+    map_each_element, materialize, reads_index, result, score_parts, split_tile_refs,
+    tile_inputs,
     split_rows, to_tile, vector_layout, with_accumulators)
 from pallas_flex.kernels.tile_mods import (
-    CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles, split_captured_refs)
+    CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles)
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
@@ -110,8 +111,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, interpret):
-    mask_refs, score_refs, (dk_ref, dv_ref, scratch) = split_captured_refs(
-        refs, mask_program, score_program)
+    mask_refs, score_refs, (dk_ref, dv_ref, scratch) = split_tile_refs(
+        refs, mask_program, mask_reads, score_program, score_reads)
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
@@ -272,8 +273,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     score program's read derivatives g): per query row, sums over the row's keys
     written to rows_ref [2 + 2 sites, B, Hq, S] (`_accumulate_rows`,
     `_captured_gradients`)."""
-    mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_captured_refs(
-        refs, mask_program, score_program)
+    mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_tile_refs(
+        refs, mask_program, mask_reads, score_program, score_reads)
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
     row_barriers, k_ready, v_ready, k_consumed, v_consumed = barriers
     head_dim = q_ref.shape[3]
@@ -563,9 +564,12 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
         dq_program = (with_read_derivatives(score_program, gradient_positions)
                       if gradient_positions else with_score_derivative(score_program))
         score_program = with_score_derivative(score_program)
-    mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
-    captured = (padded_for_slices(mask_program, mask_reads, padded_q_len, padded_kv_len)
-                + padded_for_slices(score_program, score_reads, padded_q_len, padded_kv_len))
+    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
+    dq_reads = tile_reads(dq_program)
+
+    def captured_for(program, reads):
+        return tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
+                           heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
     kv_tables, q_tables = tables[:4], tables[4:]
     settings = dict(mask_program=mask_program, score_program=score_program, scale=scale,
                     group=group, q_len=q_len, kv_len=kv_len,
@@ -580,7 +584,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def call(kernel, kernel_tables, out_type, grid, scratch, num_smem):
+    def call(kernel, kernel_tables, captured, out_type, grid, scratch, num_smem):
         def entry(*refs):
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
@@ -597,7 +601,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, **settings)
     d_k, d_v = call(
-        dkv, q_tables,
+        dkv, q_tables, captured_for(score_program, score_reads),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
@@ -613,13 +617,13 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     row_count = 2 + 2 * len(gradient_positions) if gradient_positions else 0
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            **{**settings, "score_program": dq_program,
-                              "score_reads": contiguous_reads(dq_program)},
+                              "score_reads": dq_reads},
                            gradient_sites=len(gradient_positions))
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
     rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
     d_q, *rows = call(
-        dq, kv_tables, (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
+        dq, kv_tables, captured_for(dq_program, dq_reads), (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
          smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),

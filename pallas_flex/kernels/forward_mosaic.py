@@ -44,13 +44,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, PAGE_ROWS_MULTIPLE, contiguous_reads, hand_over_early)
+    BLOCK, PAGE_ROWS_MULTIPLE, hand_over_early, tile_reads)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, padded_for_slices, reads_index, score_parts)
+    matmul, reads_index, score_parts, split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.kernels.tile_mods import split_captured_refs
 from pallas_flex.masks.mod_program import score_bounds
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
@@ -71,11 +70,10 @@ _STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 # K/V tiles per BlockMask block by head dim (the rest: 1, a tile of 128 keys). At D 192
 # and 256 one 128-row K and V stage is all shared memory holds next to the queries: with
 # 64-row tiles two are in flight, and the [64, 64] float32 score tile leaves registers
-# next to the [64, D] accumulator. H200, B4 H16 S4096 bf16, paired rounds, ms, 128-key
-# tiles at 1 stage / 64-key tiles at 2: D256 noop 2.213 / 2.168 (cuDNN 1.685), causal
-# 1.115 / 1.109; D192 noop 1.507 / 1.484 (3 stages at 1 item a program: 1.501), causal
-# 0.777 / 0.779. 64-key tiles at D128 (4 stages) were slower (noop 0.969 -> 0.972,
-# causal 0.504 -> 0.513), at D64 (8 stages) the same.
+# next to the [64, D] accumulator. H200, B4 H16 S4096 bf16, paired rounds of AOT-compiled
+# calls, ms, 128-key tiles at 1 stage / 64-key tiles at 2: D256 noop 2.212 / 1.983 (cuDNN
+# 1.677), causal 1.108 / 1.024 (0.975); D192 noop 1.502 / 1.465 (1.328), causal
+# 0.784 / 0.775 (0.771).
 _PARTS_PER_BLOCK = {192: 2, 256: 2}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
@@ -103,7 +101,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
             with_max=False, with_sinks=False, fixed_max=None, parts_per_block=1):
-    """mask_reads, score_reads: the mods' `contiguous_reads`. with_max: a third output,
+    """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
@@ -121,8 +119,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         page_table_ref, lengths_ref, *refs = refs
     if with_sinks:
         sinks_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_captured_refs(
-        refs, mask_program, score_program)
+    mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_tile_refs(
+        refs, mask_program, mask_reads, score_program, score_reads)
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max)
     # and a persistent program's output tiles (see `_launch`).
     (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
@@ -206,8 +204,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         masks_key_tail = clamps_key_tail or paged
         key_limit = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
-        def slices_at_kv(reads):
-            return any(kind == "kv" for _, _, kind in reads.values())
+        def slices_at_kv(reads):  # (a relative read needs the tile's first key too)
+            return any(kind in ("kv", "relative") for _, _, kind in reads.values())
 
         # What a tile of each loop (masked or not) needs: the kv_idx vector (only where
         # it is used, as for q_idx) and the tile's first key (also for slice reads).
@@ -651,10 +649,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
     parts_per_block = 1 if paged else _PARTS_PER_BLOCK.get(head_dim, 1)
-    mask_reads, score_reads = contiguous_reads(mask_program), contiguous_reads(score_program)
-    padded_lengths = (num_q_blocks * BLOCK, num_kv_blocks * BLOCK)
-    captured = (padded_for_slices(mask_program, mask_reads, *padded_lengths)
-                + padded_for_slices(score_program, score_reads, *padded_lengths))
+    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
+    captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
+                           batch=batch, heads=q_heads, q_length=num_q_blocks * BLOCK,
+                           kv_length=num_kv_blocks * BLOCK)
     tables = tuple(t.astype(jnp.int32) for t in tables)
     # Each TMA copy into a K/V tile arrives once on its barrier.
     arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1

@@ -1,6 +1,6 @@
 """Which calls the Mosaic GPU forward (`forward_mosaic.py`) takes, apart from the kernel.
 
-`unsupported_reason` is what `pallas_flex.dispatch` asks; `contiguous_reads` and
+`unsupported_reason` is what `pallas_flex.dispatch` asks; `tile_reads` and
 `hand_over_early` are analyses of the mods that the kernel also uses when it is built.
 """
 
@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels import device
+from pallas_flex.kernels.relative_reads import relative_reads
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_positions, captured_read_sites,
@@ -111,6 +112,14 @@ def contiguous_reads(program):
     return reads
 
 
+def tile_reads(program) -> dict:
+    """The mod's reads of captured arrays the Mosaic GPU kernels load without a gather:
+    `contiguous_reads` (at exactly q_idx or kv_idx) and `relative_reads.relative_reads`
+    (at indices of kv_idx - q_idx: T5 buckets), {id(dynamic_slice equation):
+    (captured position, axis or axes, "q" / "kv" / "relative")}."""
+    return {**contiguous_reads(program), **relative_reads(program)}
+
+
 def _mod_unsupported_reason(program):
     """None if the kernel can run `program` (None included), else why not."""
     if program is None:
@@ -119,7 +128,7 @@ def _mod_unsupported_reason(program):
     if unknown:
         return f"{program.kind}_mod {program.name!r} uses {unknown}"
     slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
-              for key, (_, axis, _) in contiguous_reads(program).items()}
+              for key, (_, axis, _) in tile_reads(program).items()}
     sites = captured_read_sites(program, captured_reads=slices)
     if any(jnp.shape(index) != () for _, indices in sites for index in indices):
         return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "

@@ -28,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, captured_inputs, evaluate_jaxpr_on_tiles, reads_argument)
+from pallas_flex.kernels.relative_reads import BLOCK, numbered, relative_tables
 
 ROWS_PER_WARPGROUP = 64
 
@@ -424,7 +425,20 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
                           tile_axis)
         return read
 
-    readers = {key: (slice_reader(axis, kind), axis)
+    def relative_reader(number):
+        tables = refs[len(program.consts) + 3 * number:][:3]
+        batch, head = args[first_index_arg - 2], args[first_index_arg - 1]
+
+        def read(captured, indices):
+            del captured, indices  # the tables hold the read's values
+            return relative_read_tile(tables, batch=batch, head=head, q_start=q_start,
+                                      kv_start=kv_start, tile=tile, q_axis=q_axis,
+                                      interpret=interpret)
+        return read
+
+    numbers = numbered(reads)
+    readers = {key: (relative_reader(numbers[key]) if key in numbers
+                     else slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
     outputs = evaluate_jaxpr_on_tiles(
         program.jaxpr, consts, args, program.name,
@@ -434,6 +448,30 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     return outputs if keep_affine else [materialize(x, tile) for x in outputs]
 
 
+def relative_read_tile(tables, *, batch, head, q_start, kv_start, tile, q_axis, interpret):
+    """A relative read's value on a tile (`relative_reads`), in its array's dtype, from
+    its three table refs (counts, starts, values): the block diagonal's first run's
+    value, then each later run's where kv_idx - q_idx reaches its start. The test is
+    kv_idx >= start + q_idx: the start moves onto the query vector (two values a thread),
+    so no tile of differences takes registers next to the scores and the accumulator."""
+    counts_ref, starts_ref, values_ref = tables
+    blocks = (counts_ref.shape[2] + 1) // 2
+    row = (0 if counts_ref.shape[0] == 1 else batch, head,
+           lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
+    kv_axis = 1 - q_axis
+    queries = index_vector(q_start, tile[q_axis], q_axis)
+    keys = to_tile(index_vector(kv_start, tile[kv_axis], kv_axis), tile)
+    value = jnp.full(tile, values_ref[row + (0,)])
+    if not interpret:
+        value = plgpu.layout_cast(value, plgpu.Layout.WGMMA)
+
+    def take_run(run, value):
+        threshold = Vector(queries.value + starts_ref[row + (run,)], q_axis)
+        return jnp.where(keys >= to_tile(threshold, tile), values_ref[row + (run,)], value)
+
+    return lax.fori_loop(1, counts_ref[row], take_run, value)
+
+
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
     """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
     the read's axis to the kernel's padded q_length / kv_length: a slice read past the
@@ -441,6 +479,8 @@ def padded_for_slices(program, reads, q_length: int, kv_length: int):
     semantics reads."""
     arrays = captured_inputs(program)
     for position, axis, kind in reads.values():
+        if kind == "relative":  # its tables follow (`tile_inputs`)
+            continue
         length = q_length if kind == "q" else kv_length
         array = arrays[position]
         if array.shape[axis] < length:
@@ -448,6 +488,32 @@ def padded_for_slices(program, reads, q_length: int, kv_length: int):
             widths[axis] = (0, length - array.shape[axis])
             arrays[position] = jnp.pad(array, widths, mode="edge")
     return arrays
+
+
+def tile_inputs(mask_program, mask_reads, score_program, score_reads, *, batch: int,
+                heads: int, q_length: int, kv_length: int):
+    """The Mosaic GPU kernels' inputs for the mods' captured arrays: per mod, its arrays
+    (`padded_for_slices`) and then three tables per relative read
+    (`relative_reads.relative_tables`); mask_mod's first. q_length / kv_length: the
+    padded lengths. `split_tile_refs` takes the kernel's refs apart again."""
+    inputs = []
+    for program, reads in ((mask_program, mask_reads), (score_program, score_reads)):
+        if program is None:
+            continue
+        inputs += padded_for_slices(program, reads, q_length, kv_length)
+        inputs += relative_tables(program, reads, batch, heads, q_length, kv_length)
+    return inputs
+
+
+def split_tile_refs(refs, mask_program, mask_reads, score_program, score_reads):
+    """(mask_refs, score_refs, the refs after them) of a Mosaic GPU kernel whose inputs
+    for the mods came from `tile_inputs`: each mod's refs are its captured arrays' and
+    then its relative reads' tables, which `evaluate` finds after the arrays."""
+    counts = [0 if program is None else len(program.consts) + 3 * len(numbered(reads))
+              for program, reads in ((mask_program, mask_reads),
+                                     (score_program, score_reads))]
+    return (refs[:counts[0]], refs[counts[0]:counts[0] + counts[1]],
+            refs[counts[0] + counts[1]:])
 
 
 def load_vector(ref, axis: int, interpret: bool):
@@ -566,5 +632,6 @@ def result(accumulator, *, in_flight_after: int, interpret):
 __all__ = ["Affine", "ROWS_PER_WARPGROUP", "Vector", "apply_mask", "constant_value", "evaluate",
            "index_vector", "issue", "load_vector", "map_each_element", "materialize",
            "matmul", "padded_for_slices", "reads_index", "result", "scaled_tile",
+           "split_tile_refs", "tile_inputs",
            "score_parts", "split_rows", "tile_applier", "to_tile", "vector_layout",
            "with_accumulators"]

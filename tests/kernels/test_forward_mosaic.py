@@ -15,7 +15,7 @@ import pytest
 
 import pallas_flex as pf
 from pallas_flex import dispatch, masks
-from pallas_flex.kernels import mosaic_eligibility
+from pallas_flex.kernels import mosaic_eligibility, relative_reads
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.forward_mosaic import fixed_softmax_shift
 from pallas_flex.masks.mod_program import SCORE, make_mod_program, score_bounds
@@ -24,13 +24,15 @@ from tests.test_attention import LAYOUTS, VARIANTS
 
 MOSAIC = {"forward_kernel": "mosaic"}
 # Variants of the shared gallery whose mods the kernel takes (elementwise operations,
-# captured arrays read at b/h-only indices), and those it hands to the Triton kernel.
+# captured arrays read at b/h-only indices or, T5, at indices of kv_idx - q_idx:
+# `relative_reads`), and those it hands to the Triton kernel.
 SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional", "prefix_lm",
              "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
-             "alibi_causal", "softcap_causal", "softcap_approx", "relative_position"]
+             "alibi_causal", "softcap_causal", "softcap_approx", "relative_position",
+             "t5_bias"]
 # Supported through mosaic_eligibility.contiguous_reads (reads at q_idx / kv_idx as slices).
 SLICED = ["document", "document_causal_wrapper"]
-GATHERING = ["t5_bias", "bias_lookup"]
+GATHERING = ["bias_lookup"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
 SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
           (jnp.bfloat16, "MQA", 300, 130, 64), (jnp.float16, "MHA", 200, 128, 128),
@@ -617,3 +619,85 @@ def test_head_dims_the_mosaic_backward_and_paged_forward_keep():
     pages = jnp.zeros((4, 2, 64, 96), jnp.bfloat16)
     assert "on pages" in mosaic_eligibility.unsupported_reason(
         q, pages, pages, block_mask, None, interpret=True, paged=True)
+
+
+def test_relative_reads_are_found_where_indices_depend_on_kv_minus_q_only():
+    """`relative_reads` takes reads whose indices depend on q_idx and kv_idx through
+    kv_idx - q_idx alone (through linear arithmetic, then anything), not others."""
+    table = jnp.zeros((2, 64))
+
+    def found(score_mod):
+        return [read.kind for read in relative_reads.relative_reads(
+            make_mod_program(score_mod, SCORE)).values()]
+
+    assert found(masks.t5_relative_bias(jnp.zeros((2, 32)))) == ["relative"]
+    assert found(lambda s, b, h, q, kv: s + table[h, jnp.clip(q - kv, -31, 32) + 31]) == [
+        "relative"]
+    assert found(lambda s, b, h, q, kv: s + table[h, jnp.clip(2 * kv - 2 * q + 5, 0, 63)]) == [
+        "relative"]
+    assert found(lambda s, b, h, q, kv: s + table[b, jnp.abs((kv + 3) - (q + 3))]) == [
+        "relative"]
+    assert found(lambda s, b, h, q, kv: s + table[h, jnp.clip(kv + q, 0, 63)]) == []
+    assert found(lambda s, b, h, q, kv: s + table[h, jnp.clip(2 * kv - q, 0, 63)]) == []
+    assert found(lambda s, b, h, q, kv: s + table[h, kv]) == []  # a contiguous read
+    assert found(lambda s, b, h, q, kv: s + table[h, (s > 0).astype(jnp.int32)]) == []
+
+
+def test_relative_tables_hold_the_read_per_diagonal():
+    """Each block diagonal's runs rebuild the read's value on all its 255 diagonals."""
+    table = jnp.asarray(np.random.default_rng(1).standard_normal((3, 32)), jnp.float32)
+    for bidirectional in (False, True):
+        program = make_mod_program(
+            masks.t5_relative_bias(table, bidirectional=bidirectional), SCORE)
+        reads = relative_reads.relative_reads(program)
+        counts, starts, values = relative_reads.relative_tables(program, reads, 2, 3, 384,
+                                                                256)
+        assert counts.shape == (1, 3, 5) and starts.shape == values.shape == (1, 3, 5, 255)
+        for head in range(3):
+            for diagonal in range(-2, 3):
+                differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
+                expected = np.asarray(table[head, masks.t5_relative_bucket(
+                    jnp.asarray(differences), bidirectional=bidirectional)])
+                runs = int(counts[0, head, diagonal + 2])
+                rebuilt = np.full(255, np.nan, np.float32)
+                for run in range(runs):
+                    rebuilt[differences >= int(starts[0, head, diagonal + 2, run])] = float(
+                        values[0, head, diagonal + 2, run])
+                np.testing.assert_array_equal(rebuilt, expected)
+                assert runs == len(np.unique(expected)) or bidirectional
+
+
+RELATIVE_CASES = {  # (mask, score, dtype, layout, q_len, kv_len, dim)
+    "t5_one_way_ragged": ("none", "t5_one_way", jnp.bfloat16, "GQA4", 300, 200, 64),
+    "clipped_table_per_batch": ("sliding_bidirectional", "clipped_bf16", jnp.float16, "MHA",
+                                256, 384, 128),
+}
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", RELATIVE_CASES)
+def test_reads_at_relative_positions(case, backend):
+    """Mods reading a table at indices of kv_idx - q_idx run on the kernel (no gather):
+    a one-way T5 bias with no mask and ragged lengths (diagonals past the keys' end), and
+    a bf16 table per batch row and head read at a clipped relative position."""
+    mask_name, score_name, dtype, layout, q_len, kv_len, dim = RELATIVE_CASES[case]
+    q_heads, kv_heads = heads_of(layout, backend)
+    batch = 2
+    q, k, v = random_qkv(7, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
+    rng = np.random.default_rng(2)
+    t5_table = jnp.asarray(rng.standard_normal((q_heads, 32)), jnp.float32)
+    clipped = jnp.asarray(rng.standard_normal((batch, q_heads, 41)), jnp.bfloat16)
+    score_mod = {
+        "t5_one_way": masks.t5_relative_bias(t5_table, bidirectional=False),
+        "clipped_bf16": lambda s, b, h, q_idx, kv_idx: s + clipped[
+            b, h, jnp.clip(kv_idx - q_idx, -20, 20) + 20],
+    }[score_name]
+    mask_mod = {"none": None, "sliding_bidirectional": lambda b, h, q_idx, kv_idx:
+                jnp.abs(q_idx - kv_idx) < 150}[mask_name]
+    program = make_mod_program(score_mod, SCORE)
+    assert list(relative_reads.relative_reads(program).values())
+    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            return_lse=True, kernel_options=MOSAIC)
+    expected_out, expected_lse = golden(q, k, v, mask_mod, score_mod)
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod, score_mod)
+    np.testing.assert_allclose(np.asarray(lse), expected_lse, atol=2e-2, rtol=2e-2)

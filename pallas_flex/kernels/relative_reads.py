@@ -1,0 +1,201 @@
+"""Reads of captured arrays at indices that depend on kv_idx - q_idx only (T5 buckets,
+clipped relative-position tables), on the Mosaic GPU kernels.
+
+A mod such as `score + table[h, t5_bucket(kv_idx - q_idx)]` reads a different entry per
+score, and Mosaic GPU has no per-element gather. But such a read takes one value per
+diagonal of the score matrix, and the tiles of one block diagonal (key block minus
+query block, `delta`) see the same 255 diagonals: outside the kernel, the read's value
+is computed once per (b, h, diagonal) with plain JAX (`relative_tables`), and each
+block diagonal's 255 values are stored as runs of equal values (T5: the 16-32 exact and
+logarithmic buckets near the main diagonal, one run everywhere past `max_distance`).
+Inside, the tile starts as the first run's value and takes each later run's value where
+kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar broadcast on most tiles, two
+operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
+log) is never evaluated in the kernel.
+
+`relative_reads` finds the reads (an analysis of the mod's jaxpr); the kernels take
+them with the contiguous reads (`mosaic_eligibility.tile_reads`) and receive three
+arrays per read after the mods' captured arrays (`mosaic_tiles.split_tile_refs`).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jex_core
+
+from pallas_flex.kernels.tile_mods import _CALL_PARAMS, CapturedRef, evaluate_jaxpr_on_tiles
+
+BLOCK = 128  # the Mosaic kernels' BlockMask block on both axes
+WINDOW = 2 * BLOCK - 1  # the diagonals kv_idx - q_idx one block pair spans
+TABLE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
+
+
+class RelativeRead(NamedTuple):
+    """A read at indices of kv_idx - q_idx (and b, h): its captured array's `position`
+    and all the array's axes (`axes`: the kernels evaluate none of its indices), as the
+    contiguous reads' (position, axis, kind) entries (`mosaic_eligibility.tile_reads`)."""
+    position: int
+    axes: tuple
+    kind: str = "relative"
+
+
+def numbered(reads) -> dict:
+    """{key: number} of the relative reads among `reads`, in order: read `number`'s
+    three table refs follow the mod's captured arrays at 3 * number."""
+    keys = [key for key, read in reads.items() if isinstance(read, RelativeRead)]
+    return {key: number for number, key in enumerate(keys)}
+
+
+# Linear forms a * q_idx + c * kv_idx + (terms without q_idx, kv_idx); _DIFFERENCE: a
+# function of kv_idx - q_idx (and b, h, constants) that is not linear; _OTHER: anything
+# else (the score, q_idx or kv_idx apart).
+_DIFFERENCE, _OTHER = "difference", "other"
+
+
+def _is_difference(tag) -> bool:
+    """Whether a tag depends on q_idx and kv_idx through kv_idx - q_idx only."""
+    if tag is None or tag == _DIFFERENCE:
+        return True
+    return isinstance(tag, tuple) and tag[0] == -tag[1]
+
+
+def _combine(name, equation, tags):
+    """The tag of an equation's outputs from its inputs' tags."""
+    if all(tag is None for tag in tags):
+        return None
+    linear = all(tag is None or isinstance(tag, tuple) for tag in tags)
+    if linear and name in ("add", "sub", "add_any"):
+        first, second = ((0, 0) if tag is None else tag for tag in tags)
+        sign = -1 if name == "sub" else 1
+        total = (first[0] + sign * second[0], first[1] + sign * second[1])
+        return None if total == (0, 0) else total
+    if linear and name == "neg":
+        return (-tags[0][0], -tags[0][1])
+    if (linear and name == "mul" and any(tag is None for tag in tags)
+            and any(isinstance(atom, jex_core.Literal) for atom in equation.invars)):
+        (literal,) = [atom for atom in equation.invars if isinstance(atom, jex_core.Literal)]
+        (form,) = [tag for tag in tags if tag is not None]
+        if float(literal.val) == int(literal.val):
+            factor = int(literal.val)
+            return None if factor == 0 else (form[0] * factor, form[1] * factor)
+    if name == "convert_element_type" and isinstance(tags[0], tuple):
+        if jnp.issubdtype(equation.params["new_dtype"], jnp.integer):
+            return tags[0]
+    if all(_is_difference(tag) for tag in tags):
+        return _DIFFERENCE
+    return _OTHER
+
+
+def relative_reads(program) -> dict:
+    """The mod's reads of a captured array whose indices depend on q_idx and kv_idx only
+    through kv_idx - q_idx (some of them on it, the others on b, h and constants), at the
+    top level of its jaxpr: {id(dynamic_slice equation): RelativeRead}. Tables of other
+    dtypes than TABLE_DTYPES are left out (they stay gathers)."""
+    if program is None:
+        return {}
+    jaxpr = program.jaxpr
+    first_index = 2 if program.kind == "mask" else 3
+    tags = {jaxpr.invars[first_index]: (1, 0), jaxpr.invars[first_index + 1]: (0, 1)}
+    if program.kind == "score":
+        tags[jaxpr.invars[0]] = _OTHER
+    positions = {var: position for position, var in enumerate(jaxpr.constvars)}
+
+    def tag_of(atom):
+        return tags.get(atom) if isinstance(atom, jex_core.Var) else None
+
+    reads = {}
+    for equation in jaxpr.eqns:
+        name, inputs = equation.primitive.name, equation.invars
+        input_tags = [tag_of(atom) for atom in inputs]
+        if (name == "dynamic_slice" and isinstance(inputs[0], jex_core.Var)
+                and inputs[0] in positions):
+            index_tags = input_tags[1:]
+            const = program.consts[positions[inputs[0]]]
+            if (all(_is_difference(tag) for tag in index_tags)
+                    and any(tag is not None for tag in index_tags)
+                    and all(size == 1 for size in equation.params["slice_sizes"])
+                    and any(jnp.dtype(const.dtype) == jnp.dtype(dtype)
+                            for dtype in TABLE_DTYPES)):
+                reads[id(equation)] = RelativeRead(positions[inputs[0]],
+                                                   tuple(range(len(index_tags))))
+            output = _DIFFERENCE if all(_is_difference(t) for t in index_tags) else _OTHER
+        elif name in _CALL_PARAMS:
+            output = _DIFFERENCE if all(_is_difference(t) for t in input_tags) else _OTHER
+            if all(tag is None for tag in input_tags):
+                output = None
+        else:
+            output = _combine(name, equation, input_tags)
+        for var in equation.outvars:
+            tags[var] = output
+    return reads
+
+
+def relative_tables(program, reads, batch: int, heads: int, q_length: int,
+                    kv_length: int) -> list:
+    """Per relative read of `program` (in `number` order): counts [Bm, H, N] int32, the
+    number of runs; starts [Bm, H, N, WINDOW] int32, each run's first kv_idx - q_idx;
+    values [Bm, H, N, WINDOW] in the array's dtype, each run's value. N = 2 n - 1 block
+    diagonals for n = max(q_length, kv_length) / BLOCK (the kernel indexes them by key
+    block - query block + n - 1); Bm = batch where the mod reads b, else 1.
+
+    The read's value is the mod's own (its jaxpr evaluated with jnp on every (b, h,
+    kv_idx - q_idx), its index clamped as the kernels' gathers clamp it)."""
+    numbers = numbered(reads)
+    if not numbers:
+        return []
+    blocks = max(q_length, kv_length) // BLOCK
+    table_batch = batch if program.uses_batch else 1
+    # Every diagonal a block pair of the padded lengths spans.
+    first = -(blocks * BLOCK - 1)
+    differences = jnp.arange(first, blocks * BLOCK, dtype=jnp.int32)
+    values = _values_per_difference(program, numbers, table_batch, heads, differences)
+    diagonals = jnp.arange(2 * blocks - 1, dtype=jnp.int32) - (blocks - 1)
+    # Window of block diagonal delta: differences delta * BLOCK - (BLOCK - 1) onwards.
+    window_starts = diagonals * BLOCK - (BLOCK - 1) - first
+    window = window_starts[:, None] + jnp.arange(WINDOW, dtype=jnp.int32)[None, :]
+    tables = []
+    for number in range(len(numbers)):
+        per_window = values[number][:, :, window]  # [Bm, H, N, WINDOW]
+        changes = jnp.concatenate(
+            [jnp.ones(per_window.shape[:-1] + (1,), bool),
+             per_window[..., 1:] != per_window[..., :-1]], axis=-1)
+        # Stable sort puts each window's run starts first, in order.
+        order = jnp.argsort(~changes, axis=-1, stable=True)
+        starts = jnp.take_along_axis(jnp.broadcast_to(window + first, per_window.shape),
+                                     order, axis=-1)
+        tables += [changes.sum(axis=-1, dtype=jnp.int32), starts.astype(jnp.int32),
+                   jnp.take_along_axis(per_window, order, axis=-1)]
+    return tables
+
+
+def _values_per_difference(program, numbers, table_batch, heads, differences):
+    """Per relative read (`numbered`), its value at every (b, h, difference):
+    [Bm, H, D]."""
+    recorded = {}
+
+    def recorder(number):
+        def record(captured, indices):
+            recorded[number] = captured.gather(indices)
+            return recorded[number]
+        return record
+
+    consts = [CapturedRef(jnp.reshape(c, (1,)) if jnp.ndim(c) == 0 else c, jnp.shape(c), i)
+              for i, c in enumerate(program.consts)]
+    q_idx = jnp.maximum(-differences, 0)[None, None, :]
+    kv_idx = q_idx + differences[None, None, :]
+    args = [jnp.arange(table_batch, dtype=jnp.int32)[:, None, None],
+            jnp.arange(heads, dtype=jnp.int32)[None, :, None], q_idx, kv_idx]
+    if program.kind == "score":
+        args = [jnp.zeros((), jnp.float32)] + args
+    replaced = {key: (recorder(number), ()) for key, number in numbers.items()}
+    evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
+                            captured_reads=replaced)
+    shape = (table_batch, heads, differences.shape[0])
+    return {number: jnp.broadcast_to(value, shape) for number, value in recorded.items()}
+
+
+__all__ = ["RelativeRead", "TABLE_DTYPES", "WINDOW", "numbered", "relative_reads",
+           "relative_tables"]
