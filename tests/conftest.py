@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
+import shutil
+import tempfile
 
 # Four host devices for the multi-device tests (tests/test_context_parallel.py): XLA reads
 # the flag when the CPU backend starts, which is after this import, before any test runs.
@@ -17,6 +20,30 @@ import numpy as np
 import pytest
 
 from pallas_flex.kernels.reference import reference_attention
+
+
+def _compilation_cache_for_this_process():
+    """On the CPU, each test process keeps the executables it compiles in a persistent
+    compilation cache of its own (a temporary directory, removed at exit): a program
+    compiled again from the same HLO with the same options loads the executable it got
+    the first time instead of compiling it again. Compiling is most of this suite's time
+    on the CPU, and much of it is the same programs again: the float64 and low-precision
+    references and the helpers jit anew for each call, and every program of a module
+    is recompiled in the next one after _release_compiled_programs. Programs with host
+    callbacks (the interpret-mode kernels) are not cached by JAX. Not on a GPU (the GPU
+    suites record each cell's compile time); PALLAS_FLEX_TEST_COMPILATION_CACHE=0 turns it
+    off. Must run before the process's first compile: JAX decides then whether it caches."""
+    if os.environ.get("PALLAS_FLEX_TEST_COMPILATION_CACHE") == "0":
+        return
+    if jax.default_backend() != "cpu":
+        return
+    path = tempfile.mkdtemp(prefix="pallas-flex-tests-jax-cache-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+_compilation_cache_for_this_process()
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
