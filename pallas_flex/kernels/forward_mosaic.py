@@ -17,14 +17,15 @@ loaded. Mods run on [64, 128] tiles of scores and indices in the wgmma register 
 (`tile_mods.evaluate_jaxpr_on_tiles`, as in the Triton kernels).
 
 What it covers (`mosaic_eligibility.unsupported_reason` says why not; the dispatcher
-then runs the Triton kernel): 16-bit q/k/v, D = Dv in {64, 128}, a 128x128 BlockMask
-(ragged lengths are zero-padded to whole blocks, as for the Triton kernel), contiguous
-K/V or a paged cache (`_tile_pages`), and mods built from elementwise operations whose
-captured arrays are read at indices that depend on b and h only (a per-head ALiBi
-slope, a soft-cap value) or at exactly q_idx or kv_idx (document ids:
-`mosaic_eligibility.contiguous_reads` loads those as one vector per tile). Reads at
-other indices (T5 buckets) are per-element gathers, which the Triton kernel does and
-this one does not. Attention sinks (one logit per query head, `pallas_flex/sinks.py`)
+then runs the Triton kernel): 16-bit q/k/v, D = Dv in `mosaic_eligibility.HEAD_DIMS`
+(64 to 256), a 128x128 BlockMask (ragged lengths are zero-padded to whole blocks, as for
+the Triton kernel), contiguous K/V or a paged cache (`_tile_pages`, D 64 and 128), and
+mods built from elementwise operations whose captured arrays are read at indices that
+depend on b and h only (a per-head ALiBi slope, a soft-cap value), at exactly q_idx or
+kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads those as one vector
+per tile), or at indices of kv_idx - q_idx (T5 buckets: `relative_reads`, built from
+per-diagonal tables). Reads at other indices are per-element gathers, which the Triton
+kernel does and this one does not. Attention sinks (one logit per query head, `pallas_flex/sinks.py`)
 join each row's softmax in the final normalization, as in the Triton kernel.
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
