@@ -74,7 +74,6 @@ def build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options):
 
 
 def _validate_inputs(q, k, v):
-    sharding.refuse_checked_manual_axes(q, k, v, where="pallas_flex attention")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not hasattr(x, "shape") or len(x.shape) != 4:
             raise ValueError(f"{name} must be a 4-D array [B, S, H, D], got shape "
@@ -254,7 +253,8 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
         d_score_program.consts = tuple(
             grad if grad is not None else _zero_cotangent(const)
             for grad, const in zip(const_grads, score_program.consts))
-    return d_q, d_k, d_v, d_block_mask, d_score_program, d_sinks
+    return sharding.typed_as_primals((d_q, d_k, d_v, d_block_mask, d_score_program, d_sinks),
+                                     (q, k, v, block_mask, score_program, sinks))
 
 
 def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,

@@ -39,6 +39,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from pallas_flex import sharding
 from pallas_flex.kernels import backward_mosaic, device, forward_mosaic, mosaic_eligibility
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
@@ -76,6 +77,10 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
     """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
     reason = mosaic_eligibility.unsupported_reason(q, k, v, block_mask, score_program,
                                                interpret=interpret, paged=paged)
+    axes = sharding.varying_axes(q, k, v)
+    if reason is None and axes:
+        reason = (f"inputs varying over the manual mesh axes {list(axes)} of a jax.shard_map "
+                  "that checks them (check_vma=True): the Triton kernels run there")
     if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
         reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"
     budget = planned_shared_memory(options)

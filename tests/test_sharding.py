@@ -246,18 +246,71 @@ def test_operands_on_an_explicit_mesh_of_one_device():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("entry", ["attention", "context_parallel", "paged"])
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
+    """pf.attention inside jax.shard_map with check_vma=True (its default): batch rows
+    split over "data", the 2 x 2 mesh's "model" axis manual too. Outputs and gradients
+    of q, k, v equal the call on one device; ALiBi slopes and sinks that every device
+    reads whole get the sum of the devices' gradients (their cotangents typed as their
+    primals, `sharding.typed_as_primals`); decode (one query token) runs too; naming the
+    Mosaic GPU kernel is a ValueError saying the Triton kernels run there."""
+    mesh = _mesh("Explicit")
+    q, k, v, d_out = _inputs()
+    sinks = jnp.asarray([0.3, -0.2, 0.1, 0.0], jnp.float32)
+
+    def attend(q, k, v, slopes, sinks, **options):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask, sinks=sinks,
+                            score_mod=lambda s, b, h, q_idx, kv_idx:
+                            s + slopes[h] * (kv_idx - q_idx), backend=backend, **options)
+
+    def loss(q, k, v, slopes, sinks, d_out):
+        return jnp.sum(attend(q, k, v, slopes, sinks) * d_out)
+
+    expected = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, SLOPES, sinks,
+                                                                 d_out)
+    expected_decode = pf.flex_attention(q[:, :1], k, v, backend=backend)
+    split, whole = P("data"), P()
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in
+                  zip((q, k, v, SLOPES, sinks, d_out),
+                      (split, split, split, whole, whole, split))]
+
+        def local_loss(*args):
+            return jax.lax.psum(loss(*args), "data")
+
+        step = jax.jit(jax.value_and_grad(jax.shard_map(
+            local_loss, mesh=mesh, in_specs=(split,) * 3 + (whole,) * 2 + (split,),
+            out_specs=P(), check_vma=True), argnums=(0, 1, 2, 3, 4)))
+        got = step(*placed)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4)
+
+        decode = jax.jit(jax.shard_map(
+            lambda q, k, v: pf.flex_attention(q, k, v, backend=backend), mesh=mesh,
+            in_specs=(split,) * 3, out_specs=split, check_vma=True))
+        np.testing.assert_allclose(np.asarray(decode(placed[0][:, :1], *placed[1:3])),
+                                   np.asarray(expected_decode), atol=1e-5, rtol=1e-5)
+        if backend == "interpret":
+            named = jax.jit(jax.shard_map(
+                lambda *args: attend(*args, kernel_options={"forward_kernel": "mosaic"}),
+                mesh=mesh, in_specs=(split,) * 3 + (whole,) * 2, out_specs=split,
+                check_vma=True))
+            covered = [jax.device_put(jnp.ones((B, 128, heads, 64), jnp.bfloat16),
+                                      NamedSharding(mesh, split)) for heads in (HQ, HKV, HKV)]
+            with pytest.raises(ValueError, match="check_vma=True.*Triton kernels run"):
+                named(*covered, *placed[3:5])
+
+
+@pytest.mark.parametrize("entry", ["context_parallel", "paged"])
 def test_a_shard_map_checking_varying_axes_gets_a_clear_error(entry):
-    """Inside jax.shard_map with check_vma=True (its default) the inputs vary over the
-    manual axes, which the kernels do not declare: a ValueError that names the way out,
-    not a type error from deep inside a kernel's loop; with check_vma=False the same
-    call runs."""
+    """Context parallelism and the paged cache inside jax.shard_map with check_vma=True
+    (its default): the inputs vary over the manual axes, which those paths do not yet
+    declare: a ValueError that names the way out, not a type error from deep inside a
+    kernel's loop; with check_vma=False the same call runs."""
     mesh = _mesh("Explicit")
     q, k, v, _ = _inputs()
 
     def local(q, k, v):
-        if entry == "attention":
-            return pf.attention(q, k, v, mask_mod=masks.causal_mask, backend="xla")
         if entry == "context_parallel":
             return pf.context_parallel_attention(q, k, v, axis_name="data",
                                                  mask_mod=masks.causal_mask, backend="xla")

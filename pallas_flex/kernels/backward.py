@@ -56,6 +56,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import loop_value, walk_listed_tiles
 from pallas_flex.kernels.config import (
@@ -714,7 +715,8 @@ def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: b
         grid=(tiles, q_heads, num_chunks),
         in_specs=[whole] * (len(inputs) + len(buffers)),
         out_specs=[whole] * len(buffers),
-        out_shape=[jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers],
+        out_shape=sharding.typed_like(
+            [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers], inputs, buffers),
         input_output_aliases={len(inputs) + slot: slot for slot in range(len(buffers))},
         compiler_params=plgpu.CompilerParams(num_warps=options.backward_batch_num_warps,
                                              num_stages=num_stages),
@@ -927,7 +929,7 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
             grid=(num_programs, kv_heads, batch),
             in_specs=in_specs + [whole] * len(buffers),
             out_specs=out_specs,
-            out_shape=out_shape,
+            out_shape=sharding.typed_like(out_shape, inputs, buffers),
             input_output_aliases={first_buffer + slot: num_outputs_before_buffers + slot
                                   for slot in range(len(buffers))},
             compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),

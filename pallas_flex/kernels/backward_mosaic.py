@@ -55,6 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
@@ -592,7 +593,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
 
         names = tuple(grid)
         return plgpu.kernel(
-            entry, out_type=out_type, grid=tuple(grid[name] for name in names),
+            entry, out_type=sharding.typed_like(out_type, operands, kernel_tables, captured), grid=tuple(grid[name] for name in names),
             grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=plgpu.InterpretGPUParams() if interpret else None,

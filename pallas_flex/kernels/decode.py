@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
@@ -286,10 +287,11 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
                   whole, whole] + [whole] * (len(tables) + len(paging) + len(scales) +
                                              len(captured)),
         out_specs=[whole] * (3 if with_max else 2),
-        out_shape=[
+        out_shape=sharding.typed_like([
             jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows,
                                   padded_value_dim), jnp.float32),
-            row_shape] + [row_shape] * with_max,
+            row_shape] + [row_shape] * with_max, q_rows, k, v, tables, paging, scales,
+            captured),
         compiler_params=plgpu.CompilerParams(num_warps=options.decode_num_warps,
                                              num_stages=num_stages),
         interpret=interpret,

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
@@ -277,7 +278,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         grid=(num_q_tiles, q_heads, batch),
         in_specs=in_specs,
         out_specs=out_specs,
-        out_shape=out_shape,
+        out_shape=sharding.typed_like(out_shape, q, k, v, tables, paging, scales,
+                                      sink_inputs, captured),
         compiler_params=plgpu.CompilerParams(
             num_warps=options.num_warps,
             num_stages=options.num_stages),

@@ -43,6 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, hand_over_early, tile_reads)
@@ -707,6 +708,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
                 ) + (jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
                      ) * row_buffers
+    out_type = sharding.typed_like(out_type, q, k, v, tables, paging, sinks, captured)
     out, *rows = plgpu.kernel(
         entry,
         out_type=out_type,

@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import vmap_mask, vmap_score
@@ -35,6 +36,7 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
     score_fn = vmap_score(score_program) if score_program is not None else None
     table_batch = block_mask.kv_num_blocks.shape[0] > 1
     table_heads = block_mask.kv_num_blocks.shape[1] > 1
+    axes = sharding.varying_axes(q, k, v, block_mask, score_program, sinks)
 
     def one_query_block(b, h, row):
         tb, th = (b if table_batch else 0), (h if table_heads else 0)
@@ -62,7 +64,9 @@ def blockwise_attention(q, k, v, block_mask, score_program, *, scale: float,
                 0, num_blocks[tb, th, row],
                 lambda j, s: visit(indices[tb, th, row, j], s, masked), state)
 
-        state = online_softmax.initial_state(block_q, value_dim)
+        # Inside a shard_map that checks varying axes the loop's state varies as its
+        # inputs do.
+        state = sharding.vary(online_softmax.initial_state(block_q, value_dim), axes)
         state = walk(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, state, False)
         state = walk(block_mask.kv_num_blocks, block_mask.kv_indices, state, True)
         sink_log2 = (None if sinks is None

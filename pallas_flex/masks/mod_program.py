@@ -86,7 +86,11 @@ class ModProgram:
 
     def __call__(self, *args):
         """Evaluates the mod with scalar semantics (vmap it for arrays of indices)."""
-        (result,) = jax.core.eval_jaxpr(self.jaxpr, self.consts, *args)
+        axes = frozenset().union(*(_varying(x) for x in (*self.consts, *args)))
+        if axes:
+            (result,) = _eval_varying(self.jaxpr, self.consts, args, axes)
+        else:
+            (result,) = jax.core.eval_jaxpr(self.jaxpr, self.consts, *args)
         return result
 
     def tree_flatten(self):
@@ -99,6 +103,56 @@ class ModProgram:
 
     def __repr__(self):
         return f"ModProgram({self.kind}_mod={self.name}, captured={len(self.consts)})"
+
+
+def _varying(x) -> frozenset:
+    try:
+        return frozenset(jax.typeof(x).manual_axis_type.varying or ())
+    except (AttributeError, TypeError):
+        return frozenset()
+
+
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
+
+
+def _eval_varying(jaxpr, consts, args, axes):
+    """`jax.core.eval_jaxpr` inside a jax.shard_map that checks varying manual axes,
+    where some of the mod's values vary over `axes`: every value (constants, arguments,
+    literals, each primitive's results) is typed as varying over all of them first. The
+    mod's jaxpr was traced outside the shard_map, and its primitives, bound as they are,
+    take operands of equal varying axes only, where jnp's functions would have cast
+    them. Calls the mod makes are evaluated inline, the same way."""
+    def cast(x):
+        missing = tuple(sorted(axes - _varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    environment = {}
+
+    def read(atom):
+        if isinstance(atom, jex_core.Literal):
+            return cast(jnp.asarray(atom.val, atom.aval.dtype))
+        return environment[atom]
+
+    for var, value in zip(jaxpr.constvars, consts):
+        environment[var] = cast(value)
+    for var, value in zip(jaxpr.invars, args):
+        environment[var] = cast(value)
+    for equation in jaxpr.eqns:
+        inputs = [read(atom) for atom in equation.invars]
+        name = equation.primitive.name
+        if name in _CALLS:
+            inner = equation.params[_CALLS[name]]
+            outputs = _eval_varying(getattr(inner, "jaxpr", inner),
+                                    getattr(inner, "consts", ()), inputs, axes)
+        else:
+            outputs = equation.primitive.bind(*inputs, **equation.params)
+            if not equation.primitive.multiple_results:
+                outputs = [outputs]
+            outputs = [cast(x) for x in outputs]
+        for var, value in zip(equation.outvars, outputs):
+            environment[var] = value
+    return [read(atom) for atom in jaxpr.outvars]
 
 
 def _check_arity(function: Callable, kind: str, argument_name: str) -> None:
