@@ -59,7 +59,6 @@ def flex_attention(q, k, v, k_scales, v_scales, score_mod=None, block_mask=None,
                    scale=None, return_lse=False, backend=None, kernel_options=None,
                    sinks=None, return_aux=None):
     """`pf.flex_attention` over quantized k, v (its arguments; see the module)."""
-    sharding.refuse_checked_manual_axes(q, k, v, k_scales, v_scales, where="flex_attention")
     _validate(q, k, v, k_scales, v_scales)
     with_max = api.check_aux(return_aux, return_lse)
     # Checked as the 16-bit K/V of q's dtype they stand for.

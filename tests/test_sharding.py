@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_flex as pf
 from pallas_flex import masks
+from pallas_flex.paged.quantize import quantize
 
 B, S, HQ, HKV, D = 4, 160, 4, 2, 16
 SLOPES = jnp.asarray([0.5, 0.25, 0.125, 0.0625], jnp.float32)
@@ -252,7 +253,8 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
     split over "data", the 2 x 2 mesh's "model" axis manual too. Outputs and gradients
     of q, k, v equal the call on one device; ALiBi slopes and sinks that every device
     reads whole get the sum of the devices' gradients (their cotangents typed as their
-    primals, `sharding.typed_as_primals`); decode (one query token) runs too; naming the
+    primals, `sharding.typed_as_primals`); decode (one query token) runs too, on an int8
+    cache as well; naming the
     Mosaic GPU kernel is a ValueError saying the Triton kernels run there."""
     mesh = _mesh("Explicit")
     q, k, v, d_out = _inputs()
@@ -269,6 +271,13 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
     expected = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(q, k, v, SLOPES, sinks,
                                                                  d_out)
     expected_decode = pf.flex_attention(q[:, :1], k, v, backend=backend)
+    # An int8 cache with per-token scales (the quantized contiguous decode).
+    quantized = [*quantize(k.astype(jnp.bfloat16), jnp.int8),
+                 *quantize(v.astype(jnp.bfloat16), jnp.int8)]
+    quantized = [quantized[0], quantized[2], quantized[1], quantized[3]]
+    expected_quantized = pf.flex_attention(q[:, :1].astype(jnp.bfloat16), *quantized[:2],
+                                           k_scales=quantized[2], v_scales=quantized[3],
+                                           backend=backend)
     split, whole = P("data"), P()
     with jax.set_mesh(mesh):
         placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in
@@ -290,6 +299,17 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
             in_specs=(split,) * 3, out_specs=split, check_vma=True))
         np.testing.assert_allclose(np.asarray(decode(placed[0][:, :1], *placed[1:3])),
                                    np.asarray(expected_decode), atol=1e-5, rtol=1e-5)
+
+        def quantized_decode(q, k, v, k_scales, v_scales):
+            return pf.flex_attention(q, k, v, k_scales=k_scales, v_scales=v_scales,
+                                     backend=backend)
+
+        step = jax.jit(jax.shard_map(quantized_decode, mesh=mesh, in_specs=(split,) * 5,
+                                     out_specs=split, check_vma=True))
+        got = step(placed[0][:, :1].astype(jnp.bfloat16),
+                   *[jax.device_put(x, NamedSharding(mesh, split)) for x in quantized])
+        np.testing.assert_allclose(np.asarray(got, np.float32),
+                                   np.asarray(expected_quantized, np.float32), atol=1e-2)
         if backend == "interpret":
             named = jax.jit(jax.shard_map(
                 lambda *args: attend(*args, kernel_options={"forward_kernel": "mosaic"}),
