@@ -253,8 +253,8 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
     split over "data", the 2 x 2 mesh's "model" axis manual too. Outputs and gradients
     of q, k, v equal the call on one device; ALiBi slopes and sinks that every device
     reads whole get the sum of the devices' gradients (their cotangents typed as their
-    primals, `sharding.typed_as_primals`); decode (one query token) runs too, on an int8
-    cache as well; naming the
+    primals, `sharding.typed_as_primals`); decode (one query token) runs too, on a paged
+    cache and on an int8 cache as well; naming the
     Mosaic GPU kernel is a ValueError saying the Triton kernels run there."""
     mesh = _mesh("Explicit")
     q, k, v, d_out = _inputs()
@@ -304,6 +304,20 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
             return pf.flex_attention(q, k, v, k_scales=k_scales, v_scales=v_scales,
                                      backend=backend)
 
+        def paged_decode(q, k, v):  # a cache built on each device from its rows
+            cache = pf.paged.PagedKVCache.create(
+                num_pages=4 * q.shape[0], page_size=64, max_batch=q.shape[0],
+                max_pages_per_seq=3, kv_heads=HKV, head_dim=D, dtype=q.dtype)
+            for row in range(q.shape[0]):
+                cache = cache.reserve(row, S)
+            cache = cache.assign_batch(jnp.zeros((q.shape[0],), jnp.int32), k, v)
+            return pf.paged.paged_flex_attention(q, cache, backend=backend)
+
+        step = jax.jit(jax.shard_map(paged_decode, mesh=mesh, in_specs=(split,) * 3,
+                                     out_specs=split, check_vma=True))
+        np.testing.assert_allclose(np.asarray(step(placed[0][:, :1], *placed[1:3])),
+                                   np.asarray(expected_decode), atol=1e-5, rtol=1e-5)
+
         step = jax.jit(jax.shard_map(quantized_decode, mesh=mesh, in_specs=(split,) * 5,
                                      out_specs=split, check_vma=True))
         got = step(placed[0][:, :1].astype(jnp.bfloat16),
@@ -321,23 +335,17 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
                 named(*covered, *placed[3:5])
 
 
-@pytest.mark.parametrize("entry", ["context_parallel", "paged"])
-def test_a_shard_map_checking_varying_axes_gets_a_clear_error(entry):
-    """Context parallelism and the paged cache inside jax.shard_map with check_vma=True
-    (its default): the inputs vary over the manual axes, which those paths do not yet
-    declare: a ValueError that names the way out, not a type error from deep inside a
-    kernel's loop; with check_vma=False the same call runs."""
+def test_context_parallelism_in_a_shard_map_checking_varying_axes_gets_a_clear_error():
+    """Context parallelism inside jax.shard_map with check_vma=True (its default): the
+    inputs vary over the manual axes, which that path does not yet declare: a ValueError
+    that names the way out, not a type error from deep inside a kernel's loop; with
+    check_vma=False the same call runs."""
     mesh = _mesh("Explicit")
     q, k, v, _ = _inputs()
 
     def local(q, k, v):
-        if entry == "context_parallel":
-            return pf.context_parallel_attention(q, k, v, axis_name="data",
-                                                 mask_mod=masks.causal_mask, backend="xla")
-        cache = pf.paged.PagedKVCache.create(num_pages=8, page_size=16, max_batch=q.shape[0],
-                                             max_pages_per_seq=2,
-                                             kv_heads=HKV, head_dim=D, dtype=q.dtype)
-        return pf.paged.paged_flex_attention(q[:, :1], cache, backend="xla")
+        return pf.context_parallel_attention(q, k, v, axis_name="data",
+                                             mask_mod=masks.causal_mask, backend="xla")
 
     spec = P("data")
     with jax.set_mesh(mesh):

@@ -174,7 +174,6 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
       >>> step_mask = pf.masks.offset(pf.masks.causal_mask, cache.lengths - 1)
       >>> out = pf.paged.paged_flex_attention(q, cache, mask_mod=step_mask)
     """
-    sharding.refuse_checked_manual_axes(q, cache, where="paged_flex_attention")
     _validate(q, cache)
     if not is_traced(cache.page_table, cache.lengths):  # see "Errors" above
         cache.validate()
