@@ -135,16 +135,10 @@ def typed_as_primals(cotangents, primals):
 
 def refuse_checked_manual_axes(*arrays, where: str = "pallas_flex") -> None:
     """A ValueError where an input varies over a manual mesh axis of a `jax.shard_map`
-    that checks varying manual axes (check_vma=True, shard_map's default): the kernels'
-    loops and Pallas calls do not declare which values vary over those axes, and JAX
-    would stop with a type error deep inside them."""
-    axes = set()
-    for x in jax.tree.leaves(arrays):
-        try:
-            manual = jax.typeof(x).manual_axis_type
-        except (AttributeError, TypeError):
-            continue
-        axes |= set(getattr(manual, "varying", ()))
+    that checks varying manual axes (check_vma=True, shard_map's default), for the entry
+    points that do not yet declare which values vary over those axes (context
+    parallelism, the ragged op), where JAX would stop with a type error deep inside."""
+    axes = varying_axes(*arrays)
     if axes:
         raise ValueError(
             f"{where} inside jax.shard_map with check_vma=True (its default): its inputs "
