@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
