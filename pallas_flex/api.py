@@ -446,6 +446,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
     options = resolve_options(kernel_options, max(head_dim, v.shape[3]), q.dtype)
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
+    if backend == "interpret":
+        sharding.refuse_varying_kernel_tables(block_mask, score_program)
     return block_mask, score_program, (backend, resolve_scale(scale, head_dim), options)
 
 

@@ -24,7 +24,7 @@ from pallas_flex.api import (
     AuxRequest, _attention_block_mask, _zero_cotangent, attention, attention_backward,
     call_results, check_aux, flex_attention, merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
-from pallas_flex.sharding import refuse_checked_manual_axes
+from pallas_flex import sharding
 from pallas_flex.sinks import check_sinks, merge_sinks
 
 __all__ = ["ContextParallel", "choose_strategy", "context_parallel_attention", "layout_order",
@@ -175,7 +175,6 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       ...     mesh=mesh, in_specs=shard, out_specs=shard, check_vma=False)
       >>> out = jax.jit(step)(q, k, v)   # equals pf.attention(q, k, v, mask_mod=...)
     """
-    refuse_checked_manual_axes(q, k, v, where="context_parallel_attention")
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k and v must be 4-D shards [B, S, H, D], got shapes "
                          f"{q.shape}, {k.shape}, {v.shape}")
@@ -329,6 +328,9 @@ def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options,
     out = jnp.zeros(q.shape[:3] + v.shape[3:], jnp.float32)
     lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
     merged = (out, lse) + ((lse,) if with_max else ())  # the row max starts at -inf too
+    # Inside a shard_map that checks varying axes the merged state varies as the steps'
+    # results do (both branches of each step's cond must agree).
+    merged = sharding.vary(merged, sharding.varying_axes(q, k, v, mask_mod, score_mod))
     held = jnp.int32(0)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(
             zip(block_masks, computed, score_mods)):
@@ -393,6 +395,9 @@ def _ring_bwd(config, residuals, cotangents):
     d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
     d_consts = [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
                 for c, w in zip(consts, wanted)]
+    axes = sharding.varying_axes(q, k, v, out, lse, d_out, d_lse, score_program,
+                                 mask_program)
+    d_q, d_k, d_v, d_consts = sharding.vary((d_q, d_k, d_v, d_consts), axes)
     held = jnp.int32(0)
     for step, (block_mask, busy, shifted_score_mod) in enumerate(
             zip(block_masks, computed, score_mods)):
@@ -429,7 +434,9 @@ def _ring_bwd(config, residuals, cotangents):
         d_score.consts = tuple(
             grad.astype(jnp.result_type(c)) if grad is not None else _zero_cotangent(c)
             for grad, c in zip(d_consts, consts))
-    return (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask, d_score)
+    return sharding.typed_as_primals(
+        (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask, d_score),
+        (q, k, v, mask_program, score_program))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)

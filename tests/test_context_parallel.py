@@ -61,15 +61,16 @@ def _inputs(seed=0):
             jax.random.normal(keys[3], (B, S, HQ, D), jnp.float32))
 
 
-def _sharded(mesh, fn, *replicated):
+def _sharded(mesh, fn, *replicated, check_vma=False):
     """fn(q, k, v, *replicated) under shard_map: the sequence split over "cp"."""
     shard = P(None, "cp")
     return jax.jit(jax.shard_map(
         fn, mesh=mesh, in_specs=(shard, shard, shard) + (P(),) * len(replicated),
-        out_specs=(shard, P(None, None, "cp")), check_vma=False))
+        out_specs=(shard, P(None, None, "cp")), check_vma=check_vma))
 
 
-def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla", **options):
+def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla",
+                              check_vma=False, **options):
     """context_parallel_attention(**options) over the four devices (inputs laid out for
     the layout, outputs put back in order) against pf.attention on one device: outputs
     and lse to 2e-5, dq, dk, dv to 1e-4."""
@@ -79,7 +80,7 @@ def _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend="xla", 
     options.setdefault("strategy", "ring")
     parallel = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
         q, k, v, axis_name="cp", mask_mod=mask_mod, score_mod=score_mod,
-        return_lse=True, backend=backend, **options))
+        return_lse=True, backend=backend, **options), check_vma=check_vma)
 
     def sharded(q, k, v):
         out, lse = parallel(q[:, order], k[:, order], v[:, order])
@@ -160,9 +161,11 @@ def test_bad_layouts_are_value_errors(mesh):
         pf.context_parallel.zigzag_order(100, DEVICES)
 
 
-def test_a_captured_learnable_array_gets_its_gradient(mesh):
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_a_captured_learnable_array_gets_its_gradient(mesh, check_vma):
     """ALiBi slopes passed replicated: their gradient, summed over the devices' shards by
-    shard_map's transpose, equals the single-device one."""
+    shard_map's transpose (with check_vma=True by the ring's VJP, typing it as its
+    replicated primal: `sharding.typed_as_primals`), equals the single-device one."""
     q, k, v, d_out = _inputs(1)
     slopes = pf.scores.alibi_slopes(HQ)
 
@@ -175,7 +178,7 @@ def test_a_captured_learnable_array_gets_its_gradient(mesh):
                                              mask_mod=masks.causal_mask,
                                              score_mod=pf.scores.alibi(slopes), return_lse=True,
                                              backend="xla")
-    ring = _sharded(mesh, ring, slopes)
+    ring = _sharded(mesh, ring, slopes, check_vma=check_vma)
 
     def loss(attend):
         return lambda slopes, q: jnp.sum(attend(q, k, v, slopes)[0] * d_out)
@@ -432,3 +435,34 @@ def test_the_row_max_is_the_largest_over_every_device_s_keys(mesh, strategy, lay
     np.testing.assert_allclose(np.where(finite, row_max, 0), np.where(finite, want, 0),
                                atol=1e-5)
     np.testing.assert_allclose(out, want_out[:, order], atol=2e-5)
+
+
+def _eight_heads(inputs):
+    """Hq 8, Hkv 4: heads that split over the 4 devices (all_to_all)."""
+    q, k, v, d_out = inputs
+    return (jnp.concatenate([q, q[:, :, ::-1]], axis=2),
+            *(jnp.concatenate([x, x[:, :, ::-1]], axis=2) for x in (k, v)),
+            jnp.concatenate([d_out, d_out], axis=2))
+
+
+@pytest.mark.parametrize("strategy,case,layout,backend", [
+    ("ring", "causal", "contiguous", "xla"), ("ring", "noop_softcap", "zig-zag", "xla"),
+    ("all_gather", "documents", "zig-zag", "xla"),
+    ("all_to_all", "alibi", "striped", "xla")])
+def test_every_strategy_inside_a_shard_map_that_checks_varying_axes(mesh, strategy, case,
+                                                                      layout, backend):
+    """context_parallel_attention inside jax.shard_map with check_vma=True (its
+    default): outputs, lse and gradients equal one device's, as with check_vma=False.
+    The ring's merged state and gradient buffers start varying, the mods' casts to
+    varying (recorded where they were traced under the varying shard offset) are the
+    identity in the tile interpreter, and each primitive's operands meet in their
+    varying axes (`mod_program.same_varying_axes`). (The per-step BlockMasks vary with
+    the shard: the "interpret" backend refuses them there, tests/test_sharding.py.)"""
+    inputs = _inputs(9)
+    if case == "alibi":
+        inputs = _eight_heads(inputs)
+        mask_mod, score_mod = masks.causal_mask, pf.scores.alibi(pf.scores.alibi_slopes(8))
+    else:
+        mask_mod, score_mod = CASES[case]
+    _assert_equals_one_device(mesh, inputs, mask_mod, score_mod, backend=backend,
+                              check_vma=True, layout=layout, strategy=strategy)

@@ -6,6 +6,8 @@ on one device, keeps the inputs' shardings, and moves no attention input between
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,26 +337,32 @@ def test_attention_inside_a_shard_map_that_checks_varying_axes(backend):
                 named(*covered, *placed[3:5])
 
 
-def test_context_parallelism_in_a_shard_map_checking_varying_axes_gets_a_clear_error():
-    """Context parallelism inside jax.shard_map with check_vma=True (its default): the
-    inputs vary over the manual axes, which that path does not yet declare: a ValueError
-    that names the way out, not a type error from deep inside a kernel's loop; with
-    check_vma=False the same call runs."""
+def test_a_mask_of_a_shard_s_own_arrays_inside_a_shard_map_that_checks_varying_axes():
+    """A mask_mod reading document ids that are split with the batch rows (so its
+    BlockMask's tables vary over the manual axis): the "xla" backend equals the call on
+    one device; the "interpret" backend, whose Pallas interpreter cannot index varying
+    tables, is a ValueError naming the way out."""
     mesh = _mesh("Explicit")
     q, k, v, _ = _inputs()
+    ids = jnp.asarray(np.repeat(np.arange(4), S // 4)[None].repeat(B, 0) + np.arange(B)[:, None]
+                      % 2, jnp.int32)
 
-    def local(q, k, v):
-        return pf.context_parallel_attention(q, k, v, axis_name="data",
-                                             mask_mod=masks.causal_mask, backend="xla")
+    def attend(q, k, v, ids, backend):
+        return pf.attention(q, k, v, backend=backend,
+                            mask_mod=lambda b, h, q_idx, kv_idx: ids[b, q_idx] == ids[b, kv_idx])
 
-    spec = P("data")
+    expected = attend(q, k, v, ids, "xla")
+    split = P("data")
     with jax.set_mesh(mesh):
-        placed = [jax.device_put(x, NamedSharding(mesh, spec)) for x in (q, k, v)]
-        for check_vma in (True, False):
-            step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(spec,) * 3,
-                                         out_specs=spec, check_vma=check_vma))
-            if check_vma:
-                with pytest.raises(ValueError, match="check_vma=False"):
-                    step(*placed)
+        placed = [jax.device_put(x, NamedSharding(mesh, split)) for x in (q, k, v, ids)]
+        for backend in ("xla", "interpret"):
+            step = jax.jit(jax.shard_map(functools.partial(attend, backend=backend),
+                                         mesh=mesh, in_specs=(split,) * 4, out_specs=split,
+                                         check_vma=True))
+            if backend == "xla":
+                np.testing.assert_allclose(np.asarray(step(*placed)), np.asarray(expected),
+                                           atol=1e-5, rtol=1e-5)
             else:
-                assert np.all(np.isfinite(np.asarray(step(*placed))))
+                with pytest.raises(ValueError, match="interpreter cannot index"):
+                    step(*placed)
+

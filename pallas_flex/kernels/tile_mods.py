@@ -23,6 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.extend import core as jex_core
+from pallas_flex.masks.mod_program import same_varying_axes, varying_like
 
 # Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
 # are the identity (the scalar program's `x[i]` is `dynamic_slice` then `squeeze`).
@@ -315,7 +316,9 @@ def broadcast_numpy_style(operands):
 def _bound(equation):
     """The equation's primitive as a function of its operands (with its parameters)."""
     def bind(*operands):
-        return equation.primitive.bind(*operands, **equation.params)
+        # Inside a shard_map that checks varying axes (context parallelism's mods, with
+        # a varying shard offset) the mod's primitives take operands of equal axes.
+        return equation.primitive.bind(*same_varying_axes(operands), **equation.params)
     return bind
 
 
@@ -401,6 +404,13 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
         if (primitive == "sub" and all(isinstance(atom, jex_core.Var) and atom in small_index_vars
                                        for atom in equation.invars)):
             index_differences[equation.outvars[0]] = operands
+        if primitive in ("pvary", "pcast"):
+            # A cast to varying manual axes, recorded where the mod was traced under a
+            # varying value (context parallelism's shard offset): the identity here, the
+            # operands of each later primitive meet in `_bound` (same_varying_axes).
+            for var, operand in zip(equation.outvars, operands):
+                environment[var] = operand
+            continue
         kept = _integer_identity(equation)
         if kept is not None:
             # `i - 0` (a query offset of 0): the same var, an index difference still.
@@ -680,7 +690,10 @@ def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
         return jnp.broadcast_to(result, score.shape).astype(jnp.float32)
 
     result, vjp = jax.vjp(modded, score, list(recording.values))
-    return result, vjp, recording.sites
+    # A mod whose values vary over manual mesh axes (context parallelism's shard offsets
+    # inside a shard_map that checks them) takes a cotangent varying alike.
+    values = (result, score, recording.values)
+    return result, lambda cotangent: vjp(varying_like(cotangent, values)), recording.sites
 
 
 def split_captured_refs(refs, mask_program, score_program):

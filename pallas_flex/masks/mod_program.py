@@ -116,6 +116,30 @@ _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
+def same_varying_axes(values):
+    """`values` (arrays, numpy values) typed as varying over the manual mesh axes any of
+    them varies over, inside a jax.shard_map that checks varying axes; unchanged where
+    none varies. Primitives bound as they are (not through jnp) take operands of equal
+    varying axes only."""
+    axes = frozenset().union(*(_varying(x) for x in values))
+    if not axes:
+        return list(values)
+
+    def cast(x):
+        missing = tuple(sorted(axes - _varying(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return [cast(x) for x in values]
+
+
+def varying_like(x, *references):
+    """x typed as varying over the manual mesh axes any of `references` varies over (a
+    cotangent for a mod whose values vary: see `same_varying_axes`)."""
+    axes = frozenset().union(*(_varying(r) for r in jax.tree.leaves(references)))
+    missing = tuple(sorted(axes - _varying(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+
 def _eval_varying(jaxpr, consts, args, axes):
     """`jax.core.eval_jaxpr` inside a jax.shard_map that checks varying manual axes,
     where some of the mod's values vary over `axes`: every value (constants, arguments,
@@ -141,7 +165,11 @@ def _eval_varying(jaxpr, consts, args, axes):
     for equation in jaxpr.eqns:
         inputs = [read(atom) for atom in equation.invars]
         name = equation.primitive.name
-        if name in _CALLS:
+        if name in ("pvary", "pcast"):
+            # A mod traced under a varying value (context parallelism's shard offset)
+            # casts invariant values to varying; here every value varies already.
+            outputs = inputs
+        elif name in _CALLS:
             inner = equation.params[_CALLS[name]]
             outputs = _eval_varying(getattr(inner, "jaxpr", inner),
                                     getattr(inner, "consts", ()), inputs, axes)

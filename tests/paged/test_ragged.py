@@ -778,3 +778,25 @@ def test_bad_rotation_inputs_are_value_errors(change, message):
     rotation.update(change)
     with pytest.raises(ValueError, match=message):
         paged.paged_attention(**case, **rotation, backend="xla")
+
+
+def test_a_shard_map_checking_varying_axes_gets_a_clear_error():
+    """The ragged op inside jax.shard_map with check_vma=True (its default), its heads
+    split over a mesh axis: a ValueError naming check_vma=False (its kernel's interpret
+    mode indexes refs at program ids that do not vary), not a type error from inside."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    config, seqs = case_config("gqa_dv_f32_page16")
+    case = make_case(0, seqs, **config)
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices("cpu")[:2],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    names = list(case)
+    split = {"query", "key", "value", "key_cache", "value_cache"}
+    in_specs = tuple(P(None, "model") if name in split else P() for name in names)
+    step = jax.jit(jax.shard_map(
+        lambda *args: paged.paged_attention(**dict(zip(names, args)), backend="xla"),
+        mesh=mesh, in_specs=in_specs, out_specs=(P(None, "model"),) * 3, check_vma=True))
+    with jax.set_mesh(mesh):
+        placed = [jax.device_put(case[name], NamedSharding(mesh, spec))
+                  for name, spec in zip(names, in_specs)]
+        with pytest.raises(ValueError, match="check_vma=False"):
+            step(*placed)
