@@ -161,8 +161,9 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       this device's output shard [B, Sq / N, Hq, Dv] (and lse [B, Hq, Sq / N], or a
       `pf.AuxOutput` of this device's rows with return_aux).
 
-    The kernels' internal loops do not yet declare which values vary over manual mesh
-    axes, so the enclosing `jax.shard_map` needs `check_vma=False`. A step whose
+    The enclosing `jax.shard_map` may check varying manual axes (check_vma=True, its
+    default; backend "interpret" then refuses, its interpreter cannot index the
+    per-step BlockMasks that vary with the shard) or not. A step whose
     BlockMask lists no block is not computed on that device, and K/V stop travelling
     once no device needs a later step (a sliding window's first steps only).
 
@@ -172,7 +173,7 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
       >>> step = jax.shard_map(
       ...     lambda q, k, v: pf.context_parallel_attention(q, k, v, axis_name="cp",
       ...                                                   mask_mod=pf.masks.causal_mask),
-      ...     mesh=mesh, in_specs=shard, out_specs=shard, check_vma=False)
+      ...     mesh=mesh, in_specs=shard, out_specs=shard)
       >>> out = jax.jit(step)(q, k, v)   # equals pf.attention(q, k, v, mask_mod=...)
     """
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
