@@ -148,21 +148,6 @@ def refuse_varying_kernel_tables(block_mask, score_program) -> None:
             "there, or pass check_vma=False to jax.shard_map.")
 
 
-def refuse_checked_manual_axes(*arrays, where: str = "pallas_flex") -> None:
-    """A ValueError where an input varies over a manual mesh axis of a `jax.shard_map`
-    that checks varying manual axes (check_vma=True, shard_map's default), for the entry
-    points that do not yet declare which values vary over those axes (context
-    parallelism, the ragged op), where JAX would stop with a type error deep inside."""
-    axes = varying_axes(*arrays)
-    if axes:
-        raise ValueError(
-            f"{where} inside jax.shard_map with check_vma=True (its default): its inputs "
-            f"vary over the manual mesh axes {sorted(axes)}, and its kernels do not yet "
-            "declare which values vary over them. Pass check_vma=False to jax.shard_map, "
-            "or call it outside the shard_map under jax.jit on sharded inputs (batch and "
-            "head sharding need no shard_map).")
-
-
 def roles_of(operand, role):
     """A pytree of roles shaped like `operand`: `role` for every leaf, except a BlockMask
     (tables TABLE, its mask_mod's captured arrays WHOLE) and a ModProgram (WHOLE)."""

@@ -35,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_flex import sharding
 from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view, quantized_tiles
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
@@ -272,18 +273,20 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                                           jnp.float32),
                      jax.ShapeDtypeStruct((num_tokens, num_splits, q_heads), jnp.float32)]
     whole = pl.no_block_spec
+    inputs = (work_seq, work_first, past_lens.astype(jnp.int32),
+              subsequence_begins.astype(jnp.int32), block_indices.astype(jnp.int32),
+              block_indices_begins.astype(jnp.int32), *scalars, query, key_cache,
+              value_cache, *scales)
     out, lse = pl.pallas_call(
         kernel,
         grid=(num_items, kv_heads, num_splits),
         in_specs=[whole] * (12 + len(scales)),
         out_specs=[whole, whole],
-        out_shape=out_shape,
+        out_shape=sharding.typed_like(out_shape, inputs),
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name="ragged_paged_attention",
-    )(work_seq, work_first, past_lens.astype(jnp.int32), subsequence_begins.astype(jnp.int32),
-      block_indices.astype(jnp.int32), block_indices_begins.astype(jnp.int32), *scalars,
-      query, key_cache, value_cache, *scales)
+    )(*inputs)
     if num_splits > 1:
         out, lse = online_softmax.merge_partials(out, lse, axis=1)
         out = out.astype(query.dtype)

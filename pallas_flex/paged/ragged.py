@@ -139,11 +139,19 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
       ...     block_indices=jnp.array([5, 2, 7]),          # block_size 8: 1 + 2 blocks
       ...     block_indices_begins=jnp.array([0, 1, 3]))
     """
-    sharding.refuse_checked_manual_axes(query, key, value, key_cache, value_cache,
-                                        where="paged_attention")
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     backend = resolve_backend(backend)
+    if backend == "interpret" and sharding.varying_axes(query, key, value, key_cache,
+                                                        value_cache):
+        # Its kernel indexes whole refs at the interpreter's program ids, which do not
+        # vary: JAX's check stops that inside a shard_map that checks varying axes.
+        raise ValueError(
+            "paged_attention with backend 'interpret' inside jax.shard_map with "
+            "check_vma=True: its inputs vary over the manual mesh axes "
+            f"{list(sharding.varying_axes(query, key, value, key_cache, value_cache))}, "
+            "which Pallas's interpreter cannot index. Use backend='xla' there, or pass "
+            "check_vma=False to jax.shard_map.")
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a Python int >= 1, got {num_splits!r}")
@@ -683,6 +691,13 @@ class _PageWalk:
         logits = jnp.where(visible[:, None, None, :], logits * online_softmax.LOG2_E, -jnp.inf)
         return logits, visible, key_pos, block
 
+    def _varying_axes(self, *more):
+        """The manual mesh axes the walk's inputs vary over (inside a shard_map that
+        checks them): its loops' initial states vary as their bodies' results do."""
+        return sharding.varying_axes(self.query, self.key_cache, self.cache_scales,
+                                     self.layout, self.context, self.block_indices,
+                                     self.block_indices_begins, self.slopes, *more)
+
     def _steps(self, tokens):
         return jnp.max(jnp.where(tokens, self.blocks_seen, 0), initial=0)
 
@@ -709,6 +724,7 @@ class _PageWalk:
         state = (jnp.full((num_tokens, kv_heads, group), -jnp.inf, jnp.float32),
                  jnp.zeros((num_tokens, kv_heads, group), jnp.float32),
                  jnp.zeros((num_tokens, kv_heads, group, value_dim), jnp.float32))
+        state = sharding.vary(state, self._varying_axes(value_cache))
         state = lax.fori_loop(0, self._steps(jnp.ones((num_tokens,), bool)), step, state)
         return jax.vmap(jax.vmap(online_softmax.finalize))(state)
 
@@ -723,4 +739,7 @@ class _PageWalk:
             target = jnp.where(visible & counted[:, None], offset[:, None] + key_pos, size)
             return scores.at[target].add(weights, mode="drop")
 
-        return lax.fori_loop(0, self._steps(counted), step, jnp.zeros((size,), jnp.float32))
+        initial = sharding.vary(jnp.zeros((size,), jnp.float32),
+                                sharding.varying_axes(self._varying_axes(), lse, counted,
+                                                      offset))
+        return lax.fori_loop(0, self._steps(counted), step, initial)
