@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, ManualAxisType, NamedSharding, PartitionSpec
 
+from pallas_flex.manual_axes import vary, varying_axes
 from pallas_flex.masks.block_mask import BlockMask
 from pallas_flex.masks.mod_program import (
     MASK, SCORE, ModProgram, const_positions, make_mod_program)
@@ -70,49 +71,16 @@ def query_and_rows(results):
     return (QUERY,) + (ROW,) * (len(results) - 1)
 
 
-def varying_axes(*trees) -> tuple:
-    """The manual mesh axes the arrays of `trees` vary over, inside a `jax.shard_map`
-    with check_vma=True (sorted; empty elsewhere)."""
-    axes = set()
-    for x in jax.tree.leaves(trees):
-        try:
-            manual = jax.typeof(x).manual_axis_type
-        except (AttributeError, TypeError):
-            continue
-        axes |= set(getattr(manual, "varying", ()) or ())
-    return tuple(sorted(axes))
-
-
-def vary(tree, axes):
-    """`tree`'s arrays typed as varying over the manual mesh `axes` (`jax.lax.pcast`
-    where they do not yet): a loop's initial state, which its body's outputs must match
-    in type, made from constants inside a shard_map that checks varying axes."""
-    if not axes:
-        return tree
-
-    def one(x):
-        missing = tuple(axis for axis in axes if axis not in varying_axes(x))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return jax.tree.map(one, tree)
-
-
-def result_type(shape, dtype, axes) -> jax.ShapeDtypeStruct:
-    """A kernel result's type, varying over the manual mesh `axes` (`varying_axes` of
-    its inputs) inside a shard_map that checks them."""
-    if not axes:
-        return jax.ShapeDtypeStruct(shape, dtype)
-    return jax.ShapeDtypeStruct(shape, dtype,
-                                manual_axis_type=ManualAxisType(varying=frozenset(axes)))
-
-
 def typed_like(result_types, *inputs):
     """`result_types` (ShapeDtypeStructs) varying over the manual mesh axes `inputs`
-    vary over (`result_type`): a kernel's results inside a shard_map that checks them."""
+    vary over: a kernel's results inside a shard_map that checks them."""
     axes = varying_axes(*inputs)
     if not axes:
         return result_types
-    return jax.tree.map(lambda x: result_type(x.shape, x.dtype, axes), result_types)
+    manual = ManualAxisType(varying=frozenset(axes))
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, manual_axis_type=manual),
+        result_types)
 
 
 def typed_as_primals(cotangents, primals):

@@ -456,7 +456,7 @@ def test_every_strategy_inside_a_shard_map_that_checks_varying_axes(mesh, strate
     The ring's merged state and gradient buffers start varying, the mods' casts to
     varying (recorded where they were traced under the varying shard offset) are the
     identity in the tile interpreter, and each primitive's operands meet in their
-    varying axes (`mod_program.same_varying_axes`). (The per-step BlockMasks vary with
+    varying axes (`manual_axes.vary` in `tile_mods._bound`). (The per-step BlockMasks vary with
     the shard: the "interpret" backend refuses them there, tests/test_sharding.py.)"""
     inputs = _inputs(9)
     if case == "alibi":

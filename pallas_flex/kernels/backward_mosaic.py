@@ -55,7 +55,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
@@ -63,9 +62,8 @@ from pallas_flex.kernels.mosaic_eligibility import BLOCK, tile_reads
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector,
-    map_each_element, materialize, reads_index, result, score_parts, split_tile_refs,
-    tile_inputs,
-    split_rows, to_tile, vector_layout, with_accumulators)
+    map_each_element, materialize, reads_index, result, score_parts, split_rows,
+    split_tile_refs, tile_inputs, to_tile, vector_layout, with_accumulators)
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles)
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
@@ -593,7 +591,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
 
         names = tuple(grid)
         return plgpu.kernel(
-            entry, out_type=sharding.typed_like(out_type, operands, kernel_tables, captured), grid=tuple(grid[name] for name in names),
+            entry, out_type=out_type, grid=tuple(grid[name] for name in names),
             grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -624,7 +622,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
                                        jnp.float32),) if row_count else ())
     rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
     d_q, *rows = call(
-        dq, kv_tables, captured_for(dq_program, dq_reads), (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
+        dq, kv_tables, captured_for(dq_program, dq_reads),
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
          smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),

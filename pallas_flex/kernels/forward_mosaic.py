@@ -25,8 +25,10 @@ depend on b and h only (a per-head ALiBi slope, a soft-cap value), at exactly q_
 kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads those as one vector
 per tile), or at indices of kv_idx - q_idx (T5 buckets: `relative_reads`, built from
 per-diagonal tables). Reads at other indices are per-element gathers, which the Triton
-kernel does and this one does not. Attention sinks (one logit per query head, `pallas_flex/sinks.py`)
-join each row's softmax in the final normalization, as in the Triton kernel.
+kernel does and this one does not. Attention sinks (one logit per query head,
+`pallas_flex/sinks.py`) join each row's softmax in the final normalization, as in the
+Triton kernel. Inputs that vary over the manual axes of a shard_map checking them go to
+the Triton kernel (`dispatch.mosaic_unsupported_reason`).
 
 CPU tests run it in Mosaic GPU's interpret mode, where wgmma has no rule: there the two
 matmuls are plain dots on the shared-memory tiles (`mosaic_tiles.matmul`), and all
@@ -43,7 +45,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, hand_over_early, tile_reads)
@@ -708,7 +709,6 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     out_type = (jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, head_dim), q.dtype),
                 ) + (jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32),
                      ) * row_buffers
-    out_type = sharding.typed_like(out_type, q, k, v, tables, paging, sinks, captured)
     out, *rows = plgpu.kernel(
         entry,
         out_type=out_type,

@@ -10,13 +10,14 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels import device
-from pallas_flex.kernels.relative_reads import relative_reads
+# BLOCK (128): the kernels' BlockMask block on both axes, defined beside the relative
+# reads' tables, which are built per block diagonal.
+from pallas_flex.kernels.relative_reads import BLOCK, relative_reads
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_positions, captured_read_sites,
     captured_read_varying_axes)
 
-BLOCK = 128  # the kernel's BlockMask block on both axes
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The backward kernels and the paged forward keep the two head dims their tiles were
 # sized and measured for.

@@ -9,8 +9,8 @@ is computed once per (b, h, diagonal) with plain JAX (`relative_tables`), and ea
 block diagonal's 255 values are stored as runs of equal values (T5: the 16-32 exact and
 logarithmic buckets near the main diagonal, one run everywhere past `max_distance`).
 Inside, the tile starts as the first run's value and takes each later run's value where
-kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar broadcast on most tiles, two
-operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
+kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar
+broadcast on most tiles, two operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
 log) is never evaluated in the kernel.
 
 `relative_reads` finds the reads (an analysis of the mod's jaxpr); the kernels take
@@ -25,9 +25,10 @@ from typing import NamedTuple
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from pallas_flex.kernels.tile_mods import _CALL_PARAMS, CapturedRef, evaluate_jaxpr_on_tiles
+from pallas_flex.kernels.tile_mods import CapturedRef, evaluate_jaxpr_on_tiles
+from pallas_flex.masks.mod_program import CALL_JAXPR_PARAMS
 
-BLOCK = 128  # the Mosaic kernels' BlockMask block on both axes
+BLOCK = 128  # the Mosaic kernels' BlockMask block (`mosaic_eligibility.BLOCK`)
 WINDOW = 2 * BLOCK - 1  # the diagonals kv_idx - q_idx one block pair spans
 TABLE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 
@@ -121,7 +122,7 @@ def relative_reads(program) -> dict:
                 reads[id(equation)] = RelativeRead(positions[inputs[0]],
                                                    tuple(range(len(index_tags))))
             output = _DIFFERENCE if all(_is_difference(t) for t in index_tags) else _OTHER
-        elif name in _CALL_PARAMS:
+        elif name in CALL_JAXPR_PARAMS:
             output = _DIFFERENCE if all(_is_difference(t) for t in input_tags) else _OTHER
             if all(tag is None for tag in input_tags):
                 output = None

@@ -23,7 +23,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.extend import core as jex_core
-from pallas_flex.masks.mod_program import same_varying_axes, varying_like
+
+from pallas_flex.manual_axes import vary, varying_axes
+from pallas_flex.masks.mod_program import CALL_JAXPR_PARAMS as _CALL_PARAMS
 
 # Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
 # are the identity (the scalar program's `x[i]` is `dynamic_slice` then `squeeze`).
@@ -34,10 +36,6 @@ _SIZE_ONE_RESHAPES = {"squeeze", "reshape", "expand_dims", "broadcast_in_dim"}
 # tables' one-hot gradient rows.
 SELECTED_GATHER_MAX_ENTRIES = 64
 # Primitives that wrap a sub-jaxpr with the same semantics as inlining it.
-_CALL_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-                "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-                "remat": "jaxpr", "checkpoint": "jaxpr"}
-
 
 class CaptureLog:
     """Where a mod read its captured arrays: one *site* per read, in program order.
@@ -318,7 +316,8 @@ def _bound(equation):
     def bind(*operands):
         # Inside a shard_map that checks varying axes (context parallelism's mods, with
         # a varying shard offset) the mod's primitives take operands of equal axes.
-        return equation.primitive.bind(*same_varying_axes(operands), **equation.params)
+        return equation.primitive.bind(*vary(operands, varying_axes(operands)),
+                                       **equation.params)
     return bind
 
 
@@ -407,7 +406,7 @@ def evaluate_jaxpr_on_tiles(jaxpr: jex_core.Jaxpr, consts, args, name: str,
         if primitive in ("pvary", "pcast"):
             # A cast to varying manual axes, recorded where the mod was traced under a
             # varying value (context parallelism's shard offset): the identity here, the
-            # operands of each later primitive meet in `_bound` (same_varying_axes).
+            # operands of each later primitive meet in their varying axes in `_bound`.
             for var, operand in zip(equation.outvars, operands):
                 environment[var] = operand
             continue
@@ -692,8 +691,8 @@ def score_vjp_on_tile(program, captured_refs, score, b, h, q_idx, kv_idx, *,
     result, vjp = jax.vjp(modded, score, list(recording.values))
     # A mod whose values vary over manual mesh axes (context parallelism's shard offsets
     # inside a shard_map that checks them) takes a cotangent varying alike.
-    values = (result, score, recording.values)
-    return result, lambda cotangent: vjp(varying_like(cotangent, values)), recording.sites
+    axes = varying_axes(result, score, recording.values)
+    return result, lambda cotangent: vjp(vary(cotangent, axes)), recording.sites
 
 
 def split_captured_refs(refs, mask_program, score_program):

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from pallas_flex.manual_axes import vary, varying_axes
+
 MASK = "mask"
 SCORE = "score"
 
@@ -86,7 +88,7 @@ class ModProgram:
 
     def __call__(self, *args):
         """Evaluates the mod with scalar semantics (vmap it for arrays of indices)."""
-        axes = frozenset().union(*(_varying(x) for x in (*self.consts, *args)))
+        axes = varying_axes(self.consts, args)
         if axes:
             (result,) = _eval_varying(self.jaxpr, self.consts, args, axes)
         else:
@@ -105,39 +107,11 @@ class ModProgram:
         return f"ModProgram({self.kind}_mod={self.name}, captured={len(self.consts)})"
 
 
-def _varying(x) -> frozenset:
-    try:
-        return frozenset(jax.typeof(x).manual_axis_type.varying or ())
-    except (AttributeError, TypeError):
-        return frozenset()
-
-
-_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
-          "custom_jvp_call": "call_jaxpr", "remat": "jaxpr", "checkpoint": "jaxpr"}
-
-
-def same_varying_axes(values):
-    """`values` (arrays, numpy values) typed as varying over the manual mesh axes any of
-    them varies over, inside a jax.shard_map that checks varying axes; unchanged where
-    none varies. Primitives bound as they are (not through jnp) take operands of equal
-    varying axes only."""
-    axes = frozenset().union(*(_varying(x) for x in values))
-    if not axes:
-        return list(values)
-
-    def cast(x):
-        missing = tuple(sorted(axes - _varying(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
-
-    return [cast(x) for x in values]
-
-
-def varying_like(x, *references):
-    """x typed as varying over the manual mesh axes any of `references` varies over (a
-    cotangent for a mod whose values vary: see `same_varying_axes`)."""
-    axes = frozenset().union(*(_varying(r) for r in jax.tree.leaves(references)))
-    missing = tuple(sorted(axes - _varying(x)))
-    return jax.lax.pcast(x, missing, to="varying") if missing else x
+# The parameter holding a call primitive's jaxpr, for the evaluators that inline the
+# calls a mod makes (`_eval_varying`, `kernels.tile_mods.evaluate_jaxpr_on_tiles`).
+CALL_JAXPR_PARAMS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+                     "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+                     "remat": "jaxpr", "checkpoint": "jaxpr"}
 
 
 def _eval_varying(jaxpr, consts, args, axes):
@@ -148,8 +122,7 @@ def _eval_varying(jaxpr, consts, args, axes):
     take operands of equal varying axes only, where jnp's functions would have cast
     them. Calls the mod makes are evaluated inline, the same way."""
     def cast(x):
-        missing = tuple(sorted(axes - _varying(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+        return vary(x, axes)
 
     environment = {}
 
@@ -169,8 +142,8 @@ def _eval_varying(jaxpr, consts, args, axes):
             # A mod traced under a varying value (context parallelism's shard offset)
             # casts invariant values to varying; here every value varies already.
             outputs = inputs
-        elif name in _CALLS:
-            inner = equation.params[_CALLS[name]]
+        elif name in CALL_JAXPR_PARAMS:
+            inner = equation.params[CALL_JAXPR_PARAMS[name]]
             outputs = _eval_varying(getattr(inner, "jaxpr", inner),
                                     getattr(inner, "consts", ()), inputs, axes)
         else:
