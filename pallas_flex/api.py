@@ -447,7 +447,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
     if backend == "interpret":
-        sharding.refuse_varying_kernel_tables(block_mask, score_program)
+        sharding.refuse_varying_on_the_interpreter(
+            "the BlockMask tables or the mods' captured arrays", block_mask, score_program)
     return block_mask, score_program, (backend, resolve_scale(scale, head_dim), options)
 
 

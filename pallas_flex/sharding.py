@@ -101,19 +101,18 @@ def typed_as_primals(cotangents, primals):
     return jax.tree.map(one, cotangents, primals, is_leaf=lambda x: x is None)
 
 
-def refuse_varying_kernel_tables(block_mask, score_program) -> None:
-    """A ValueError on the "interpret" backend where a BlockMask's tables or a mod's
-    captured arrays vary over manual mesh axes of a shard_map that checks them (a mask
-    built from a shard's own document ids, context parallelism's per-step masks): Pallas's
-    interpreter indexes them at its program ids, which do not vary, and JAX's check stops
-    it. The "xla" backend runs those calls."""
-    axes = varying_axes(block_mask, score_program)
+def refuse_varying_on_the_interpreter(what: str, *trees) -> None:
+    """A ValueError on the "interpret" backend where arrays a kernel indexes (`trees`: a
+    BlockMask's tables and a mod's captured arrays, or the ragged op's inputs) vary over
+    manual mesh axes of a shard_map that checks them: Pallas's interpreter indexes them
+    at its program ids, which do not vary, and JAX's check stops it. The "xla" backend
+    runs those calls."""
+    axes = varying_axes(*trees)
     if axes:
         raise ValueError(
-            "backend 'interpret' inside jax.shard_map with check_vma=True: the BlockMask "
-            f"tables or the mods' captured arrays vary over the manual mesh axes "
-            f"{list(axes)}, which Pallas's interpreter cannot index. Use backend='xla' "
-            "there, or pass check_vma=False to jax.shard_map.")
+            f"backend 'interpret' inside jax.shard_map with check_vma=True: {what} vary "
+            f"over the manual mesh axes {list(axes)}, which Pallas's interpreter cannot "
+            "index. Use backend='xla' there, or pass check_vma=False to jax.shard_map.")
 
 
 def roles_of(operand, role):

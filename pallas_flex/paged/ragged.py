@@ -142,16 +142,9 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     backend = resolve_backend(backend)
-    if backend == "interpret" and sharding.varying_axes(query, key, value, key_cache,
-                                                        value_cache):
-        # Its kernel indexes whole refs at the interpreter's program ids, which do not
-        # vary: JAX's check stops that inside a shard_map that checks varying axes.
-        raise ValueError(
-            "paged_attention with backend 'interpret' inside jax.shard_map with "
-            "check_vma=True: its inputs vary over the manual mesh axes "
-            f"{list(sharding.varying_axes(query, key, value, key_cache, value_cache))}, "
-            "which Pallas's interpreter cannot index. Use backend='xla' there, or pass "
-            "check_vma=False to jax.shard_map.")
+    if backend == "interpret":  # its kernel indexes q, k, v and the caches themselves
+        sharding.refuse_varying_on_the_interpreter(
+            "paged_attention's inputs", query, key, value, key_cache, value_cache)
     if num_splits is not None and (isinstance(num_splits, bool)
                                    or not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be None or a Python int >= 1, got {num_splits!r}")
