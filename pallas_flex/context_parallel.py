@@ -28,7 +28,7 @@ from pallas_flex import sharding
 from pallas_flex.sinks import check_sinks, merge_sinks
 
 __all__ = ["ContextParallel", "choose_strategy", "context_parallel_attention", "layout_order",
-           "striped_order", "zigzag_order"]
+           "ring_head_chunks", "striped_order", "zigzag_order"]
 LAYOUTS = ("contiguous", "zig-zag", "striped")
 
 
@@ -41,6 +41,7 @@ class ContextParallel:
     axis_name: str
     layout: str = "contiguous"
     strategy: str = "auto"
+    head_chunks: int | None = None
 
 
 def _positions(index, length, devices, layout):
@@ -124,7 +125,7 @@ def zigzag_order(seq_len, devices):
 def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=None,
                                scale=None, return_lse=False, layout="contiguous",
                                strategy="auto", backend=None, kernel_options=None,
-                               sinks=None, return_aux=None):
+                               sinks=None, return_aux=None, head_chunks=None):
     """`pf.attention` over a sequence sharded along `axis_name`, inside `jax.shard_map`.
 
     Args:
@@ -154,6 +155,14 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
         efficiency, ring 97 %, all-to-all 92 %; document masks 109 % / 85 % / 36 %),
         so "auto" gathers where the whole K/V is small next to the device's memory and
         passes it round the ring where it is not.
+      head_chunks: the ring runs the KV heads in this many groups, one group after the
+        other (each group's K/V goes round the ring alone), so that what the ring holds
+        beside the inputs and outputs -- the visiting K/V shard and, in the backward, the
+        float32 dK/dV buffers travelling with it and dQ's -- is 1 / head_chunks of the
+        whole; must divide Hkv. None (the default): the fewest groups whose K/V shard
+        takes at most 64 MiB (`ring_head_chunks`), so a long sequence's ring needs
+        little more memory than its shards (B1 H16 D128 at 128k tokens a device: 16
+        groups). Applies to the ring only.
       scale, return_lse, backend, kernel_options, sinks, return_aux: as in
         `pf.attention` (a sink takes part in every row once, merged after the devices'
         parts; the row max is the largest over every device's keys).
@@ -186,11 +195,16 @@ def context_parallel_attention(q, k, v, *, axis_name, mask_mod=None, score_mod=N
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(map(repr, STRATEGIES))}, "
                          f"got {strategy!r}")
+    if head_chunks is not None and strategy not in ("auto", "ring"):
+        raise ValueError(f"head_chunks groups the ring's heads; strategy {strategy!r} "
+                         "does not pass K/V round a ring")
+    ring_head_chunks(k.shape, v.shape, k.dtype, head_chunks)  # validates head_chunks
     check_sinks(sinks, q.shape[2])
     with_max = check_aux(return_aux, return_lse)
     out, lse, *row_max = _context_parallel(
         q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
-        dict(scale=scale, backend=backend, kernel_options=kernel_options), with_max)
+        dict(scale=scale, backend=backend, kernel_options=kernel_options), with_max,
+        head_chunks)
     if sinks is not None:  # one more part of every row, merged after the others
         out, lse = merge_sinks(out, lse, sinks)
     return call_results(out, lse, row_max, return_lse, return_aux)
@@ -218,8 +232,32 @@ def choose_strategy(k_shard_shape, v_shard_shape, dtype, devices, device=None):
     return "all_gather" if gathered <= _GATHER_SHARE * limit else "ring"
 
 
+# The ring's head groups ("auto"): the fewest whose K/V shard (k and v of this device)
+# is at most this many bytes. A group's kernels still fill the GPU (64 MiB of bf16 K/V
+# at D 128 is 128k key rows over the group's heads and batch: 1024 blocks of 128 keys
+# for the dK/dV kernel), and its transfers stay long enough to run at the link's rate.
+_RING_CHUNK_BYTES = 64 * 2 ** 20
+
+
+def ring_head_chunks(k_shard_shape, v_shard_shape, dtype, head_chunks=None):
+    """How many groups of KV heads the ring runs one after the other: `head_chunks` if
+    given (a positive divisor of Hkv, else ValueError), else the fewest groups whose K/V
+    shard takes at most 64 MiB."""
+    kv_heads = k_shard_shape[2]
+    if head_chunks is not None:
+        if (isinstance(head_chunks, bool) or not isinstance(head_chunks, int)
+                or head_chunks < 1 or kv_heads % head_chunks):
+            raise ValueError(f"head_chunks must be a positive divisor of the {kv_heads} KV "
+                             f"heads, got {head_chunks!r}")
+        return head_chunks
+    shard = jnp.dtype(dtype).itemsize * (math.prod(k_shard_shape) + math.prod(v_shard_shape))
+    return next(chunks for chunks in range(1, kv_heads + 1)
+                if kv_heads % chunks == 0
+                and (shard // chunks <= _RING_CHUNK_BYTES or chunks == kv_heads))
+
+
 def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy, options,
-                      with_max=False):
+                      with_max=False, head_chunks=None):
     """(out in q's dtype, lse), and with_max the row max, of one strategy."""
     devices = jax.lax.axis_size(axis_name)
     if strategy == "auto":
@@ -244,7 +282,7 @@ def _context_parallel(q, k, v, axis_name, mask_mod, score_mod, layout, strategy,
         out, lse, *row_max = _ring(
             q, k, v, mask_program, score_program,
             _RingConfig(axis_name, layout, tuple(sorted(options.items(), key=lambda x: x[0])),
-                        with_max))
+                        with_max, ring_head_chunks(k.shape, v.shape, k.dtype, head_chunks)))
     return (out.astype(q.dtype), lse, *row_max)
 
 
@@ -254,9 +292,11 @@ class _RingConfig:
     layout: str
     options: tuple  # (name, value) pairs of scale, backend, kernel_options
     with_max: bool = False  # a third output: the row max (a statistic: no gradient)
+    head_chunks: int = 1  # groups of KV heads run one after the other
 
     def __hash__(self):
-        return hash((self.axis_name, self.layout, repr(self.options), self.with_max))
+        return hash((self.axis_name, self.layout, repr(self.options), self.with_max,
+                     self.head_chunks))
 
     def __eq__(self, other):
         return isinstance(other, _RingConfig) and hash(self) == hash(other)
@@ -350,12 +390,82 @@ def _ring_forward(q, k, v, axis_name, layout, mask_mod, score_mod, options,
     return merged
 
 
+def _head_group(x, group, size, axis=2):
+    return jax.lax.dynamic_slice_in_dim(x, group * size, size, axis=axis)
+
+
+def _in_head_group(mod, head_offset, is_score):
+    """`mod` of a head group: its heads offset to the whole call's (only for a mod that
+    reads h: the others keep their program, so their BlockMask is shared by all groups)."""
+    if mod is None or not make_mod_program(mod, SCORE if is_score else MASK).uses_head:
+        return mod
+    return _at_global_positions(mod, _same, _same, is_score, lambda h: h + head_offset)
+
+
+def _over_head_groups(q, k, config, mask_program, programs, run_group, carry):
+    """Runs `run_group(group, carry, q_heads, kv_heads, mask, score, programs)` for each
+    of config.head_chunks groups of KV heads (and their query heads), one after the
+    other in a `fori_loop`, so the ring's buffers of one group are freed before the next
+    group's are made: mask and score are the group's mods, programs the whole call's
+    (mask, score) programs as the loop sees them. They travel in the loop's carry, so
+    that the group's mods capture the loop's own values of their arrays (which
+    `const_positions` matches by identity)."""
+    chunks = config.head_chunks
+    q_heads, kv_heads = q.shape[2] // chunks, k.shape[2] // chunks
+
+    def body(group, state):
+        carry, (mask, score) = state
+        offset = (group * q_heads).astype(jnp.int32)
+        carry = run_group(group, carry, q_heads, kv_heads, _in_head_group(mask, offset, False),
+                          _in_head_group(score, offset, True), (mask, score))
+        return carry, (mask, score)
+    return jax.lax.fori_loop(0, chunks, body, (carry, programs))[0]
+
+
+def _ring_forward_by_head_groups(q, k, v, mask_program, score_program, config,
+                                 schedule=None):
+    """`_ring_forward` over config.head_chunks groups of heads, one after the other:
+    (out in q's dtype, lse), and with config.with_max the row max. schedule: the
+    BlockMasks of a mask that does not read h, shared by every group (None: each group
+    builds its own)."""
+    options, with_max = dict(config.options), config.with_max
+    if config.head_chunks == 1:
+        out, *stats = _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
+                                    score_program, options, schedule, with_max)
+        return (out.astype(q.dtype), *stats)
+
+    def run_group(group, merged, q_heads, kv_heads, mask, score, programs):
+        out, *stats = _ring_forward(
+            _head_group(q, group, q_heads), _head_group(k, group, kv_heads),
+            _head_group(v, group, kv_heads), config.axis_name, config.layout, mask, score,
+            options, schedule, with_max)
+        return (jax.lax.dynamic_update_slice_in_dim(
+                    merged[0], out.astype(q.dtype), group * q_heads, axis=2),
+                *(jax.lax.dynamic_update_slice_in_dim(whole, part, group * q_heads, axis=1)
+                  for whole, part in zip(merged[1:], stats)))
+    rows = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+    merged = (jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype), rows) + (
+        (rows,) if with_max else ())
+    merged = sharding.vary(merged, sharding.varying_axes(q, k, v, mask_program,
+                                                         score_program))
+    return _over_head_groups(q, k, config, mask_program, (mask_program, score_program),
+                             run_group, merged)
+
+
+def _shared_schedule(q, k, v, mask_program, config):
+    """The ring's BlockMasks, built once for every head group where that is possible:
+    with one group, or a mask that does not read h. None otherwise."""
+    if config.head_chunks > 1 and mask_program is not None and mask_program.uses_head:
+        return None
+    return _ring_schedule(q, k, v, config.axis_name, config.layout, mask_program,
+                          dict(config.options)["kernel_options"])
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _ring(q, k, v, mask_program, score_program, config):
-    """The ring with its own backward (below): (out float32, lse), and the row max with
-    config.with_max."""
-    return _ring_forward(q, k, v, config.axis_name, config.layout, mask_program,
-                         score_program, dict(config.options), with_max=config.with_max)
+    """The ring with its own backward (below): (out in q's dtype, lse), and the row max
+    with config.with_max."""
+    return _ring_forward_by_head_groups(q, k, v, mask_program, score_program, config)
 
 
 def _ring_fwd(q, k, v, mask_program, score_program, config):
@@ -364,36 +474,28 @@ def _ring_fwd(q, k, v, mask_program, score_program, config):
     q, k, v, mask_program, score_program = jax.tree.map(
         lambda primal: primal.value, (q, k, v, mask_program, score_program),
         is_leaf=lambda x: isinstance(x, CustomVJPPrimal))
-    options = dict(config.options)
-    schedule = _ring_schedule(q, k, v, config.axis_name, config.layout, mask_program,
-                              options["kernel_options"])
-    out, lse, *row_max = _ring_forward(q, k, v, config.axis_name, config.layout,
-                                       mask_program, score_program, options, schedule,
-                                       config.with_max)
+    schedule = _shared_schedule(q, k, v, mask_program, config)
+    out, lse, *row_max = _ring_forward_by_head_groups(q, k, v, mask_program, score_program,
+                                                      config, schedule)
     # Only this device's shards, the merged statistics and the (small) step BlockMasks
     # are kept: the backward passes K/V round the ring again instead of holding every
-    # shard that visited.
+    # shard that visited. The output is kept in q's dtype, as one device's call keeps it.
     return ((out, lse, *row_max),
             (q, k, v, score_program, out, lse, wanted, mask_program, schedule))
 
 
-def _ring_bwd(config, residuals, cotangents):
-    """The ring backward: K/V shards go round again, each step runs the fused backward
-    kernels of the visiting shard with the merged out and lse (so its P is the global
-    softmax), dq accumulates here and dK/dV accumulate in float32 buffers that travel
-    with their shard; after the last step the buffers go home. Captured arrays' gradients
-    are this device's partial sums (shard_map sums a replicated input's cotangent)."""
-    q, k, v, score_program, out, lse, wanted, mask_program, schedule = residuals
-    d_out, d_lse = cotangents[:2]  # the row max (a statistic) has no gradient
-    d_out = jnp.zeros(out.shape, q.dtype) if isinstance(d_out, SymbolicZero) else d_out
-    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
+def _ring_backward(q, k, v, out, lse, d_out, d_lse, mask_program, score_program, wanted,
+                   config, schedule):
+    """The ring backward of one head group: (dq, dk, dv in their inputs' dtypes, the
+    float32 gradients of score_program's captured arrays, None where not wanted)."""
     axis_name, options = config.axis_name, dict(config.options)
     devices = jax.lax.axis_size(axis_name)
-    block_masks, computed, needed = schedule
+    block_masks, computed, needed = schedule or _ring_schedule(
+        q, k, v, axis_name, config.layout, mask_program, options["kernel_options"])
     score_mods = _step_score_mods(q, k, axis_name, config.layout, score_program)
-    consts = score_program.consts if score_program is not None else ()
     d_q = jnp.zeros(q.shape, jnp.float32)
     d_k, d_v = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    consts = score_program.consts if score_program is not None else ()
     d_consts = [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
                 for c, w in zip(consts, wanted)]
     axes = sharding.varying_axes(q, k, v, out, lse, d_out, d_lse, score_program,
@@ -428,6 +530,56 @@ def _ring_bwd(config, residuals, cotangents):
     d_k, d_v = jax.lax.switch(held, [
         functools.partial(_shift, axis_name=axis_name, devices=devices, distance=-back)
         for back in range(devices)], (d_k, d_v))
+    return d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_consts
+
+
+def _ring_bwd(config, residuals, cotangents):
+    """The ring backward: K/V shards go round again, each step runs the fused backward
+    kernels of the visiting shard with the merged out and lse (so its P is the global
+    softmax), dq accumulates here and dK/dV accumulate in float32 buffers that travel
+    with their shard; after the last step the buffers go home. With head groups, one
+    group after the other. Captured arrays' gradients are this device's partial sums
+    (shard_map sums a replicated input's cotangent)."""
+    q, k, v, score_program, out, lse, wanted, mask_program, schedule = residuals
+    d_out, d_lse = cotangents[:2]  # the row max (a statistic) has no gradient
+    d_out = jnp.zeros(out.shape, q.dtype) if isinstance(d_out, SymbolicZero) else d_out
+    d_lse = None if isinstance(d_lse, SymbolicZero) else d_lse
+    consts = score_program.consts if score_program is not None else ()
+    if config.head_chunks == 1:
+        d_q, d_k, d_v, d_consts = _ring_backward(
+            q, k, v, out, lse, d_out, d_lse, mask_program, score_program, wanted, config,
+            schedule)
+    else:
+        def run_group(group, grads, q_heads, kv_heads, mask, score, programs):
+            d_q, d_k, d_v, d_consts = grads
+            score = make_mod_program(score, SCORE) if score is not None else None
+            # The group's program's captured arrays among the whole program's.
+            positions = const_positions(programs[1], score)
+            g_q, g_k, g_v, g_consts = _ring_backward(
+                _head_group(q, group, q_heads), _head_group(k, group, kv_heads),
+                _head_group(v, group, kv_heads),
+                _head_group(out, group, q_heads), _head_group(lse, group, q_heads, axis=1),
+                _head_group(d_out, group, q_heads),
+                None if d_lse is None else _head_group(d_lse, group, q_heads, axis=1),
+                mask, score, [p is not None and wanted[p] for p in positions],
+                config, schedule)
+            d_consts = list(d_consts)
+            for position, grad in zip(positions, g_consts):
+                if position is not None and grad is not None:
+                    d_consts[position] = d_consts[position] + grad
+            return (jax.lax.dynamic_update_slice_in_dim(d_q, g_q, group * q_heads, axis=2),
+                    jax.lax.dynamic_update_slice_in_dim(d_k, g_k, group * kv_heads, axis=2),
+                    jax.lax.dynamic_update_slice_in_dim(d_v, g_v, group * kv_heads, axis=2),
+                    d_consts)
+
+        grads = (jnp.zeros(q.shape, q.dtype), jnp.zeros(k.shape, k.dtype),
+                 jnp.zeros(v.shape, v.dtype),
+                 [jnp.zeros(jnp.shape(c), jnp.float32) if w else None
+                  for c, w in zip(consts, wanted)])
+        grads = sharding.vary(grads, sharding.varying_axes(
+            q, k, v, out, lse, d_out, d_lse, score_program, mask_program))
+        d_q, d_k, d_v, d_consts = _over_head_groups(
+            q, k, config, mask_program, (mask_program, score_program), run_group, grads)
     d_mask = jax.tree.map(_zero_cotangent, mask_program)
     d_score = None
     if score_program is not None:
@@ -435,9 +587,8 @@ def _ring_bwd(config, residuals, cotangents):
         d_score.consts = tuple(
             grad.astype(jnp.result_type(c)) if grad is not None else _zero_cotangent(c)
             for grad, c in zip(d_consts, consts))
-    return sharding.typed_as_primals(
-        (d_q.astype(q.dtype), d_k.astype(k.dtype), d_v.astype(v.dtype), d_mask, d_score),
-        (q, k, v, mask_program, score_program))
+    return sharding.typed_as_primals((d_q, d_k, d_v, d_mask, d_score),
+                                     (q, k, v, mask_program, score_program))
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd, symbolic_zeros=True)

@@ -149,11 +149,12 @@ def test_the_committed_tables_match_the_committed_results(monkeypatch, capsys):
 
 def test_the_multi_device_suite_runs_on_host_devices(tmp_path):
     """pallas_flex/bench/multi_device.py on the four host devices (XLA backend, tiny
-    shapes): its correctness check passes, the sharded calls hold no collective, every
-    row is measured, and the report renders its tables."""
+    shapes): its correctness check passes (under a shard_map that checks varying axes),
+    the sharded calls hold no collective, every row is measured, and the report renders
+    its tables."""
     from pallas_flex.bench import multi_device
     assert multi_device.main(["--quick", "--parts", "correctness,sharding,scaling",
-                              "--strategies", "ring", "--masks", "causal",
+                              "--strategies", "ring", "--masks", "causal", "--check-vma",
                               "--scaling-devices", "2", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "cpu" / "multi_device.json").read_text())
     rows = {row["case"]: row for row in result["rows"]}
@@ -166,6 +167,7 @@ def test_the_multi_device_suite_runs_on_host_devices(tmp_path):
             assert row["efficiency_vs_one_device"] > 0 and row["memory_per_device_bytes"]
     text = "\n".join(report.multi_device_table({**result, "gpu": "cpu"}))
     assert "scaling/ring/causal/S256/N2" in text and "correctness/ring" in text
+    assert rows["scaling/ring/causal/S256/N2"]["head_chunks"] == 1
 
 
 def test_quick_runs_a_suite_end_to_end(tmp_path):

@@ -189,6 +189,99 @@ def test_a_captured_learnable_array_gets_its_gradient(mesh, check_vma):
     assert float(jnp.max(jnp.abs(got[0]))) > 0
 
 
+def _head_window(b, h, q_idx, kv_idx):
+    """A causal window that grows with the head (reads h: each head group builds its
+    own BlockMasks, at the whole call's heads)."""
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < 16 + 24 * h)
+
+
+@pytest.mark.parametrize("case,layout,check_vma", [
+    ("causal", "zig-zag", False), ("documents", "striped", True),
+    ("head_window", "contiguous", True), ("two_shards_back", "contiguous", False)])
+def test_the_ring_by_head_groups_equals_one_device(mesh, case, layout, check_vma):
+    """head_chunks=2 runs the ring once per KV head (each with its GQA pair of query
+    heads), one after the other: out, lse and dq, dk, dv equal one device's, also for a
+    mask that reads h (each group's mods see the whole call's heads) and under a
+    shard_map that checks varying axes."""
+    mask_mod = _head_window if case == "head_window" else CASES[case][0]
+    _assert_equals_one_device(mesh, _inputs(9), mask_mod, None, check_vma=check_vma,
+                              layout=layout, head_chunks=2)
+
+
+@pytest.mark.parametrize("check_vma", [False, True])
+def test_head_groups_keep_the_gradient_of_a_learnable_array_read_per_head(mesh, check_vma):
+    """ALiBi slopes [HQ] read at h by the head groups' score_mods (h offset to the whole
+    call's heads): out and the slopes' and q's gradients equal one device's."""
+    q, k, v, d_out = _inputs(10)
+    slopes = pf.scores.alibi_slopes(HQ) * jnp.asarray([1.0, 2.0, 0.5, 3.0])
+
+    def single(q, k, v, slopes):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=pf.scores.alibi(
+            slopes), return_lse=True, backend="xla")
+
+    def ring(q, k, v, slopes):
+        return pf.context_parallel_attention(
+            q, k, v, axis_name="cp", strategy="ring", mask_mod=masks.causal_mask,
+            score_mod=pf.scores.alibi(slopes), return_lse=True, backend="xla",
+            head_chunks=2)
+    ring = _sharded(mesh, ring, slopes, check_vma=check_vma)
+
+    def loss(attend):
+        return lambda slopes, q: jnp.sum(attend(q, k, v, slopes)[0] * d_out)
+    np.testing.assert_allclose(ring(q, k, v, slopes)[0], single(q, k, v, slopes)[0],
+                               rtol=2e-5, atol=2e-5)
+    got = jax.grad(loss(ring), argnums=(0, 1))(slopes, q)
+    want = jax.grad(loss(single), argnums=(0, 1))(slopes, q)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+    assert float(jnp.min(jnp.abs(got[0]))) > 0  # every head's slope has a gradient
+
+
+def test_head_groups_cut_the_ring_s_memory(mesh):
+    """XLA's plan for a forward+backward step on each device: the ring's temporaries
+    (visiting K/V, float32 accumulators and the dK/dV buffers travelling with them) shrink
+    with the head groups. (On the CPU the XLA backend's dense scores of one step, kept per
+    group, are part of them; the GPU kernels have none: `pallas_flex.bench.multi_device`
+    measures the plan there.)"""
+    heads, length, dim = 8, 512, 64
+    keys = jax.random.split(jax.random.key(11), 4)
+    q, k, v, d_out = (jax.random.normal(key, (1, length, heads, dim), jnp.bfloat16)
+                      for key in keys)
+
+    def temporaries(head_chunks):
+        attend = _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+            q, k, v, axis_name="cp", strategy="ring", mask_mod=masks.causal_mask,
+            return_lse=True, backend="xla", layout="zig-zag", head_chunks=head_chunks))
+
+        def step(q, k, v, d_out):
+            out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v)[0], q, k, v)
+            return pullback(d_out)
+        plan = jax.jit(step).lower(q, k, v, d_out).compile().memory_analysis()
+        return plan.temp_size_in_bytes
+    whole, pairs, single = temporaries(1), temporaries(4), temporaries(heads)
+    assert single < pairs < whole / 2, (single, pairs, whole)
+    assert single < whole / 3, (single, whole)
+
+
+def test_bad_head_chunks_are_value_errors(mesh):
+    q, k, v, _ = _inputs()
+    for bad, strategy in ((3, "ring"), (0, "ring"), (True, "ring"), (2, "all_gather")):
+        with pytest.raises(ValueError, match="head_chunks"):
+            _sharded(mesh, lambda q, k, v: pf.context_parallel_attention(
+                q, k, v, axis_name="cp", strategy=strategy, mask_mod=masks.causal_mask,
+                return_lse=True, backend="xla", head_chunks=bad))(q, k, v)
+
+
+def test_auto_head_chunks_keep_a_group_s_kv_shard_within_64_mib():
+    from pallas_flex.context_parallel import ring_head_chunks
+    assert ring_head_chunks((1, 2 ** 17, 16, 128), (1, 2 ** 17, 16, 128), jnp.bfloat16) == 16
+    assert ring_head_chunks((1, 2 ** 15, 16, 128), (1, 2 ** 15, 16, 128), jnp.bfloat16) == 4
+    assert ring_head_chunks((1, 2 ** 13, 16, 128), (1, 2 ** 13, 16, 128), jnp.bfloat16) == 1
+    assert ring_head_chunks((1, 2 ** 20, 2, 128), (1, 2 ** 20, 2, 128), jnp.float32) == 2
+    assert ring_head_chunks((1, 2 ** 17, 16, 128), (1, 2 ** 17, 16, 128), jnp.bfloat16,
+                            head_chunks=2) == 2
+
+
 def test_a_row_masked_on_every_shard_is_zero_with_finite_gradients(mesh):
     """Queries of document -1 see no key anywhere: zeros, lse -inf, and no NaN reaches
     the gradients through the merges of empty partial results."""

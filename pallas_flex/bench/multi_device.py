@@ -48,10 +48,14 @@ from pallas_flex import masks
 from pallas_flex.bench.cli import gpu_name
 from pallas_flex.bench.timing import error_entry, time_calls
 
-STRATEGIES = {"ring": ("ring", "zig-zag"), "ring_contiguous": ("ring", "contiguous"),
-              "ring_striped": ("ring", "striped"), "all_gather": ("all_gather", "zig-zag"),
-              "all_gather_striped": ("all_gather", "striped"),
-              "all_to_all": ("all_to_all", "zig-zag")}
+# name: (strategy, layout, head_chunks); the ring's head groups: None = "auto" (the fewest
+# with a K/V shard of at most 64 MiB), 1 = every head in one ring.
+STRATEGIES = {"ring": ("ring", "zig-zag", None), "ring_contiguous": ("ring", "contiguous", None),
+              "ring_striped": ("ring", "striped", None),
+              "ring_all_heads": ("ring", "zig-zag", 1),
+              "all_gather": ("all_gather", "zig-zag", None),
+              "all_gather_striped": ("all_gather", "striped", None),
+              "all_to_all": ("all_to_all", "zig-zag", None)}
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute",
                "all-to-all")
 
@@ -107,15 +111,17 @@ def _forward(attend):
     return lambda q, k, v, d_out: attend(q, k, v)
 
 
-def _parallel_step(mesh, strategy, layout, mask_mod, backend, mode="fwd_bwd"):
+def _parallel_step(mesh, name, mask_mod, backend, mode="fwd_bwd", check_vma=False):
     shard = P(None, "cp")
+    strategy, layout, head_chunks = STRATEGIES[name]
 
     def local(q, k, v):
         return pf.context_parallel_attention(q, k, v, axis_name="cp", mask_mod=mask_mod,
                                              strategy=strategy, layout=layout,
-                                             return_lse=True, backend=backend)
+                                             return_lse=True, backend=backend,
+                                             head_chunks=head_chunks)
     attend = jax.shard_map(local, mesh=mesh, in_specs=(shard,) * 3,
-                           out_specs=(shard, P(None, None, "cp")), check_vma=False)
+                           out_specs=(shard, P(None, None, "cp")), check_vma=check_vma)
     return jax.jit((_loss_gradients if mode == "fwd_bwd" else _forward)(attend))
 
 
@@ -211,16 +217,18 @@ class Suite:
             expected = [np.asarray(x, np.float32) for x in
                         _single_step(mask_mod, self.backend)(q, k, v, d_out)]
             for name in self.args.strategies:
-                strategy, layout = STRATEGIES[name]
-                case = f"correctness/{name}/{mask_name}/S{length}/N{n}"
+                layout = STRATEGIES[name][1]
+                vma = "/check_vma" if self.args.check_vma else ""
+                case = f"correctness/{name}/{mask_name}/S{length}/N{n}{vma}"
                 row = {"case": case, "strategy": name, "mask": mask_name, "devices": n,
-                       "S": length}
+                       "S": length, "check_vma": self.args.check_vma}
                 try:
                     order = np.asarray(pf.context_parallel.layout_order(length, n, layout))
                     restore = np.argsort(order)
                     sharded = NamedSharding(mesh, P(None, "cp"))
                     args = [jax.device_put(x[:, order], sharded) for x in (q, k, v, d_out)]
-                    got = _parallel_step(mesh, strategy, layout, mask_mod, self.backend)(*args)
+                    got = _parallel_step(mesh, name, mask_mod, self.backend,
+                                         check_vma=self.args.check_vma)(*args)
                     got = [np.asarray(x, np.float32) for x in got]
                     got = [got[0][:, restore], got[1][:, :, restore]] + [
                         x[:, restore] for x in got[2:]]
@@ -310,9 +318,12 @@ class Suite:
                 # Timing does not need the zig-zag permutation of the data itself: random
                 # inputs are as good in any order; the layout changes only the positions.
                 args = _inputs(shape, NamedSharding(mesh, P(None, "cp")))
-                strategy, layout = STRATEGIES[name]
-                step = _parallel_step(mesh, strategy, layout, mask_mod, self.backend,
-                                      self.args.mode)
+                strategy, _, head_chunks = STRATEGIES[name]
+                if strategy == "ring":
+                    shard = (1, length // n, kv_heads, dim)
+                    row["head_chunks"] = pf.context_parallel.ring_head_chunks(
+                        shard, shard, jnp.bfloat16, head_chunks)
+                step = _parallel_step(mesh, name, mask_mod, self.backend, self.args.mode)
             compiled, row["lower_compile_s"] = _compile(step, args)
             row["memory_per_device_bytes"] = _memory(compiled)
             entry, out = time_calls(compiled, args, **self.timing())
@@ -363,6 +374,8 @@ def parse_args(argv):
                         "--heads)")
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--tolerance", type=float, default=2e-2)
+    parser.add_argument("--check-vma", action="store_true", help="correctness: under a "
+                        "shard_map that checks varying manual axes")
     parser.add_argument("--backend")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)

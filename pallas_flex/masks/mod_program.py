@@ -126,15 +126,16 @@ def _eval_varying(jaxpr, consts, args, axes):
 
     environment = {}
 
-    def read(atom):
+    def read(atom):  # cast where read: an argument the mod ignores stays unread (a mask
+        # that ignores h must still build a BlockMask broadcast over heads)
         if isinstance(atom, jex_core.Literal):
             return cast(jnp.asarray(atom.val, atom.aval.dtype))
-        return environment[atom]
+        return cast(environment[atom])
 
     for var, value in zip(jaxpr.constvars, consts):
-        environment[var] = cast(value)
+        environment[var] = value
     for var, value in zip(jaxpr.invars, args):
-        environment[var] = cast(value)
+        environment[var] = value
     for equation in jaxpr.eqns:
         inputs = [read(atom) for atom in equation.invars]
         name = equation.primitive.name
