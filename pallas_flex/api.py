@@ -63,6 +63,7 @@ def build_block_mask(mask_mod, batch, q_heads, q_len, kv_len, kernel_options):
     per batch row / head only where the mod reads b / h, blocks of 128 unless
     kernel_options asks for smaller tiles."""
     program = make_mod_program(mask_mod, MASK) if mask_mod is not None else None
+    program = dispatch.mask_for_kernels(program, batch, q_heads, q_len, kv_len)
     block_size = _DEFAULT_MASK_BLOCK
     if kernel_options and isinstance(kernel_options, dict):
         block_size = (kernel_options.get("block_q", block_size),

@@ -24,7 +24,6 @@ from pallas_flex.api import (
     AuxRequest, _attention_block_mask, _zero_cotangent, attention, attention_backward,
     call_results, check_aux, flex_attention, merge_attention_states, resolve_backend)
 from pallas_flex.masks.mod_program import MASK, SCORE, const_positions, make_mod_program
-from pallas_flex.masks.row_reads import precompute_row_reads
 from pallas_flex import sharding
 from pallas_flex.sinks import check_sinks, merge_sinks
 
@@ -82,17 +81,6 @@ def _at_global_positions(mod, q_position, kv_position, is_score, head=lambda h: 
         return lambda score, b, h, q_idx, kv_idx: mod(score, b, head(h), q_position(q_idx),
                                                        kv_position(kv_idx))
     return lambda b, h, q_idx, kv_idx: mod(b, head(h), q_position(q_idx), kv_position(kv_idx))
-
-
-def _with_row_reads(mask_mod, q, k):
-    """The mask at global positions with its reads of captured arrays at one position
-    (`ids[q_position(q_idx)]`: per-element gathers, which the Mosaic kernels do not run)
-    made into reads of vectors over this call's rows and columns, computed here once
-    (`masks.row_reads`)."""
-    if mask_mod is None:
-        return None
-    return precompute_row_reads(make_mod_program(mask_mod, MASK), q.shape[0], q.shape[2],
-                                q.shape[1], k.shape[1])
 
 
 def striped_order(seq_len, devices):
@@ -328,8 +316,7 @@ def _ring_schedule(q, k, v, axis_name, layout, mask_mod, kernel_options):
     for step in range(devices):
         kv_position = _positions((index - step) % devices, k.shape[1], devices, layout)
         block_mask = _attention_block_mask(
-            q, k, v, _with_row_reads(_at_global_positions(mask_mod, q_position, kv_position,
-                                                          False), q, k), None,
+            q, k, v, _at_global_positions(mask_mod, q_position, kv_position, False), None,
             kernel_options)
         block_masks.append(block_mask)
         computed.append(jnp.bool_(True) if block_mask is None else (
@@ -613,8 +600,7 @@ def _one_call(q, k, v, mask_mod, score_mod, q_position, kv_position, head, optio
     global positions and heads."""
     out, aux = attention(
         q, k, v, return_aux=AuxRequest(lse=True, max_scores=with_max), **options,
-        mask_mod=_with_row_reads(
-            _at_global_positions(mask_mod, q_position, kv_position, False, head), q, k),
+        mask_mod=_at_global_positions(mask_mod, q_position, kv_position, False, head),
         score_mod=_at_global_positions(score_mod, q_position, kv_position, True, head))
     return (out, aux.lse) + ((aux.max_scores,) if with_max else ())
 

@@ -47,6 +47,7 @@ from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.kernels.xla_blockwise import blockwise_attention
+from pallas_flex.masks.row_reads import precompute_row_reads
 from pallas_flex.sinks import merge_sinks
 
 FORWARD_KERNELS = ("xla_blockwise", "decode", "triton_forward", "mosaic_forward")
@@ -58,6 +59,21 @@ class Choice:
     """The kernel a call runs (one of `FORWARD_KERNELS`) and why, in a sentence."""
     kernel: str
     reason: str
+
+
+def mask_for_kernels(program, batch: int, heads: int, q_len: int, kv_len: int):
+    """The mask program a BlockMask is built from, for kernels to run: `program`, or,
+    where it reads a captured array at an index computed from one position
+    (`ids[q_idx // 2]`, context parallelism's `ids[q_position(q_idx)]`: a per-element
+    gather, which sends the call to the Triton kernels), the same mask reading vectors
+    precomputed over the call's rows and columns (`masks.row_reads`), if the Mosaic GPU
+    kernels take that."""
+    if program is None or mosaic_eligibility.mod_unsupported_reason(program) is None:
+        return program
+    rewritten = precompute_row_reads(program, batch, heads, q_len, kv_len)
+    if rewritten is program or mosaic_eligibility.mod_unsupported_reason(rewritten):
+        return program
+    return rewritten
 
 
 def uses_decode_kernel(q_len, block_mask, options: KernelOptions) -> bool:

@@ -121,7 +121,7 @@ def tile_reads(program) -> dict:
     return {**contiguous_reads(program), **relative_reads(program)}
 
 
-def _mod_unsupported_reason(program):
+def mod_unsupported_reason(program):
     """None if the kernel can run `program` (None included), else why not."""
     if program is None:
         return None
@@ -145,7 +145,7 @@ def backward_unsupported_reason(score_program, head_dim: int = 128):
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
-    return _mod_unsupported_reason(with_score_derivative(score_program))
+    return mod_unsupported_reason(with_score_derivative(score_program))
 
 
 def differentiated_positions(score_program, wanted) -> tuple:
@@ -182,7 +182,7 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
         program = with_read_derivatives(score_program, positions)
     except ValueError as error:
         return f"gradients of captured arrays: {error}"
-    return _mod_unsupported_reason(program)
+    return mod_unsupported_reason(program)
 
 
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
@@ -214,7 +214,7 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
             return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
                     "Hopper, 9.0)")
     for program in (block_mask.mask_mod, score_program):
-        reason = _mod_unsupported_reason(program)
+        reason = mod_unsupported_reason(program)
         if reason is not None:
             return reason
     return None

@@ -2,19 +2,20 @@
 
 A mask such as `ids[q_idx] == ids[kv_idx]` (documents) reads its array at the positions
 themselves: the Mosaic GPU kernels load such a read as a vector of the block's rows or
-columns. Context parallelism calls the same mask at global positions, `ids[q_position(
-q_idx)]` with a shard's position arithmetic (zig-zag: a select of two offsets; striped:
-q_idx * N + i), and a read at a computed index is a per-element gather, which sends the
-whole call to the Triton kernels (measured on 2 H100s at 256k tokens, 16 documents:
-64-68 % parallel efficiency against 94 % for the causal mask, which reads no array).
+columns. A read at a computed index (`ids[q_idx // 2]`; context parallelism's
+`ids[q_position(q_idx)]`, a select of two offsets under zig-zag, q_idx * N + i striped)
+is a per-element gather, which sends the whole call to the Triton kernels (measured on
+2 H100s at 256k tokens, 16 documents, all-gather: 85 % parallel efficiency on Triton,
+95 % with this).
 
 But such a read depends on one position only (and on b, h): `precompute_row_reads`
 evaluates it once per row (and column) outside the kernel, a vector over the call's
 [B, H,] Sq (or Skv) made with `jax.vmap`, and gives a program that reads that vector at
-q_idx (kv_idx) instead: a plain read again. Only parts of the mod that read an array
-are precomputed (arithmetic on the positions stays in the kernel), and only for
-programs whose captured arrays need no gradient (the vectors are new arrays: a
-gradient would stop at them), which is every mask_mod.
+q_idx (kv_idx) instead: a plain read again. Only values that read an array are
+precomputed (arithmetic on the positions stays in the kernel), and only in mask
+programs (a score program's captured arrays may need gradients, which would stop at the
+new vectors). `dispatch.mask_for_kernels` applies it to the masks of the BlockMasks the
+entry points build, where the Mosaic kernels refuse the mask and take the result.
 """
 
 from __future__ import annotations

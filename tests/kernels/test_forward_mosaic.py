@@ -123,8 +123,8 @@ def test_contiguous_reads_recognizes_index_reads_only():
 
     reads = mosaic_eligibility.contiguous_reads(make_mod_program(shifted, SCORE))
     assert sorted(reads.values()) == [(0, 1, "kv"), (0, 1, "q")]
-    assert mosaic_eligibility._mod_unsupported_reason(make_mod_program(shifted, SCORE))
-    assert mosaic_eligibility._mod_unsupported_reason(make_mod_program(
+    assert mosaic_eligibility.mod_unsupported_reason(make_mod_program(shifted, SCORE))
+    assert mosaic_eligibility.mod_unsupported_reason(make_mod_program(
         lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx + offset], SCORE)) is None
 
 

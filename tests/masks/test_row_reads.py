@@ -49,8 +49,8 @@ def test_a_mask_at_shard_positions_reads_vectors_and_is_unchanged(layout, mask_m
         program = make_mod_program(context_parallel._at_global_positions(
             mask_mod, q_position, kv_position, False), MASK)
         rewritten = precompute_row_reads(program, batch, 1, SHARD, SHARD)
-        assert "gather" in mosaic_eligibility._mod_unsupported_reason(program)
-        assert mosaic_eligibility._mod_unsupported_reason(rewritten) is None
+        assert "gather" in mosaic_eligibility.mod_unsupported_reason(program)
+        assert mosaic_eligibility.mod_unsupported_reason(rewritten) is None
         return every_element(program, batch), every_element(rewritten, batch)
     attended = 0
     for device in range(DEVICES):
@@ -69,7 +69,7 @@ def test_programs_without_such_reads_are_returned_as_they_are():
     assert precompute_row_reads(None, 1, 1, 8, 8) is None
     plain = make_mod_program(documents, MASK)  # already a read at q_idx / kv_idx
     rewritten = precompute_row_reads(plain, 1, 1, LENGTH, LENGTH)
-    assert mosaic_eligibility._mod_unsupported_reason(rewritten) is None
+    assert mosaic_eligibility.mod_unsupported_reason(rewritten) is None
 
 
 def test_reads_inside_calls_and_of_several_arrays_are_found():
@@ -85,10 +85,33 @@ def test_reads_inside_calls_and_of_several_arrays_are_found():
         return (document_of(2 * q_idx) == IDS[kv_idx // 2]) | (q_idx == kv_idx)
     program = make_mod_program(mask_mod, MASK)
     rewritten = precompute_row_reads(program, 1, 1, SHARD, LENGTH)
-    assert mosaic_eligibility._mod_unsupported_reason(program) is not None
-    assert mosaic_eligibility._mod_unsupported_reason(rewritten) is None
+    assert mosaic_eligibility.mod_unsupported_reason(program) is not None
+    assert mosaic_eligibility.mod_unsupported_reason(rewritten) is None
     grid = jax.vmap(lambda q: jax.vmap(lambda kv: (program(0, 0, q, kv),
                                                    rewritten(0, 0, q, kv)))(
         jnp.arange(LENGTH)))(jnp.arange(SHARD))
     np.testing.assert_array_equal(grid[1], grid[0])
     assert 0 < int(jnp.sum(grid[0])) < SHARD * LENGTH
+
+
+def test_the_entry_points_rewrite_only_masks_the_mosaic_kernels_refuse():
+    """`dispatch.mask_for_kernels`: a mask already run by the Mosaic kernels is kept as it
+    is; one reading at a computed position is rewritten; and `pf.attention` with it
+    equals the dense reference."""
+    from pallas_flex import dispatch
+    import pallas_flex as pf
+    plain = make_mod_program(documents, MASK)
+    assert dispatch.mask_for_kernels(plain, 1, 1, LENGTH, LENGTH) is plain
+
+    def halves(b, h, q_idx, kv_idx):  # two queries per document position
+        return (IDS[q_idx // 2] == IDS[kv_idx]) & (q_idx // 2 >= kv_idx)
+    program = make_mod_program(halves, MASK)
+    rewritten = dispatch.mask_for_kernels(program, 1, 1, 2 * LENGTH, LENGTH)
+    assert rewritten is not program
+    assert mosaic_eligibility.mod_unsupported_reason(rewritten) is None
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (1, 2 * LENGTH, 2, 32), jnp.float32)
+    k, v = (jax.random.normal(key, (1, LENGTH, 2, 32), jnp.float32) for key in keys[1:])
+    np.testing.assert_allclose(
+        pf.attention(q, k, v, mask_mod=halves, backend="xla"),
+        pf.attention(q, k, v, mask_mod=halves, backend="reference"), atol=2e-5, rtol=2e-5)
