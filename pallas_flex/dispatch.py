@@ -26,6 +26,12 @@ backward of `pallas_flex.attention` (`choose_backward`), in the same way:
 
 The ragged op (`paged.paged_attention`) has one kernel of its own.
 
+Before any of this, the BlockMask the entry points build from a mask_mod gets the mask
+the kernels run (`mask_for_kernels`): a mask reading a captured array at an index
+computed from one position (`ids[q_idx // 2]`, or context parallelism's shard
+positions) reads vectors precomputed over the rows and columns instead, where that lets
+the Mosaic GPU kernels take it.
+
 The Mosaic GPU forward (`kernels/forward_mosaic.py`) is written for Hopper: compute
 capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 128},
 128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a

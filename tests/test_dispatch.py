@@ -31,8 +31,27 @@ def _gathering_score_mod():
     return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(q_idx + kv_idx, 0, 31)]
 
 
+def _halves_mask():
+    """Documents read at q_idx // 2: a gather, which the entry points precompute as a row
+    vector (`dispatch.mask_for_kernels`); both positions computed: stays a gather."""
+    ids = jnp.repeat(jnp.arange(8), 128)
+
+    def halves(b, h, q_idx, kv_idx):
+        return (ids[q_idx // 2] == ids[kv_idx]) & (q_idx // 2 >= kv_idx)
+    return halves
+
+
+def _pair_sum_mask():
+    ids = jnp.repeat(jnp.arange(8), 256)
+    return lambda b, h, q_idx, kv_idx: ids[q_idx + kv_idx] == 3
+
+
 # (name, q, k/v, mask_mod, score_mod, kernel_options, backend, {device: kernel})
 ROWS = [
+    ("bf16 D128 mask read at q_idx // 2", _shape(length=2048), _shape(), _halves_mask(),
+     None, None, "pallas", {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("bf16 D128 mask read at q_idx + kv_idx", _shape(), _shape(), _pair_sum_mask(), None,
+     None, "pallas", {H100: "triton_forward", A100: "triton_forward"}),
     ("bf16 D128 causal", _shape(), _shape(), masks.causal_mask, None, None, "pallas",
      {H100: "mosaic_forward", A100: "triton_forward"}),
     ("f16 D64 noop", _shape(dim=64, dtype=jnp.float16), _shape(dim=64, dtype=jnp.float16),
