@@ -139,7 +139,7 @@ def _eval_varying(jaxpr, consts, args, axes):
     for equation in jaxpr.eqns:
         inputs = [read(atom) for atom in equation.invars]
         name = equation.primitive.name
-        if name in ("pvary", "pcast"):
+        if axes and name in ("pvary", "pcast"):
             # A mod traced under a varying value (context parallelism's shard offset)
             # casts invariant values to varying; here every value varies already.
             outputs = inputs
@@ -155,6 +155,13 @@ def _eval_varying(jaxpr, consts, args, axes):
         for var, value in zip(equation.outvars, outputs):
             environment[var] = value
     return [read(atom) for atom in jaxpr.outvars]
+
+
+def eval_inline(jaxpr, consts, args):
+    """`jax.core.eval_jaxpr` with the calls a mod makes (jnp functions under `jit`)
+    evaluated inline, so that tracing it gives one flat jaxpr; casts to varying axes are
+    kept as recorded."""
+    return _eval_varying(jaxpr, consts, args, ())
 
 
 def _check_arity(function: Callable, kind: str, argument_name: str) -> None:

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from pallas_flex.masks.mod_program import CALL_JAXPR_PARAMS, MASK, ModProgram, make_mod_program
+from pallas_flex.masks.mod_program import MASK, ModProgram, eval_inline, make_mod_program
 
 __all__ = ["precompute_row_reads"]
 
@@ -32,41 +32,12 @@ __all__ = ["precompute_row_reads"]
 _BATCH, _HEAD, _QUERY, _KEY = range(4)
 
 
-def _inline(jaxpr, consts, args):
-    """`jax.core.eval_jaxpr` with the calls a mod makes (jnp functions under `jit`)
-    evaluated inline, so that the traced result is one flat jaxpr."""
-    environment = {}
-
-    def read(atom):
-        if isinstance(atom, jex_core.Literal):
-            return atom.val
-        return environment[atom]
-    for var, value in zip(jaxpr.constvars, consts):
-        environment[var] = value
-    for var, value in zip(jaxpr.invars, args):
-        environment[var] = value
-    for equation in jaxpr.eqns:
-        inputs = [read(atom) for atom in equation.invars]
-        name = equation.primitive.name
-        if name in CALL_JAXPR_PARAMS:
-            inner = equation.params[CALL_JAXPR_PARAMS[name]]
-            outputs = _inline(getattr(inner, "jaxpr", inner), getattr(inner, "consts", ()),
-                              inputs)
-        else:
-            outputs = equation.primitive.bind(*inputs, **equation.params)
-            if not equation.primitive.multiple_results:
-                outputs = [outputs]
-        for var, value in zip(equation.outvars, outputs):
-            environment[var] = value
-    return [read(atom) for atom in jaxpr.outvars]
-
-
 def _flat(program):
     """The mask program's jaxpr with its calls inlined (one flat jaxpr), and its consts:
     the program's captured arrays (as they are: traced values keep their types) and any
     arrays the inlined calls held."""
     index = jax.ShapeDtypeStruct((), jnp.int32)
-    closed = jax.make_jaxpr(lambda *args: _inline(program.jaxpr, program.consts, args))(
+    closed = jax.make_jaxpr(lambda *args: eval_inline(program.jaxpr, program.consts, args))(
         *[index] * 4)
     return closed.jaxpr, closed.consts
 
