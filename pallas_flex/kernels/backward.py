@@ -743,9 +743,11 @@ class _Launch:
     kernel_settings: dict  # keyword arguments of _dq_program and _dkdv_program
 
 
-def prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale):
+def prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale,
+                     pad_head_dims=True):
     """The padded operands, delta and lse_log2 of a backward (`_Launch`); the Mosaic GPU
-    backward starts from them too."""
+    backward starts from them too, with its head dims as they are (pad_head_dims=False:
+    Triton's tiles take powers of two, wgmma takes 80 and 96)."""
     num_q_blocks, num_kv_blocks = block_mask.num_blocks
     mask_block_q, mask_block_kv = block_mask.block_size
     # delta = rowsum(dO * O) - dlse: the lse output's own gradient folds in here.
@@ -760,7 +762,8 @@ def prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
     lse_log2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * online_softmax.LOG2_E)
 
     head_dim, value_dim = q.shape[3], v.shape[3]
-    padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
+    padded_dim, padded_value_dim = ((padded_head_dim(head_dim), padded_head_dim(value_dim))
+                                    if pad_head_dims else (head_dim, value_dim))
     padded_q_len, padded_kv_len = num_q_blocks * mask_block_q, num_kv_blocks * mask_block_kv
     q_len = q.shape[1]
     return _Launch(

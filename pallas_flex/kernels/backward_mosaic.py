@@ -56,6 +56,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.forward_mosaic import tile_transforms
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, tile_reads
@@ -75,11 +76,12 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 Q_TILE = 64
 TILES_PER_BLOCK = BLOCK // Q_TILE
 # Tiles in flight per program by head dim, within the shared memory left next to each
-# kernel's resident tiles (dQ: Q and dO, then K and V per stage; dK/dV: K and V, then
-# Q and dO per stage).
-_DQ_STAGES = {64: 4, 128: 2}
-_DKV_STAGES = {64: 4, 128: 3}
-_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# kernel's resident tiles (dQ: Q and dO [128, D], then K and V [128, D] per stage; dK/dV:
+# K and V [128, D], then Q and dO [64, D] per stage): D 96 dQ 48 + 3 x 48 KiB, dK/dV
+# 48 + 4 x 24 KiB. Tiles of D 80 and 96 take a narrower swizzle
+# (`forward_mosaic.tile_transforms`), as in the forward.
+_DQ_STAGES = {64: 4, 80: 3, 96: 3, 128: 2}
+_DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
@@ -514,7 +516,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     of b and h only: `mosaic_eligibility.captured_gradient_unsupported_reason`), else
     None."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
-                              scale)
+                              scale, pad_head_dims=False)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
@@ -577,8 +579,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
                     score_reads=score_reads, masked_first=masked_first, interpret=interpret)
     operands = (q, k, v, d_out, lse_log2, delta)
 
-    def smem(shape, dtype=q.dtype, transforms=_TRANSFORMS):
-        return plgpu.SMEM(shape, dtype, transforms=transforms)
+    def smem(shape, dtype=q.dtype):
+        return plgpu.SMEM(shape, dtype, transforms=tile_transforms(head_dim))
 
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)

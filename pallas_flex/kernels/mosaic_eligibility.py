@@ -21,7 +21,8 @@ from pallas_flex.kernels.tile_mods import (
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The backward kernels and the paged forward keep the two head dims their tiles were
 # sized and measured for.
-BACKWARD_HEAD_DIMS = PAGED_HEAD_DIMS = (64, 128)
+BACKWARD_HEAD_DIMS = (64, 80, 96, 128)
+PAGED_HEAD_DIMS = (64, 128)
 # The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
 # by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
 GRADIENT_TABLE_ENTRIES = 1 << 16

@@ -600,25 +600,27 @@ def test_head_dims_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, bac
     """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
     swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (64-key K/V tiles,
     `forward_mosaic._PARTS_PER_BLOCK`; 256 one item a program): the gallery's check against the float64 golden;
-    their backward is the Triton one."""
+    the backward of 80 and 96 is the Mosaic one too (tests/kernels/test_backward_mosaic.py),
+    of 192 and 256 the Triton one."""
     _check(variant, dtype, layout, q_len, kv_len, dim, backend)
 
 
 def test_head_dims_the_mosaic_backward_and_paged_forward_keep():
-    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, 96, 96, jnp.bfloat16)
+    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, 192, 192, jnp.bfloat16)
     block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
-    options = resolve_options({"forward_kernel": "mosaic", "backward_kernel": "auto"}, 96)
+    options = resolve_options({"forward_kernel": "mosaic", "backward_kernel": "auto"}, 192)
     assert dispatch.choose_forward(q, k, v, block_mask, None, backend="interpret",
                                    options=options).kernel == "mosaic_forward"
-    assert mosaic_eligibility.backward_unsupported_reason(None, 96) == (
-        "head dim 96 (the Mosaic backward takes D in (64, 128))")
-    assert mosaic_eligibility.backward_unsupported_reason(None, 128) is None
-    with pytest.raises(ValueError, match="head dim 96"):
+    assert mosaic_eligibility.backward_unsupported_reason(None, 192) == (
+        "head dim 192 (the Mosaic backward takes D in (64, 80, 96, 128))")
+    for dim in (64, 80, 96, 128):
+        assert mosaic_eligibility.backward_unsupported_reason(None, dim) is None
+    with pytest.raises(ValueError, match="head dim 192"):
         dispatch.choose_backward(q, k, v, block_mask, None, backend="interpret",
-                                 options=resolve_options({"backward_kernel": "mosaic"}, 96))
+                                 options=resolve_options({"backward_kernel": "mosaic"}, 192))
     pages = jnp.zeros((4, 2, 64, 96), jnp.bfloat16)
     assert "on pages" in mosaic_eligibility.unsupported_reason(
-        q, pages, pages, block_mask, None, interpret=True, paged=True)
+        q[..., :96], pages, pages, block_mask, None, interpret=True, paged=True)
 
 
 def test_relative_reads_are_found_where_indices_depend_on_kv_minus_q_only():
