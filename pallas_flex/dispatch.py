@@ -33,8 +33,8 @@ positions) reads vectors precomputed over the rows and columns instead, where th
 the Mosaic GPU kernels take it.
 
 The Mosaic GPU forward (`kernels/forward_mosaic.py`) is written for Hopper: compute
-capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 128},
-128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a
+capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 80, 96,
+128, 192, 256} (the backward: 64 to 128; pages: 64 and 128), 128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a
 multiple of 8 rows dividing 128 or a multiple of 128. `explain` says which kernel a call
 gets and why.
 """
