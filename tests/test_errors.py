@@ -422,8 +422,9 @@ def _whole_array_cases():
 
     limits = jnp.arange(S, dtype=jnp.int32)
 
-    def max_limit_mask(b, h, q_idx, kv_idx):
-        return kv_idx <= jnp.max(limits) - q_idx
+    def max_limit_mask(b, h, q_idx, kv_idx):  # both positions meet the array's max: one
+        # that met a single position would be precomputed per row (`masks.row_reads`)
+        return q_idx + kv_idx <= jnp.max(limits)
 
     return {"sum_score": (None, sum_score), "exp_slopes_score": (None, exp_slopes_score),
             "max_limit_mask": (max_limit_mask, None)}

@@ -72,6 +72,25 @@ def test_programs_without_such_reads_are_returned_as_they_are():
     assert mosaic_eligibility.mod_unsupported_reason(rewritten) is None
 
 
+def test_whole_array_arithmetic_that_meets_one_position_is_precomputed():
+    """`jnp.max(limits) - q_idx` (a reduction of a captured array, then one position),
+    which the tile interpreter cannot run, becomes a row vector read at q_idx: the mask
+    then runs on the kernels (interpret backend) and equals the reference."""
+    import pallas_flex as pf
+    limits = jnp.arange(LENGTH, dtype=jnp.int32) // 2
+
+    def max_limit_mask(b, h, q_idx, kv_idx):
+        return kv_idx <= jnp.max(limits) - q_idx
+    keys = jax.random.split(jax.random.key(2), 3)
+    q, k, v = (jax.random.normal(key, (1, LENGTH, 2, 32), jnp.float32) for key in keys)
+    options = {"block_q": 64, "block_kv": 64}
+    np.testing.assert_allclose(
+        pf.attention(q, k, v, mask_mod=max_limit_mask, backend="interpret",
+                     kernel_options=options),
+        pf.attention(q, k, v, mask_mod=max_limit_mask, backend="reference"),
+        atol=2e-5, rtol=2e-5)
+
+
 def test_reads_inside_calls_and_of_several_arrays_are_found():
     """The mod's jnp functions under `jit` are inlined first; two arrays, both positions,
     each read through its own arithmetic."""
