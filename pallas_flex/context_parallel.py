@@ -402,7 +402,7 @@ def _in_head_group(mod, head_offset, is_score):
     return _at_global_positions(mod, _same, _same, is_score, lambda h: h + head_offset)
 
 
-def _over_head_groups(q, k, config, mask_program, programs, run_group, carry):
+def _over_head_groups(q, k, config, programs, run_group, carry):
     """Runs `run_group(group, carry, q_heads, kv_heads, mask, score, programs)` for each
     of config.head_chunks groups of KV heads (and their query heads), one after the
     other in a `fori_loop`, so the ring's buffers of one group are freed before the next
@@ -448,7 +448,7 @@ def _ring_forward_by_head_groups(q, k, v, mask_program, score_program, config,
         (rows,) if with_max else ())
     merged = sharding.vary(merged, sharding.varying_axes(q, k, v, mask_program,
                                                          score_program))
-    return _over_head_groups(q, k, config, mask_program, (mask_program, score_program),
+    return _over_head_groups(q, k, config, (mask_program, score_program),
                              run_group, merged)
 
 
@@ -484,6 +484,17 @@ def _ring_fwd(q, k, v, mask_program, score_program, config):
             (q, k, v, score_program, out, lse, wanted, mask_program, schedule))
 
 
+def _add_const_grads(d_consts, positions, grads):
+    """d_consts (float32, per captured array of the whole program) plus the gradients
+    `grads` of a derived program's captured arrays, at their `positions` among the
+    whole program's (`const_positions`; None: one of the derived program's own)."""
+    d_consts = list(d_consts)
+    for position, grad in zip(positions, grads):
+        if position is not None and grad is not None:
+            d_consts[position] = d_consts[position] + grad.astype(jnp.float32)
+    return d_consts
+
+
 def _ring_backward(q, k, v, out, lse, d_out, d_lse, mask_program, score_program, wanted,
                    config, schedule):
     """The ring backward of one head group: (dq, dk, dv in their inputs' dtypes, the
@@ -517,12 +528,9 @@ def _ring_backward(q, k, v, out, lse, d_out, d_lse, mask_program, score_program,
                 q, k, v, out, lse, d_out, d_lse, block_mask=block_mask, score_mod=shifted,
                 wanted_const_grads=[p is not None and wanted[p] for p in shifted_positions],
                 **options)
-            d_consts = list(d_consts)
-            for position, grad in zip(shifted_positions, g_consts):
-                if position is not None and grad is not None:
-                    d_consts[position] = d_consts[position] + grad.astype(jnp.float32)
             return (d_q + g_q.astype(jnp.float32), d_k + g_k.astype(jnp.float32),
-                    d_v + g_v.astype(jnp.float32), d_consts)
+                    d_v + g_v.astype(jnp.float32),
+                    _add_const_grads(d_consts, shifted_positions, g_consts))
         d_q, d_k, d_v, d_consts = jax.lax.cond(
             busy, step_grads, lambda d_q, d_k, d_v, d_consts, k, v: (d_q, d_k, d_v, d_consts),
             d_q, d_k, d_v, d_consts, k, v)
@@ -563,10 +571,7 @@ def _ring_bwd(config, residuals, cotangents):
                 None if d_lse is None else _head_group(d_lse, group, q_heads, axis=1),
                 mask, score, [p is not None and wanted[p] for p in positions],
                 config, schedule)
-            d_consts = list(d_consts)
-            for position, grad in zip(positions, g_consts):
-                if position is not None and grad is not None:
-                    d_consts[position] = d_consts[position] + grad
+            d_consts = _add_const_grads(d_consts, positions, g_consts)
             return (jax.lax.dynamic_update_slice_in_dim(d_q, g_q, group * q_heads, axis=2),
                     jax.lax.dynamic_update_slice_in_dim(d_k, g_k, group * kv_heads, axis=2),
                     jax.lax.dynamic_update_slice_in_dim(d_v, g_v, group * kv_heads, axis=2),
@@ -579,7 +584,7 @@ def _ring_bwd(config, residuals, cotangents):
         grads = sharding.vary(grads, sharding.varying_axes(
             q, k, v, out, lse, d_out, d_lse, score_program, mask_program))
         d_q, d_k, d_v, d_consts = _over_head_groups(
-            q, k, config, mask_program, (mask_program, score_program), run_group, grads)
+            q, k, config, (mask_program, score_program), run_group, grads)
     d_mask = jax.tree.map(_zero_cotangent, mask_program)
     d_score = None
     if score_program is not None:

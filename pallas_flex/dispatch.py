@@ -74,7 +74,8 @@ def mask_for_kernels(program, batch: int, heads: int, q_len: int, kv_len: int):
     gather, which sends the call to the Triton kernels), the same mask reading vectors
     precomputed over the call's rows and columns (`masks.row_reads`), if the Mosaic GPU
     kernels take that."""
-    if program is None or mosaic_eligibility.mod_unsupported_reason(program) is None:
+    if (program is None or not program.consts  # no captured array: nothing to read
+            or mosaic_eligibility.mod_unsupported_reason(program) is None):
         return program
     rewritten = precompute_row_reads(program, batch, heads, q_len, kv_len)
     if rewritten is program or mosaic_eligibility.mod_unsupported_reason(rewritten):
