@@ -45,9 +45,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, PAGE_ROWS_MULTIPLE, hand_over_early, tile_reads)
+    BLOCK, PAGE_ROWS_MULTIPLE, exp2_fma_share, hand_over_early, tile_reads)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
@@ -135,6 +135,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
     early_hand_over = hand_over_early(head_dim, score_program)
+    exp2_share = exp2_fma_share(head_dim, score_program)
     first_item = lax.axis_index("programs") * items_per_program
     num_local_items = jnp.minimum(items_per_program, num_items - first_item)
     last_listed = full_indices_ref.shape[-1] - 1
@@ -308,7 +309,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
             if fixed_max is not None:  # a bounded score_mod: no max, no rescaling
                 new_max = running_max
-                p = jnp.exp2(logits * logit_scale - fixed_max)
+                p = fma_exp2.exp2(logits * logit_scale - fixed_max, exp2_share,
+                                  interpret=interpret)
                 running_sum = running_sum + p.sum(axis=1)
             else:
                 new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
@@ -317,7 +319,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 # exp2(-inf - -inf) = NaN.
                 safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
                 correction = jnp.exp2(running_max - safe_max)
-                p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
+                p = fma_exp2.exp2(
+                    logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]),
+                    exp2_share, interpret=interpret)
                 accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape,
                                                                  [0])
                 running_sum = running_sum * correction + p.sum(axis=1)

@@ -76,6 +76,27 @@ def hand_over_early(head_dim, score_program):
                                          & _TRANSCENDENTAL)
 
 
+def exp2_fma_share(head_dim, score_program):
+    """(a, b): a of every b registers of the forward's softmax tile compute exp2 on the FMA
+    units (`fma_exp2`), or None: all on the transcendental unit.
+
+    Only where that unit sets the pace: head dim 64 with a score_mod that has a
+    transcendental of its own (a soft-cap's tanh). Measured on the H100 (AOT-compiled
+    variants, paired rounds; ms, bf16, all on MUFU / 1 of 4 / 3 of 8 / 1 of 2 / 5 of 8 on
+    the FMA units): B8 H16 S2048 D64 causal + soft-cap 30 0.260 / 0.240 / 0.243 / 0.238 /
+    0.236 (causal alone 0.200: 1.30x -> 1.18x). Everywhere else the extra instructions
+    cost more than the unit's time they free: D64 noop 0.334 / 0.366 / 0.393 / 0.398 /
+    0.428, causal 0.200 / 0.218 / 0.219 / 0.232 / 0.244; B4 S4096 D128 causal 0.504 /
+    0.519 / 0.543 / 0.559 / 0.581, soft-cap 0.537 / 0.571 / 0.577 / 0.578 / 0.580; B1
+    S16384 D128 soft-cap 1.926 / 2.066 / 2.095 / 2.057 / 2.190.
+    """
+    if head_dim > 64 or score_program is None:
+        return None
+    if not set(_primitives(score_program.jaxpr)) & _TRANSCENDENTAL:
+        return None
+    return (5, 8)
+
+
 def contiguous_reads(program):
     """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
     indices independent of both: {id(dynamic_slice equation): (captured position, axis,

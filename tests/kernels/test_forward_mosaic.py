@@ -703,3 +703,48 @@ def test_reads_at_relative_positions(case, backend):
     expected_out, expected_lse = golden(q, k, v, mask_mod, score_mod)
     assert_close_to_golden(out, expected_out, q, k, v, mask_mod, score_mod)
     np.testing.assert_allclose(np.asarray(lse), expected_lse, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_soft_cap_at_head_dim_64_with_exp2_on_the_fma_units(dtype, backend):
+    """At head dim 64 a soft-cap's exponentials run 5 of 8 registers on the FMA units
+    (`fma_exp2`; interpret mode runs the polynomial on every score): float16 takes the
+    running max, bfloat16 the fixed shift. Rows that see no key are zeros with lse -inf, a
+    ragged length masks the key tail; the output is within the 16-bit tolerance of the
+    float64 golden and the lse within 2e-4 of it. On the GPU the kernel with every
+    exponential on the transcendental unit gives the same output within a 16-bit ulp."""
+    length = 130 if backend == "interpret" else 1000
+    q, k, v = random_qkv(13, 2, length, length, 4, 2, 64, 64, dtype)
+    q = q * 3
+    score_mod = masks.tanh_softcap(30.0)
+    program = make_mod_program(score_mod, SCORE)
+    assert mosaic_eligibility.exp2_fma_share(64, program) is not None
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 3) & (kv_idx <= q_idx)
+
+    def run():
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                            return_lse=True, kernel_options=MOSAIC)
+    out, lse = run()
+    expected, expected_lse = golden(q, k, v, mask_mod, score_mod)
+    assert_close_to_golden(out, expected, q, k, v, mask_mod, score_mod)
+    assert np.all(np.asarray(out[:, :3], np.float32) == 0.0)
+    assert np.all(np.isneginf(np.asarray(lse)[:, :, :3]))
+    np.testing.assert_allclose(np.asarray(lse)[:, :, 3:], np.asarray(expected_lse)[:, :, 3:],
+                               rtol=1e-5, atol=2e-4)
+    if backend == "pallas":
+        from pallas_flex.kernels import forward_mosaic
+        original = forward_mosaic.exp2_fma_share
+        try:
+            forward_mosaic.exp2_fma_share = lambda head_dim, score_program: None
+            jax.clear_caches()
+            transcendental, _ = run()
+        finally:
+            forward_mosaic.exp2_fma_share = original
+            jax.clear_caches()
+        ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -10
+        np.testing.assert_allclose(np.asarray(out, np.float32),
+                                   np.asarray(transcendental, np.float32),
+                                   atol=ulp * float(np.max(np.abs(np.asarray(v, np.float32)))))
