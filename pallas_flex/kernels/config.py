@@ -136,6 +136,15 @@ class KernelOptions:
 # Hopper (sm_90) defaults by padded head dim, measured on the H100 (see
 # f908cd9:benchmarks/results/*tuning*.json). Larger head dims need smaller tiles to fit registers.
 _HOPPER_FORWARD = {
+    # D 32 (issue 21's Evoformer row attention, B256 (R256 folded) H8 S256): D 64's forward
+    # (128x64 tiles 0.198 ms, 64x128 0.226, 64x64 at 2 stages 0.188 against 0.186), its
+    # backward on 64x64 tiles with 4 warps for dQ and dK/dV: forward+backward 0.971 ->
+    # 0.821 ms with the pair bias and its gradient, 0.526 -> 0.414 plain (8 warps 0.819,
+    # dK/dV on 64x128 0.872, 2 stages 0.818; H100, paired rounds).
+    32: KernelOptions(block_q=64, block_kv=64, num_warps=4, num_stages=3,
+                      backward_block_q=64, backward_block_kv=64, backward_dkdv_block_q=64,
+                      backward_dkdv_block_kv=64, backward_num_warps=4,
+                      backward_masked_first=False),
     # D 64 (B8 H16 S2048): 64x64 forward tiles 0.420/0.254 ms noop/causal against
     # 0.446/0.268 for 128x64 (f908cd9:benchmarks/results/2026-11-22-h100-d64-tuning.json).
     # Backward: dQ programs on 128x128 tiles, dK/dV programs on 128 keys x 64 queries
@@ -195,6 +204,7 @@ TRITON_BACKWARD_FIELDS = frozenset({
 # tiles (f908cd9:benchmarks/results/2026-11-24-h100-compile-times.json). Shared-memory
 # fitting (kernels/shared_memory.py) still applies on top.
 _HOPPER_FLOAT32_CHANGES = {
+    32: dict(decode_block_kv=32),
     64: dict(decode_block_kv=32),
     128: dict(num_warps=8, decode_block_kv=32),
     256: dict(backward_block_q=16, backward_block_kv=16, backward_dkdv_block_q=16,
