@@ -22,6 +22,18 @@ def test_float32_decode_takes_32_row_tiles_as_a_default_not_a_setting(head_dim):
     assert resolve_options(None, head_dim, jnp.bfloat16).decode_block_kv == 0
 
 
+@pytest.mark.parametrize("head_dim,backward_tiles", [
+    (16, (64, 64, 64, 64, 4)), (32, (64, 64, 64, 64, 4)), (48, (128, 128, 64, 128, 8)),
+    (64, (128, 128, 64, 128, 8))])
+def test_head_dims_up_to_32_take_64_by_64_backward_tiles(head_dim, backward_tiles):
+    """dQ and dK/dV tiles (q, kv, dkdv q, dkdv kv, warps) by head dim: 64x64 with 4 warps
+    up to D 32 (the Evoformer's D 32 measured 15-21 % faster), D 64's above."""
+    options = resolve_options(None, head_dim)
+    assert (options.backward_block_q, options.backward_block_kv, options.backward_dkdv_block_q,
+            options.backward_dkdv_block_kv, options.backward_num_warps) == backward_tiles
+    assert (options.block_q, options.block_kv) == (64, 64)
+
+
 def test_head_dims_above_128_take_smaller_float32_backward_tiles():
     sixteen_bit, float32 = default_forward_options(256), default_forward_options(256, jnp.float32)
     assert (float32.backward_block_q, float32.backward_block_kv, float32.backward_dkdv_block_q,

@@ -130,7 +130,7 @@ def _backward_estimate(options, dtype, head_dim, reads=ModReads()):
 
 
 def test_hopper_defaults_fit_unchanged_in_16_bit():
-    for head_dim in (64, 128, 256):
+    for head_dim in (32, 64, 128, 256):
         options = resolve_options(None, head_dim)
         fitted = shared_memory.fit(options, lambda o: _backward_estimate(
             o, jnp.bfloat16, head_dim), 227 * KIB, kernel="backward")
