@@ -80,6 +80,10 @@ def test_a_table_gives_values_ratios_statuses_and_failures():
     assert "| b4_s4096_d128 alibi | 4 | – | 2 | – | 0.5× | 0.5 |" in lines
     assert "| b4_s4096_d128 softcap | 1 | unsupported | 1 | – | 1× | 2 |" in lines
     assert "- b4_s4096_d128 softcap, cudnn: boom" in lines
+    stale = _row("noop", 1.0, 1.0, 1.0)
+    stale["stale"] = "measured before the kernel changed"
+    assert ("- b4_s4096_d128 noop: stale: measured before the kernel changed"
+            in report.table(_result([stale])))
 
 
 def test_a_quantized_table_gives_each_columns_tb_per_s_and_accuracy():

@@ -95,6 +95,9 @@ def table(result: dict) -> list[str]:
         notes += [f"- {row['case']}, {c}: {row[c]['reason'][:200]}" for c in columns
                   if isinstance(row.get(c), dict) and row[c].get("status") in
                   ("error", "unsupported", "timeout")]
+        # A row the code has since moved away from keeps its figures until re-measured,
+        # with a "stale" note saying what changed.
+        notes += [f"- {row['case']}: stale: {row['stale']}"] if row.get("stale") else []
     accepted = [f"- {row['case']}: {row['acceptance']['criterion']}: "
                 f"{row['acceptance']['value']:.3g} "
                 f"({'met' if row['acceptance']['met'] else 'NOT met'})"
