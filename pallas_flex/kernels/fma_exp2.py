@@ -60,7 +60,7 @@ def _on_registers(x, share: tuple[int, int]):
     polynomial, the others by `ex2.approx.ftz.f32`."""
     import jax.experimental.mosaic.gpu as mgpu
     from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, math as mlir_math, vector
+    from jaxlib.mlir.dialects import arith, math as mlir_math
 
     on_fma, period = share
     f32, i32 = ir.F32Type.get(), ir.IntegerType.get_signless(32)
@@ -95,19 +95,8 @@ def _on_registers(x, share: tuple[int, int]):
                           arith.shli(arith.bitcast(int_kind, t), splat(23, kind, i32)))
         return arith.bitcast(kind, bits)
 
-    def transcendental(register):
-        kind = register.type
-        if isinstance(kind, ir.VectorType):
-            result = llvm.mlir_undef(kind)
-            for i in range(ir.VectorType(kind).shape[0]):
-                position = ir.DenseI64ArrayAttr.get([i])
-                element = vector.extract(register, dynamic_position=[],
-                                         static_position=position)
-                element = transcendental(element)
-                result = vector.insert(element, result, dynamic_position=[],
-                                       static_position=position)
-            return result
-        return llvm.inline_asm(f32, [register], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+    # What `jnp.exp2` lowers to under approx_math, per register.
+    transcendental = mgpu.FragmentedArray._lift_fast_instr("ex2.approx.ftz.f32")
 
     registers = np.empty_like(x.registers)
     for number, (index, register) in enumerate(np.ndenumerate(x.registers)):

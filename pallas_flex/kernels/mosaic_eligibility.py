@@ -72,8 +72,12 @@ def hand_over_early(head_dim, score_program):
     """
     if head_dim != 128:
         return score_program is not None
-    return score_program is None or not (set(_primitives(score_program.jaxpr))
-                                         & _TRANSCENDENTAL)
+    return not _has_transcendental(score_program)
+
+
+def _has_transcendental(score_program) -> bool:
+    return score_program is not None and bool(
+        set(_primitives(score_program.jaxpr)) & _TRANSCENDENTAL)
 
 
 def exp2_fma_share(head_dim, score_program):
@@ -90,11 +94,7 @@ def exp2_fma_share(head_dim, score_program):
     0.519 / 0.543 / 0.559 / 0.581, soft-cap 0.537 / 0.571 / 0.577 / 0.578 / 0.580; B1
     S16384 D128 soft-cap 1.926 / 2.066 / 2.095 / 2.057 / 2.190.
     """
-    if head_dim > 64 or score_program is None:
-        return None
-    if not set(_primitives(score_program.jaxpr)) & _TRANSCENDENTAL:
-        return None
-    return (5, 8)
+    return (5, 8) if head_dim <= 64 and _has_transcendental(score_program) else None
 
 
 def contiguous_reads(program):
