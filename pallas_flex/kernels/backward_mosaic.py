@@ -59,7 +59,9 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.forward_mosaic import tile_transforms
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
-from pallas_flex.kernels.mosaic_eligibility import BLOCK, tile_reads
+from pallas_flex.kernels.mosaic_eligibility import BLOCK, relative_positions, tile_reads
+from pallas_flex.kernels.padding import pad_axis
+from pallas_flex.kernels.relative_reads import entry_count, entry_tables
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector,
@@ -111,10 +113,20 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
-                 broadcast_heads, mask_reads, score_reads, masked_first, interpret):
-    mask_refs, score_refs, (dk_ref, dv_ref, scratch) = split_tile_refs(
+                 broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
+                 interpret):
+    """relative_entries: per captured array read at indices of kv_idx - q_idx whose
+    gradient is wanted (the score program's read derivatives g, in order), how many
+    entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
+    (`_accumulate_runs`) and written per query head to its run_sums_ref
+    [B, Hq, 2 num_kv_blocks, entries, 64]. delta_ref then holds each row's exact delta
+    (`_exact_delta`)."""
+    mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
-    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem), barriers = scratch
+    sites = len(relative_entries)
+    entry_refs, (dk_ref, dv_ref), rest = rest[:3 * sites], rest[3 * sites:][:2], rest[3 * sites + 2:]
+    run_sums_refs, (scratch,) = rest[:sites], rest[sites:]
+    (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
     dtype = q_ref.dtype
@@ -127,9 +139,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     if masked_first:
         walks.reverse()
 
-    def walk(visit, carry):
+    def walk(visit, carry, after_member=None):
         """visit(step, head, q_start, masked, carry) on every 64-row query tile of the
-        key block's column, for each query head of the group; step counts them all."""
+        key block's column, for each query head of the group; step counts them all;
+        after_member(head) after each head's tiles."""
         def member_walk(member, state):
             head = kv_head * group + member
             table = (table_batch, 0 if broadcast_heads else head, kv_block)
@@ -141,6 +154,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                + lax.rem(tile_number, TILES_PER_BLOCK) * Q_TILE)
                     return step + 1, visit(step, head, q_start, masked, carry)
                 state = lax.fori_loop(0, num_ref[table] * TILES_PER_BLOCK, visit_tile, state)
+            if after_member is not None:
+                after_member(head)
             return state
         if group == 1:
             return member_walk(0, (jnp.int32(0), carry))
@@ -193,7 +208,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             if needs_q_idx[masked]:
                 q_idx = index_vector(q_start, Q_TILE, 1,
                                      below=q_len if q_len % BLOCK else None)
-            logits, score_derivative, query_term, _ = _scores_to_logits(
+            logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
                 kv_idx=kv_idx, q_start=q_start, **mods)
@@ -212,8 +227,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             d_scores_t = probabilities_t * (d_probabilities_t
                                             - lax.broadcast_in_dim(delta, tile, [1]))
             if score_derivative is not None:
-                d_scores_t = d_scores_t * score_derivative
-            issue(d_k, d_scores_t.astype(dtype), q_tile, interpret=interpret)
+                d_scores_t_weighted = d_scores_t * score_derivative
+            else:
+                d_scores_t_weighted = d_scores_t
+            issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
+            # While dK's wgmma runs.
+            for site, derivative in enumerate(read_derivatives):
+                _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
+                                 entry_refs[3 * site:3 * site + 3], batch=batch, head=head,
+                                 q_start=q_start, kv_start=kv_start, tile=tile,
+                                 interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
             # at the end of `with_accumulators` waits for every wgmma of the step.
             result(d_k, in_flight_after=0, interpret=interpret)
@@ -222,7 +245,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
-        _, (d_k, d_v) = walk(visit, list(carry))
+        for site in range(sites):
+            _clear(entry_smem[site].at[warpgroup])
+
+        def flush(head):
+            """The head's entry sums to its slot of run_sums_ref; the rows zeroed."""
+            plgpu.commit_smem()
+            for site in range(sites):
+                plgpu.copy_smem_to_gmem(
+                    entry_smem[site].at[warpgroup],
+                    run_sums_refs[site].at[batch, head, kv_block * COMPUTE_WARPGROUPS + warpgroup],
+                    commit_group=False)
+            plgpu.commit_smem_to_gmem_group()
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            for site in range(sites):
+                _clear(entry_smem[site].at[warpgroup])
+
+        _, (d_k, d_v) = walk(visit, list(carry), flush if sites else None)
         k_smem[...] = (d_k * scale).astype(dtype)
         v_smem[...] = d_v.astype(dtype)
         plgpu.commit_smem()
@@ -255,6 +294,58 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         _drain((consumed,), num_steps, num_stages)
 
 
+def _clear(rows_ref):
+    """Zeros [n, 64] float32 rows of shared memory, one row vector at a time."""
+    zeros = plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
+                              vector_layout(0))
+
+    def clear_row(row, carry):
+        rows_ref.at[row][...] = zeros
+        return carry
+
+    lax.fori_loop(0, rows_ref.shape[0], clear_row, 0)
+
+
+def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q_start,
+                     kv_start, tile, interpret):
+    """sums_ref[e] [64 keys] += sum over the tile's queries of dS' g where kv_idx - q_idx
+    lies in a run of entry e (g: the read's derivative, as `_scores_to_logits` returns
+    it), from the tile's block diagonal's runs by entry (`relative_reads.entry_tables`:
+    counts, starts, entries). A dK/dV tile has keys on the rows.
+
+    Suffix sums: the tile's row sum, then for each later run r the sum over the elements
+    at or past its start (one compare, select and add per element and run, as
+    `mosaic_tiles.relative_read_tile` reads the values); run r - 1 gets the difference of
+    two consecutive suffixes. A block diagonal past the table's last bucket has one run:
+    its tiles cost a row sum."""
+    counts_ref, starts_ref, entries_ref = tables
+    varying, per_row = split_rows(derivative, tile, q_axis=1)
+    if varying is None and per_row is None:
+        return  # the read does not change the score
+    weighted = d_scores_t if varying is None else d_scores_t * varying
+    if per_row is not None and constant_value(per_row) != 1.0:
+        weighted = weighted * (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
+                               else per_row)
+    blocks = (counts_ref.shape[2] + 1) // 2
+    row = (0 if counts_ref.shape[0] == 1 else batch, head,
+           lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
+    queries = index_vector(q_start, tile[1], 1)
+    keys = to_tile(index_vector(kv_start, tile[0], 0), tile)
+
+    def add(entry, sums):
+        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
+
+    def suffix(run, previous):
+        threshold = to_tile(Vector(queries.value + starts_ref[row + (run,)], 1), tile)
+        current = jnp.where(keys >= threshold, weighted, 0.0).sum(axis=1)
+        add(entries_ref[row + (run - 1,)], previous - current)
+        return current
+
+    count = counts_ref[row]
+    last = lax.fori_loop(1, count, suffix, weighted.sum(axis=1))
+    add(entries_ref[row + (count - 1,)], last)
+
+
 def _drain(consumed, num_steps, num_stages):
     """Waits for the last `num_stages` steps' releases, so that every phase of the release
     barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware only
@@ -269,11 +360,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               gradient_sites, interpret):
-    """gradient_sites: how many captured arrays' gradients the program accumulates (the
-    score program's read derivatives g): per query row, sums over the row's keys
-    written to rows_ref [2 + 2 sites, B, Hq, S] (`_accumulate_rows`,
-    `_captured_gradients`)."""
+               row_count, interpret):
+    """row_count: 0, or 2 + 2 n for the n captured arrays read at indices of b and h
+    whose gradients the program accumulates (the score program's read derivatives g):
+    per query row, sums over the row's keys written to rows_ref [row_count, B, Hq, S]
+    (`_accumulate_rows`, `_captured_gradients`, `_exact_delta`)."""
     mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
@@ -389,7 +480,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         row_sums = tuple(
             plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
                               vector_layout(0))
-            for _ in range(2 + 2 * gradient_sites if gradient_sites else 0))
+            for _ in range(row_count))
         carry = (d_q, *row_sums)
         carry = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first),
                               carry)
@@ -513,8 +604,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
-    of b and h only: `mosaic_eligibility.captured_gradient_unsupported_reason`), else
-    None."""
+    of b and h only, or of kv_idx - q_idx:
+    `mosaic_eligibility.captured_gradient_unsupported_reason`), else None."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale, pad_head_dims=False)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -522,19 +613,56 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
               block_mask.full_q_num_blocks, block_mask.full_q_indices,
               block_mask.q_num_blocks, block_mask.q_indices)
     gradient_positions = tuple(gradient_positions)
+    relative = relative_positions(score_program, gradient_positions)
+    pair_positions = tuple(p for p in gradient_positions if p not in relative)
+    padded_q_len, padded_kv_len = launch.q.shape[1], launch.k.shape[1]
+    entries = [entry_tables(score_program, tile_reads(score_program), position,
+                            q.shape[0], q.shape[2], padded_q_len, padded_kv_len)
+               for position in relative]
+    padded_d_lse = (None if d_lse is None or not relative
+                    else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     run = _vmappable(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
-        masked_first=masked_first, gradient_positions=gradient_positions))
-    d_q, d_k, d_v, *rows = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
-                               launch.delta, tuple(t.astype(jnp.int32) for t in tables),
+        masked_first=masked_first, pair_positions=pair_positions,
+        relative_positions=relative))
+    d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
+                               launch.delta, padded_d_lse,
+                               tuple(t.astype(jnp.int32) for t in tables),
+                               tuple(tables for tables, _ in entries),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
-    if gradient_positions:
-        for position, grad in zip(gradient_positions, _captured_gradients(
-                rows[0], launch.delta, d_lse, score_program, gradient_positions,
-                q.shape[1])):
+    if pair_positions:
+        for position, grad in zip(pair_positions, _captured_gradients(
+                sums[0], launch.delta, d_lse, score_program, pair_positions, q.shape[1])):
             const_grads[position] = grad
+    for position, run_sums, (_, flat) in zip(relative, sums[len(sums) - len(relative):],
+                                            entries):
+        const_grads[position] = _relative_gradient(run_sums, flat, score_program.consts[position],
+                                                   k.shape[1])
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
+
+
+def _relative_gradient(run_sums, flat, const, kv_len):
+    """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
+    kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]):
+    summed over the keys (padded ones left out), then into the array's entries by
+    `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`)."""
+    batch, heads, slots, count, rows = run_sums.shape
+    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, count, slots * rows)
+    per_entry = jnp.sum(per_key[..., :kv_len], axis=-1)
+    flat = jnp.broadcast_to(flat, per_entry.shape)
+    gradient = fixed_order_scatter_sum(flat.reshape(-1), per_entry.reshape(-1),
+                                       jnp.size(const))
+    return gradient.reshape(jnp.shape(const)).astype(const.dtype)
+
+
+def _exact_delta(rows, delta, d_lse):
+    """Each row's delta* = sum P dP - dlse from the dQ kernel's row sums D = sum dS' and
+    E = sum P (`_accumulate_rows`): sum P dP = D + delta E. The kernels' delta takes
+    rowsum(dO * out) from the output rounded to 16 bits; a table's gradient sums dS over
+    many rows, each of which would keep its rounding error (see `_captured_gradients`)."""
+    exact = rows[0] + delta * rows[1]
+    return exact if d_lse is None else exact - d_lse
 
 
 def _vmappable(launch):
@@ -549,35 +677,38 @@ def _vmappable(launch):
     return run
 
 
-def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program, *, q_len,
-            kv_len, scale, interpret, masked_first, gradient_positions):
+def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
+            score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
+            relative_positions):
     """The two kernels on block-padded operands (`backward.prepare_operands`): (dq, dk,
-    dv), and the dQ kernel's row sums for captured-array gradients where
-    `gradient_positions` name any."""
+    dv), then the dQ kernel's row sums where any gradient of a captured array is wanted,
+    then per array at `relative_positions` the dK/dV kernel's sums per entry (its
+    `entry_tables_`). d_lse: padded, or None (zero or no relative positions)."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
     group = q_heads // kv_heads
-    dq_program = None
+    wants_gradients = bool(pair_positions or relative_positions)
+    dq_program = dkv_program = None
     if score_program is not None:
-        # The dQ kernel also differentiates the values read from the arrays whose
-        # gradients are wanted; the dK/dV kernel needs d score_mod / d score only.
-        dq_program = (with_read_derivatives(score_program, gradient_positions)
-                      if gradient_positions else with_score_derivative(score_program))
-        score_program = with_score_derivative(score_program)
-    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
-    dq_reads = tile_reads(dq_program)
+        # The dQ kernel also differentiates the values read at indices of b and h from
+        # the arrays whose gradients are wanted, the dK/dV kernel those read at indices
+        # of kv_idx - q_idx; else d score_mod / d score only.
+        dq_program = (with_read_derivatives(score_program, pair_positions)
+                      if pair_positions else with_score_derivative(score_program))
+        dkv_program = (with_read_derivatives(score_program, relative_positions)
+                       if relative_positions else with_score_derivative(score_program))
+    mask_reads = tile_reads(mask_program)
+    dq_reads, dkv_reads = tile_reads(dq_program), tile_reads(dkv_program)
 
     def captured_for(program, reads):
         return tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
                            heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
     kv_tables, q_tables = tables[:4], tables[4:]
-    settings = dict(mask_program=mask_program, score_program=score_program, scale=scale,
-                    group=group, q_len=q_len, kv_len=kv_len,
-                    broadcast_batch=tables[0].shape[0] == 1,
+    settings = dict(mask_program=mask_program, scale=scale, group=group, q_len=q_len,
+                    kv_len=kv_len, broadcast_batch=tables[0].shape[0] == 1,
                     broadcast_heads=tables[0].shape[1] == 1, mask_reads=mask_reads,
-                    score_reads=score_reads, masked_first=masked_first, interpret=interpret)
-    operands = (q, k, v, d_out, lse_log2, delta)
+                    masked_first=masked_first, interpret=interpret)
 
     def smem(shape, dtype=q.dtype):
         return plgpu.SMEM(shape, dtype, transforms=tile_transforms(head_dim))
@@ -585,7 +716,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def call(kernel, kernel_tables, captured, out_type, grid, scratch, num_smem):
+    def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem):
         def entry(*refs):
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
@@ -599,32 +730,16 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
             interpret=plgpu.InterpretGPUParams() if interpret else None,
         )(*operands, *kernel_tables, *captured)
 
-    dkv_stages = _DKV_STAGES[head_dim]
-    dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, **settings)
-    d_k, d_v = call(
-        dkv, q_tables, captured_for(score_program, score_reads),
-        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-        {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
-         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
-         smem((dkv_stages, Q_TILE, head_dim)), smem((dkv_stages, Q_TILE, value_dim)),
-         vectors(dkv_stages, Q_TILE), vectors(dkv_stages, Q_TILE),
-         plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
-         plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dkv_stages)),
-        num_smem=6)
-
     dq_stages = _DQ_STAGES[head_dim]
-    row_count = 2 + 2 * len(gradient_positions) if gradient_positions else 0
+    row_count = 2 + 2 * len(pair_positions) if wants_gradients else 0
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
-                           **{**settings, "score_program": dq_program,
-                              "score_reads": dq_reads},
-                           gradient_sites=len(gradient_positions))
+                           score_program=dq_program, score_reads=dq_reads,
+                           row_count=row_count, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
     rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
     d_q, *rows = call(
-        dq, kv_tables, captured_for(dq_program, dq_reads),
+        dq, (q, k, v, d_out, lse_log2, delta), kv_tables, captured_for(dq_program, dq_reads),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
@@ -638,4 +753,34 @@ def _launch(q, k, v, d_out, lse_log2, delta, tables, mask_program, score_program
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
         num_smem=6 + len(rows_smem))
-    return (d_q, d_k, d_v, *rows)
+
+    relative_entries = tuple(entry_count(score_program, position)
+                             for position in relative_positions)
+    if relative_positions:
+        delta = _exact_delta(rows[0], delta, d_lse)
+    dkv_stages = _DKV_STAGES[head_dim]
+    dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
+                            score_reads=dkv_reads, relative_entries=relative_entries,
+                            **settings)
+    run_sums_type = tuple(
+        jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, entries,
+                              ROWS_PER_WARPGROUP), jnp.float32)
+        for entries in relative_entries)
+    entry_smem = tuple(vectors(COMPUTE_WARPGROUPS, entries, ROWS_PER_WARPGROUP)
+                       for entries in relative_entries)
+    d_k, d_v, *run_sums = call(
+        dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
+        (*captured_for(dkv_program, dkv_reads),
+         *[table.astype(jnp.int32) for tables in entry_tables_ for table in tables]),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+         *run_sums_type),
+        {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
+        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
+         smem((dkv_stages, Q_TILE, head_dim)), smem((dkv_stages, Q_TILE, value_dim)),
+         vectors(dkv_stages, Q_TILE), vectors(dkv_stages, Q_TILE), *entry_smem,
+         plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
+         plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
+         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dkv_stages)),
+        num_smem=6 + len(entry_smem))
+    return (d_q, d_k, d_v, *rows, *run_sums)

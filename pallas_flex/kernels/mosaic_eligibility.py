@@ -12,7 +12,8 @@ from jax.extend import core as jex_core
 from pallas_flex.kernels import device
 # BLOCK (128): the kernels' BlockMask block on both axes, defined beside the relative
 # reads' tables, which are built per block diagonal.
-from pallas_flex.kernels.relative_reads import BLOCK, relative_reads
+from pallas_flex.kernels.relative_reads import (
+    BLOCK, entry_count, relative_reads, varying_axes)
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_positions, captured_read_sites,
@@ -26,6 +27,10 @@ PAGED_HEAD_DIMS = (64, 128)
 # The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
 # by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
 GRADIENT_TABLE_ENTRIES = 1 << 16
+# A T5 table's gradient is summed per (b, h) pair into one shared-memory row of 64 keys
+# per entry it reaches (`backward_mosaic._accumulate_runs`): 64 entries take 32 KiB of
+# the dK/dV kernel's shared memory.
+RELATIVE_GRADIENT_ENTRIES = 64
 # Pages must hold a multiple of this many rows (one TMA copy per page and tile).
 PAGE_ROWS_MULTIPLE = 8
 
@@ -180,26 +185,42 @@ def differentiated_positions(score_program, wanted) -> tuple:
         if flag and jnp.issubdtype(jnp.result_type(const), jnp.floating))
 
 
+def relative_positions(score_program, positions) -> tuple:
+    """Those of `positions` whose array the score_mod reads at indices of kv_idx - q_idx
+    (`relative_reads`: T5 buckets); the others it reads at indices of b and h only."""
+    if not positions:
+        return ()
+    relative = varying_axes(score_program)
+    return tuple(position for position in positions if position in relative)
+
+
 def captured_gradient_unsupported_reason(score_program, positions) -> str | None:
     """None if the Mosaic GPU backward computes the gradients of the captured arrays at
     `positions` (`differentiated_positions`), else why not. It takes arrays the mod
     reads once, at indices of b and h only (learnable ALiBi slopes, a per-head bias or
-    temperature), of at most GRADIENT_TABLE_ENTRIES entries; the Triton backward sums
-    the others (reads per element: T5 and relative tables, a pair bias)."""
+    temperature) or at indices of kv_idx - q_idx (a T5 table: `relative_reads`) reaching
+    at most RELATIVE_GRADIENT_ENTRIES entries a (b, h) pair (all such arrays together), of at most
+    GRADIENT_TABLE_ENTRIES entries; the Triton backward sums the others (reads per
+    element at other indices: a pair bias, q_idx or kv_idx alone)."""
     if not positions:
         return None
     read_positions = captured_read_positions(score_program)
     varying = captured_read_varying_axes(score_program)
+    relative = relative_positions(score_program, positions)
     for position in positions:
         sites = [site for site, read in enumerate(read_positions) if read == position]
         what = f"score_mod {score_program.name!r} captured array #{position}"
         if len(sites) != 1:
             return f"gradients of {what}, read {len(sites)} times (it takes one read)"
-        if any(varying[sites[0]]):
+        if position not in relative and any(varying[sites[0]]):
             return (f"gradients of {what}, read at indices computed from q_idx or kv_idx "
-                    "(the Triton backward sums those)")
+                    "other than through kv_idx - q_idx (the Triton backward sums those)")
         if jnp.size(score_program.consts[position]) > GRADIENT_TABLE_ENTRIES:
             return (f"gradients of {what}, of more than {GRADIENT_TABLE_ENTRIES} entries")
+    entries = sum(entry_count(score_program, position) for position in relative)
+    if entries > RELATIVE_GRADIENT_ENTRIES:
+        return (f"gradients of arrays read at {entries} entries of kv_idx - q_idx a (b, h) "
+                f"pair (it takes {RELATIVE_GRADIENT_ENTRIES})")
     try:
         program = with_read_derivatives(score_program, positions)
     except ValueError as error:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex_core
 
 from pallas_flex.kernels.tile_mods import CapturedRef, evaluate_jaxpr_on_tiles
@@ -94,6 +95,20 @@ def relative_reads(program) -> dict:
     through kv_idx - q_idx (some of them on it, the others on b, h and constants), at the
     top level of its jaxpr: {id(dynamic_slice equation): RelativeRead}. Tables of other
     dtypes than TABLE_DTYPES are left out (they stay gathers)."""
+    return {key: RelativeRead(position, tuple(range(len(varying))))
+            for key, (position, varying) in _relative_sites(program).items()}
+
+
+def varying_axes(program) -> dict:
+    """{captured position: the axes of the array whose index depends on kv_idx - q_idx}
+    for each array `relative_reads` finds (T5's `table[h, bucket]`: (1,))."""
+    return {position: tuple(axis for axis, varies in enumerate(varying) if varies)
+            for position, varying in _relative_sites(program).values()}
+
+
+def _relative_sites(program) -> dict:
+    """{id(dynamic_slice equation): (captured position, per index: whether it depends on
+    kv_idx - q_idx)} of the reads `relative_reads` describes."""
     if program is None:
         return {}
     jaxpr = program.jaxpr
@@ -106,7 +121,7 @@ def relative_reads(program) -> dict:
     def tag_of(atom):
         return tags.get(atom) if isinstance(atom, jex_core.Var) else None
 
-    reads = {}
+    sites = {}
     for equation in jaxpr.eqns:
         name, inputs = equation.primitive.name, equation.invars
         input_tags = [tag_of(atom) for atom in inputs]
@@ -119,8 +134,8 @@ def relative_reads(program) -> dict:
                     and all(size == 1 for size in equation.params["slice_sizes"])
                     and any(jnp.dtype(const.dtype) == jnp.dtype(dtype)
                             for dtype in TABLE_DTYPES)):
-                reads[id(equation)] = RelativeRead(positions[inputs[0]],
-                                                   tuple(range(len(index_tags))))
+                sites[id(equation)] = (positions[inputs[0]],
+                                       tuple(tag is not None for tag in index_tags))
             output = _DIFFERENCE if all(_is_difference(t) for t in index_tags) else _OTHER
         elif name in CALL_JAXPR_PARAMS:
             output = _DIFFERENCE if all(_is_difference(t) for t in input_tags) else _OTHER
@@ -130,7 +145,7 @@ def relative_reads(program) -> dict:
             output = _combine(name, equation, input_tags)
         for var in equation.outvars:
             tags[var] = output
-    return reads
+    return sites
 
 
 def relative_tables(program, reads, batch: int, heads: int, q_length: int,
@@ -146,38 +161,93 @@ def relative_tables(program, reads, batch: int, heads: int, q_length: int,
     numbers = numbered(reads)
     if not numbers:
         return []
-    blocks = max(q_length, kv_length) // BLOCK
+    differences, window = _windows(q_length, kv_length)
     table_batch = batch if program.uses_batch else 1
-    # Every diagonal a block pair of the padded lengths spans.
-    first = -(blocks * BLOCK - 1)
-    differences = jnp.arange(first, blocks * BLOCK, dtype=jnp.int32)
-    values = _values_per_difference(program, numbers, table_batch, heads, differences)
-    diagonals = jnp.arange(2 * blocks - 1, dtype=jnp.int32) - (blocks - 1)
-    # Window of block diagonal delta: differences delta * BLOCK - (BLOCK - 1) onwards.
-    window_starts = diagonals * BLOCK - (BLOCK - 1) - first
-    window = window_starts[:, None] + jnp.arange(WINDOW, dtype=jnp.int32)[None, :]
+    values, _ = _per_difference(program, numbers, table_batch, heads, differences)
     tables = []
     for number in range(len(numbers)):
-        per_window = values[number][:, :, window]  # [Bm, H, N, WINDOW]
-        changes = jnp.concatenate(
-            [jnp.ones(per_window.shape[:-1] + (1,), bool),
-             per_window[..., 1:] != per_window[..., :-1]], axis=-1)
-        # Stable sort puts each window's run starts first, in order.
-        order = jnp.argsort(~changes, axis=-1, stable=True)
-        starts = jnp.take_along_axis(jnp.broadcast_to(window + first, per_window.shape),
-                                     order, axis=-1)
-        tables += [changes.sum(axis=-1, dtype=jnp.int32), starts.astype(jnp.int32),
-                   jnp.take_along_axis(per_window, order, axis=-1)]
+        tables += _runs(values[number][:, :, window], window + differences[0])
     return tables
 
 
-def _values_per_difference(program, numbers, table_batch, heads, differences):
-    """Per relative read (`numbered`), its value at every (b, h, difference):
-    [Bm, H, D]."""
-    recorded = {}
+def entry_tables(program, reads, position: int, batch: int, heads: int, q_length: int,
+                 kv_length: int):
+    """For the gradient of the captured array at `position`, read once by a relative read
+    of `program` (`reads`: its `tile_reads`): the block diagonals' runs by table entry
+    rather than by value (two buckets that hold equal values are two entries), and where
+    each entry lies in the array.
+
+    Returns (counts [Bm, H, N], starts [Bm, H, N, WINDOW], entries [Bm, H, N, WINDOW]),
+    as `relative_tables` with each run's local entry in place of its value: the entry's
+    row-major number along the array's axes indexed by kv_idx - q_idx (`varying_axes`),
+    0 <= entry < `entry_count`; and flat [Bm, H, E] int32, each (b, h, local entry)'s
+    flat index in the array (the other axes' indices are the pair's)."""
+    numbers = numbered(reads)
+    (number,) = [n for key, n in numbers.items() if reads[key].position == position]
+    axes = varying_axes(program)[position]
+    shape = jnp.shape(program.consts[position])
+    differences, window = _windows(q_length, kv_length)
+    table_batch = batch if program.uses_batch else 1
+    _, indices = _per_difference(program, {key: n for key, n in numbers.items()
+                                           if n == number}, table_batch, heads, differences)
+    pair_shape = (table_batch, heads, differences.shape[0])
+    clamped = [jnp.broadcast_to(jnp.clip(index, 0, size - 1).astype(jnp.int32), pair_shape)
+               for index, size in zip(indices[number], shape)]
+    local = jnp.zeros(pair_shape, jnp.int32)
+    for axis in axes:
+        local = local * shape[axis] + clamped[axis]
+    strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
+    base = sum((clamped[axis][..., 0] * int(strides[axis])
+                for axis in range(len(shape)) if axis not in axes),
+               jnp.zeros(pair_shape[:2], jnp.int32))
+    digits = np.indices([shape[axis] for axis in axes]).reshape(len(axes), -1)
+    offsets = sum(digits[i] * int(strides[axis]) for i, axis in enumerate(axes))
+    flat = base[..., None] + jnp.asarray(offsets, jnp.int32)
+    counts, starts, entries = _runs(local[:, :, window], window + differences[0])
+    return (counts, starts, entries), flat
+
+
+def entry_count(program, position: int) -> int:
+    """How many entries of the captured array at `position` one (b, h) pair's relative
+    read reaches at most: the product of its `varying_axes`' sizes."""
+    shape = jnp.shape(program.consts[position])
+    return int(np.prod([shape[axis] for axis in varying_axes(program)[position]]))
+
+
+def _windows(q_length: int, kv_length: int):
+    """(every kv_idx - q_idx a block pair of the padded lengths spans [D]; per block
+    diagonal delta, the positions in it of the WINDOW differences delta * BLOCK -
+    (BLOCK - 1) onwards [N, WINDOW])."""
+    blocks = max(q_length, kv_length) // BLOCK
+    first = -(blocks * BLOCK - 1)
+    differences = jnp.arange(first, blocks * BLOCK, dtype=jnp.int32)
+    diagonals = jnp.arange(2 * blocks - 1, dtype=jnp.int32) - (blocks - 1)
+    window_starts = diagonals * BLOCK - (BLOCK - 1) - first
+    return differences, window_starts[:, None] + jnp.arange(WINDOW, dtype=jnp.int32)[None, :]
+
+
+def _runs(per_window, differences):
+    """[counts, starts, run values] of per-window values [Bm, H, N, WINDOW] at
+    kv_idx - q_idx `differences` [N, WINDOW]: a run starts where the value changes."""
+    changes = jnp.concatenate(
+        [jnp.ones(per_window.shape[:-1] + (1,), bool),
+         per_window[..., 1:] != per_window[..., :-1]], axis=-1)
+    # Stable sort puts each window's run starts first, in order.
+    order = jnp.argsort(~changes, axis=-1, stable=True)
+    starts = jnp.take_along_axis(jnp.broadcast_to(differences, per_window.shape), order,
+                                 axis=-1)
+    return [changes.sum(axis=-1, dtype=jnp.int32), starts.astype(jnp.int32),
+            jnp.take_along_axis(per_window, order, axis=-1)]
+
+
+def _per_difference(program, numbers, table_batch, heads, differences):
+    """Per relative read (`numbered`), its value at every (b, h, difference), [Bm, H, D],
+    and the indices it read the array at (per axis, broadcastable to that shape)."""
+    recorded, read_indices = {}, {}
 
     def recorder(number):
         def record(captured, indices):
+            read_indices[number] = list(indices)
             recorded[number] = captured.gather(indices)
             return recorded[number]
         return record
@@ -194,8 +264,9 @@ def _values_per_difference(program, numbers, table_batch, heads, differences):
     evaluate_jaxpr_on_tiles(program.jaxpr, consts, args, program.name,
                             captured_reads=replaced)
     shape = (table_batch, heads, differences.shape[0])
-    return {number: jnp.broadcast_to(value, shape) for number, value in recorded.items()}
+    values = {number: jnp.broadcast_to(value, shape) for number, value in recorded.items()}
+    return values, read_indices
 
 
-__all__ = ["RelativeRead", "TABLE_DTYPES", "WINDOW", "numbered", "relative_reads",
-           "relative_tables"]
+__all__ = ["RelativeRead", "TABLE_DTYPES", "WINDOW", "entry_count", "entry_tables", "numbered",
+           "relative_reads", "relative_tables", "varying_axes"]

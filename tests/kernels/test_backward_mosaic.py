@@ -158,22 +158,75 @@ def _choice(score_mod=None, wanted=None, dtype=jnp.bfloat16, dim=64, backend="pa
 
 
 def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward():
-    """Arrays read once at indices of b and h (learnable ALiBi slopes) train on the Mosaic
-    backward; a T5 table (read per element) or an array read twice on the Triton one,
-    with the reason, and naming the Mosaic backward for them is a ValueError."""
+    """Arrays read once at indices of b and h (learnable ALiBi slopes) or of kv_idx - q_idx
+    into at most 64 entries a head (a T5 table) train on the Mosaic backward; a larger
+    relative table, a read at q_idx alone or an array read twice on the Triton one, with
+    the reason, and naming the Mosaic backward for them is a ValueError."""
     slopes = jnp.asarray([0.5, 0.25])
     assert _choice(masks.alibi(slopes), wanted=(True,), backend="interpret",
                    backward_kernel="mosaic").kernel == "mosaic_backward"
     table = jnp.ones((2, 32))
-    choice = _choice(masks.t5_relative_bias(table), wanted=(True,), backend="interpret",
-                     backward_kernel="auto", forward_kernel="mosaic")
+    assert _choice(masks.t5_relative_bias(table), wanted=(True,), backend="interpret",
+                   backward_kernel="mosaic").kernel == "mosaic_backward"
+    wide = jnp.ones((2, 201))
+    with pytest.raises(ValueError, match="201 entries of kv_idx - q_idx"):
+        _choice(lambda s, b, h, q, kv: s + wide[h, jnp.clip(kv - q, -100, 100) + 100],
+                wanted=(True,), backend="interpret", backward_kernel="mosaic")
+    per_query = jnp.ones((2, 256))
+    choice = _choice(lambda s, b, h, q, kv: s + per_query[h, q] * per_query[h, kv],
+                     wanted=(True,), backend="interpret", backward_kernel="auto",
+                     forward_kernel="mosaic")
     assert choice.kernel == "triton_backward"
-    with pytest.raises(ValueError, match="indices computed from q_idx or kv_idx"):
-        _choice(masks.t5_relative_bias(table), wanted=(True,), backend="interpret",
-                backward_kernel="mosaic")
     with pytest.raises(ValueError, match="read 2 times"):
         _choice(lambda s, b, h, q, kv: s + slopes[h] * slopes[h], wanted=(True,),
                 backend="interpret", backward_kernel="mosaic")
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
+def test_t5_tables_train_on_the_mosaic_backward(backend, causal):
+    """A T5 table [Hq, 32] (and, for the causal case, a one-way table [Hq, 16] read at b
+    and a per-batch offset: two tables at once), GQA, ragged lengths Sq != Skv, a loss
+    on out and lse: the tables' gradients match autodiff of the dense float32 reference
+    to float32 precision (the dK/dV kernel sums dS by table entry with each row's exact
+    delta), dq, dk, dv to 16-bit precision, and two runs give the same bits."""
+    q_len, kv_len = (200, 328) if backend == "interpret" else (1000, 1500)
+    q, k, v = random_qkv(11, 2, q_len, kv_len, 4, 2, 64, 64, jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(12), (4, 32), jnp.float32)
+    one_way = jax.random.normal(jax.random.key(13), (2, 16), jnp.float32)
+    d_out = _cotangent(q.shape, 14).astype(jnp.bfloat16).astype(jnp.float32)
+    d_lse = _cotangent((2, 4, q_len), 15)
+    mask_mod = (lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 64) if causal else None
+
+    def loss(q, k, v, table, one_way, backend, options):
+        bias = pf.scores.t5_relative_bias(table, max_distance=96)
+        one_way_bias = pf.scores.t5_relative_bias(one_way, max_distance=64,
+                                                  bidirectional=False)
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            s = bias(s, b, h, q_idx, kv_idx)
+            # Read at b: the tables are per batch element.
+            return one_way_bias(s, b, b, q_idx, kv_idx) if causal else s
+        out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                return_lse=True, backend=backend, kernel_options=options)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse)
+
+    def grad(backend, options):
+        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
+                                argnums=range(5)))
+
+    ours = grad(backend, MOSAIC)(q, k, v, table, one_way)
+    again = grad(backend, MOSAIC)(q, k, v, table, one_way) if backend == "pallas" else ours
+    want = grad("reference", None)(*[x.astype(jnp.float32) for x in (q, k, v)], table,
+                                    one_way)
+    names = ("dq", "dk", "dv", "d_table", "d_one_way")
+    for name, got, repeat, expected in zip(names, ours, again, want):
+        if name == "d_one_way" and not causal:
+            continue
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
+        got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
+        tolerance = 2e-2 if name in ("dq", "dk", "dv") else 1e-4
+        assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
