@@ -187,12 +187,14 @@ def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward(
 def test_t5_tables_train_on_the_mosaic_backward(backend, causal):
     """A T5 table [Hq, 32] (and, for the causal case, a one-way table [Hq, 16] read at b
     and a per-batch offset: two tables at once), GQA, ragged lengths Sq != Skv, a loss
-    on out and lse: the tables' gradients match autodiff of the dense float32 reference
-    to float32 precision (the dK/dV kernel sums dS by table entry with each row's exact
+    on out and lse, two buckets of equal value: the tables' gradients match autodiff of
+    the dense float32 reference to float32 precision (the dK/dV kernel sums dS by table entry with each row's exact
     delta), dq, dk, dv to 16-bit precision, and two runs give the same bits."""
     q_len, kv_len = (200, 328) if backend == "interpret" else (1000, 1500)
     q, k, v = random_qkv(11, 2, q_len, kv_len, 4, 2, 64, 64, jnp.bfloat16)
     table = jax.random.normal(jax.random.key(12), (4, 32), jnp.float32)
+    # Buckets 4 and 5 hold one value: one run of the values, two of the entries.
+    table = table.at[:, 5].set(table[:, 4])
     one_way = jax.random.normal(jax.random.key(13), (2, 16), jnp.float32)
     d_out = _cotangent(q.shape, 14).astype(jnp.bfloat16).astype(jnp.float32)
     d_lse = _cotangent((2, 4, q_len), 15)
