@@ -37,8 +37,11 @@ wgmma with its float32 tile store and reduce-add 1.3 ms (the tile's shared-memor
 did not matter, 240 registers saved 0.06 ms). Each step waits for its dQ wgmma before
 storing the tile; a faster version must keep it in flight across steps. What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
-at indices of b and h only (`mosaic_eligibility.captured_gradient_unsupported_reason`),
-which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`);
+(`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
+which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`), or at
+indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
+entry (`_accumulate_runs`, `_relative_gradient`) with each row's exact delta from the dQ
+kernel's row sums (`_exact_delta`: the dQ kernel then runs first);
 `pallas_flex.dispatch.choose_backward` sends the others to the Triton backward.
 Accumulating those row sums after dQ's wgmma issue (P and dS' live beside its 16-bit
 operand) cost 29 % at B4 S4096 D128 ALiBi (2.98 ms against 2.30 without the slopes'
@@ -124,8 +127,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
-    entry_refs, (dk_ref, dv_ref), rest = rest[:3 * sites], rest[3 * sites:][:2], rest[3 * sites + 2:]
-    run_sums_refs, (scratch,) = rest[:sites], rest[sites:]
+    entry_refs, (dk_ref, dv_ref) = rest[:3 * sites], rest[3 * sites:3 * sites + 2]
+    run_sums_refs, (scratch,) = rest[3 * sites + 2:-1], rest[-1:]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]

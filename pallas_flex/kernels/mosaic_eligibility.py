@@ -199,9 +199,9 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
     `positions` (`differentiated_positions`), else why not. It takes arrays the mod
     reads once, at indices of b and h only (learnable ALiBi slopes, a per-head bias or
     temperature) or at indices of kv_idx - q_idx (a T5 table: `relative_reads`) reaching
-    at most RELATIVE_GRADIENT_ENTRIES entries a (b, h) pair (all such arrays together), of at most
-    GRADIENT_TABLE_ENTRIES entries; the Triton backward sums the others (reads per
-    element at other indices: a pair bias, q_idx or kv_idx alone)."""
+    at most RELATIVE_GRADIENT_ENTRIES entries a (b, h) pair (all such arrays together),
+    of at most GRADIENT_TABLE_ENTRIES entries; the Triton backward sums the others
+    (reads per element at other indices: a pair bias, q_idx or kv_idx alone)."""
     if not positions:
         return None
     read_positions = captured_read_positions(score_program)

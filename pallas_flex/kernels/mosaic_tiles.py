@@ -474,8 +474,10 @@ def relative_read_tile(tables, *, batch, head, q_start, kv_start, tile, q_axis, 
         value = plgpu.layout_cast(value, plgpu.Layout.WGMMA)
 
     # Each step loads the next run's start and value before its own elementwise work,
-    # so that the loads' latency is off the loop's path (H100, B4 H16 S4096 D128 causal
-    # + one-way T5 forward: 1.087 ms against 1.212 loading in the step that uses them).
+    # so that the loads' latency is off the loop's path (H100, causal + one-way T5
+    # forward: 1.087 ms against 1.212 loading in the step that uses them at B4 H16 S4096
+    # D128 in an A/B probe; in the harness 1.113 -> 1.08 there, B1 S16384 2.995 -> 2.83,
+    # B8 S2048 D64 0.64 -> 0.676).
     last_run = jnp.maximum(counts_ref[row] - 1, 0)
 
     def take_run(run, carry):

@@ -13,6 +13,9 @@ kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar
 broadcast on most tiles, two operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
 log) is never evaluated in the kernel.
 
+For a table's gradient (`backward_mosaic`), `entry_tables` lists the runs by table
+entry instead of by value, with where each entry lies in the table.
+
 `relative_reads` finds the reads (an analysis of the mod's jaxpr); the kernels take
 them with the contiguous reads (`mosaic_eligibility.tile_reads`) and receive three
 arrays per read after the mods' captured arrays (`mosaic_tiles.split_tile_refs`).
