@@ -64,7 +64,7 @@ from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
 from pallas_flex.kernels.mosaic_eligibility import BLOCK, relative_positions, tile_reads
 from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.kernels.relative_reads import entry_count, entry_tables
+from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector,
@@ -80,6 +80,8 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # 128 query rows would not.
 Q_TILE = 64
 TILES_PER_BLOCK = BLOCK // Q_TILE
+# The run spans of a table's gradient are listed for 64 x 64 dK/dV tiles.
+assert Q_TILE == ROWS_PER_WARPGROUP == TILE
 # Tiles in flight per program by head dim, within the shared memory left next to each
 # kernel's resident tiles (dQ: Q and dO [128, D], then K and V [128, D] per stage; dK/dV:
 # K and V [128, D], then Q and dO [64, D] per stage): D 96 dQ 48 + 3 x 48 KiB, dK/dV
@@ -127,8 +129,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
-    entry_refs, (dk_ref, dv_ref) = rest[:3 * sites], rest[3 * sites:3 * sites + 2]
-    run_sums_refs, (scratch,) = rest[3 * sites + 2:-1], rest[-1:]
+    entry_refs, (dk_ref, dv_ref) = rest[:4 * sites], rest[4 * sites:4 * sites + 2]
+    run_sums_refs, (scratch,) = rest[4 * sites + 2:-1], rest[-1:]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
@@ -237,7 +239,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             for site, derivative in enumerate(read_derivatives):
                 _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
-                                 entry_refs[3 * site:3 * site + 3], batch=batch, head=head,
+                                 entry_refs[4 * site:4 * site + 4], batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
@@ -314,7 +316,8 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     """sums_ref[e] [64 keys] += sum over the tile's queries of dS' g where kv_idx - q_idx
     lies in a run of entry e (g: the read's derivative, as `_scores_to_logits` returns
     it), from the tile's block diagonal's runs by entry (`relative_reads.entry_tables`:
-    counts, starts, entries). A dK/dV tile has keys on the rows.
+    counts, starts, entries, and the span of runs the tile reaches). A dK/dV tile has
+    keys on the rows.
 
     Suffix sums: the tile's row sum, then for each later run r the sum over the elements
     at or past its start (one compare, select and add per element and run, as
@@ -329,7 +332,7 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     each): at D128 dK and dV hold 128 registers a thread for the whole walk, and the
     loop's index tiles spill (ptxas: 840-912 bytes in the dK/dV kernel); two runs a
     step made it 9.66 ms, the table loads a step ahead did not change it."""
-    counts_ref, starts_ref, entries_ref = tables
+    _, starts_ref, entries_ref, spans_ref = tables
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if varying is None and per_row is None:
         return  # the read does not change the score
@@ -337,16 +340,19 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     if per_row is not None and constant_value(per_row) != 1.0:
         weighted = weighted * (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
                                else per_row)
-    blocks = (counts_ref.shape[2] + 1) // 2
-    row = (0 if counts_ref.shape[0] == 1 else batch, head,
+    blocks = (spans_ref.shape[2] + 1) // 2
+    row = (0 if spans_ref.shape[0] == 1 else batch, head,
            lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
-    count = counts_ref[row]
+    # The runs this tile reaches: its keys' start less its queries' start is the block
+    # diagonal's -64, 0 or 64.
+    span = row + (lax.div(lax.rem(kv_start, BLOCK) - lax.rem(q_start, BLOCK), TILE) + 1,)
+    first, end = spans_ref[span + (0,)], spans_ref[span + (1,)]
 
     def add(entry, sums):
         sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
 
     def single():
-        add(entries_ref[row + (0,)], weighted.sum(axis=1))
+        add(entries_ref[row + (first,)], weighted.sum(axis=1))
 
     def several():
         queries = index_vector(q_start, tile[1], 1)
@@ -358,10 +364,10 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
             add(entries_ref[row + (run - 1,)], previous - current)
             return current
 
-        last = lax.fori_loop(1, count, suffix, weighted.sum(axis=1))
-        add(entries_ref[row + (count - 1,)], last)
+        last = lax.fori_loop(first + 1, end, suffix, weighted.sum(axis=1))
+        add(entries_ref[row + (end - 1,)], last)
 
-    lax.cond(count > 1, several, single)
+    lax.cond(end - first > 1, several, single)
 
 
 def _drain(consumed, num_steps, num_stages):

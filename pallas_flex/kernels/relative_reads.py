@@ -180,11 +180,14 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
     rather than by value (two buckets that hold equal values are two entries), and where
     each entry lies in the array.
 
-    Returns (counts [Bm, H, N], starts [Bm, H, N, WINDOW], entries [Bm, H, N, WINDOW]),
-    as `relative_tables` with each run's local entry in place of its value: the entry's
-    row-major number along the array's axes indexed by kv_idx - q_idx (`varying_axes`),
-    0 <= entry < `entry_count`; and flat [Bm, H, E] int32, each (b, h, local entry)'s
-    flat index in the array (the other axes' indices are the pair's)."""
+    Returns (counts [Bm, H, N], starts [Bm, H, N, WINDOW], entries [Bm, H, N, WINDOW],
+    spans [Bm, H, N, 3, 2]): as `relative_tables` with each run's local entry in place of
+    its value (the entry's row-major number along the array's axes indexed by
+    kv_idx - q_idx, `varying_axes`: 0 <= entry < `entry_count`), and per 64 x 64 tile of
+    a block pair (its keys' start less its queries' start -64, 0 or 64 from the block
+    diagonal's) the runs it reaches, [first, last + 1); and flat [Bm, H, E] int32, each
+    (b, h, local entry)'s flat index in the array (the other axes' indices are the
+    pair's)."""
     numbers = numbered(reads)
     (number,) = [n for key, n in numbers.items() if reads[key].position == position]
     axes = varying_axes(program)[position]
@@ -207,7 +210,28 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
     offsets = sum(digits[i] * int(strides[axis]) for i, axis in enumerate(axes))
     flat = base[..., None] + jnp.asarray(offsets, jnp.int32)
     counts, starts, entries = _runs(local[:, :, window], window + differences[0])
-    return (counts, starts, entries), flat
+    return (counts, starts, entries, _tile_spans(counts, starts, window + differences[0])), flat
+
+
+TILE = 64  # the dK/dV kernel's tiles: 64 keys x 64 queries
+
+
+def _tile_spans(counts, starts, differences):
+    """Per block diagonal and 64 x 64 tile offset (keys' start - queries' start - the
+    diagonal's first difference + 127 in {-64, 0, 64}: index 0, 1, 2), the runs whose
+    differences the tile's [offset - 63, offset + 63] reaches: [first, last + 1), [Bm, H,
+    N, 3, 2] int32. A run list in order of starts: the first is the last run starting at
+    or before the tile's least difference."""
+    listed = jnp.arange(WINDOW)[None, None, None, :] < counts[..., None]
+    centre = differences[:, BLOCK - 1]  # delta * BLOCK: a tile pair on the diagonal
+    spans = []
+    for offset in (-TILE, 0, TILE):
+        low = (centre + offset - (TILE - 1))[None, None, :, None]
+        high = (centre + offset + (TILE - 1))[None, None, :, None]
+        first = jnp.sum(listed & (starts <= low), axis=-1) - 1
+        last = jnp.sum(listed & (starts <= high), axis=-1)
+        spans.append(jnp.stack([jnp.maximum(first, 0), last], axis=-1))
+    return jnp.stack(spans, axis=-2).astype(jnp.int32)
 
 
 def entry_count(program, position: int) -> int:
