@@ -325,13 +325,16 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     two consecutive suffixes. A block diagonal past the table's last bucket has one run:
     its tiles cost a row sum (a branch of its own, without the loop's index tiles).
 
-    H100, causal + one-way T5 [Hq, 32] forward+backward (AOT-compiled, paired rounds;
-    ms, with the table's gradient / without): B4 H16 S4096 D128 8.83 / 7.14 (the dQ
-    kernel's row sums for the exact deltas 0.3 of it, these run sums 1.3), B8 S2048 D64
-    3.59 / 3.03. The cost is the loop on the tiles near the diagonal (some 30 runs
-    each): at D128 dK and dV hold 128 registers a thread for the whole walk, and the
-    loop's index tiles spill (ptxas: 840-912 bytes in the dK/dV kernel); two runs a
-    step made it 9.66 ms, the table loads a step ahead did not change it."""
+    Each tile loops over the runs its differences reach only (the table's spans).
+
+    H100, causal + one-way T5 [Hq, 32] forward+backward (`pallas-flex bench
+    captured_gradients`; ms, with the table's gradient / without): B4 H16 S4096 D128
+    4.36 / 3.16, B1 S16384 12.5 / 9.35, B8 S2048 D64 2.11 / 1.66, GQA 32:8 8.63 / 6.14.
+    The dQ kernel's row sums for the exact deltas take some 0.3 ms of it at B4, these
+    sums the rest, almost all in the loop on the tiles near the diagonal (some 30 runs
+    a block diagonal, ~1000 cycles a run). A/B probes of the loop (AOT-compiled, paired
+    rounds, before the spans): two runs a step 4.56 against 4.62 ms, the table loads a
+    step ahead 4.67, the sums after dK's wgmma instead of beside it 4.64."""
     _, starts_ref, entries_ref, spans_ref = tables
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if varying is None and per_row is None:
