@@ -1,0 +1,88 @@
+"""The tables behind a T5 table's gradient on the Mosaic backward
+(`relative_reads.entry_tables`): runs of table entries per block diagonal, the runs each
+64 x 64 dK/dV tile reaches, and where each entry lies in the table. Checked against the
+bucket function evaluated per difference with numpy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_flex import masks
+from pallas_flex.kernels import mosaic_eligibility, relative_reads
+from pallas_flex.masks.mod_program import SCORE, make_mod_program
+
+
+def _entries_per_difference(program, position, batch, heads, q_length, kv_length):
+    """Rebuilds, per (b, h) and block diagonal, the local entry of every difference from
+    the runs, and checks the tile spans on the way."""
+    reads = mosaic_eligibility.tile_reads(program)
+    (counts, starts, entries, spans), flat = relative_reads.entry_tables(
+        program, reads, position, batch, heads, q_length, kv_length)
+    blocks = max(q_length, kv_length) // 128
+    rebuilt = {}
+    for b in range(counts.shape[0]):
+        for h in range(heads):
+            for diagonal in range(-(blocks - 1), blocks):
+                index = (b, h, diagonal + blocks - 1)
+                differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
+                runs = int(counts[index])
+                run_starts = np.asarray(starts[index])[:runs]
+                assert run_starts[0] == differences[0] and np.all(np.diff(run_starts) > 0)
+                local = np.full(255, -1)
+                for run in range(runs):
+                    local[differences >= run_starts[run]] = int(entries[index + (run,)])
+                rebuilt[index] = local
+                for offset_index, offset in enumerate((-64, 0, 64)):
+                    low, high = diagonal * 128 + offset - 63, diagonal * 128 + offset + 63
+                    reached = [run for run in range(runs)
+                               if run_starts[run] <= high
+                               and (run + 1 == runs or run_starts[run + 1] > low)]
+                    first, end = np.asarray(spans[index + (offset_index,)])
+                    assert (first, end) == (reached[0], reached[-1] + 1), (index, offset)
+    return rebuilt, np.asarray(flat), np.asarray(spans)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_t5_entry_runs_split_equal_values_and_point_into_the_table(bidirectional):
+    """A [3, 32] T5 table whose buckets 4 and 5 hold one value: the runs follow the
+    bucket (4 and 5 stay apart, where the value runs merge them), each run's entry is the
+    bucket, and flat[b, h, e] is h * 32 + e."""
+    table = np.random.default_rng(2).standard_normal((3, 32)).astype(np.float32)
+    table[:, 5] = table[:, 4]
+    program = make_mod_program(
+        masks.t5_relative_bias(jnp.asarray(table), bidirectional=bidirectional), SCORE)
+    assert mosaic_eligibility.relative_positions(program, (0,)) == (0,)
+    assert relative_reads.entry_count(program, 0) == 32
+    rebuilt, flat, _ = _entries_per_difference(program, 0, 2, 3, 384, 256)
+    for (b, h, diagonal_index), local in rebuilt.items():
+        diagonal = diagonal_index - 2
+        differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
+        buckets = np.asarray(masks.t5_relative_bucket(jnp.asarray(differences),
+                                                      bidirectional=bidirectional))
+        np.testing.assert_array_equal(local, buckets)
+    assert flat.shape == (1, 3, 32)
+    np.testing.assert_array_equal(flat[0], np.arange(3)[:, None] * 32 + np.arange(32))
+
+
+def test_a_table_read_at_b_and_a_clipped_difference():
+    """`table[b, clip(kv - q, -3, 3) + 3]` ([2, 7]): per batch element (Bm = 2), the
+    entries are the clipped difference, flat[b, h, e] = b * 7 + e, and every tile past
+    the clip reaches one run."""
+    table = jnp.asarray(np.random.default_rng(3).standard_normal((2, 7)), jnp.float32)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[b, jnp.clip(kv_idx - q_idx, -3, 3) + 3]
+
+    program = make_mod_program(score_mod, SCORE)
+    assert relative_reads.varying_axes(program) == {0: (1,)}
+    rebuilt, flat, spans = _entries_per_difference(program, 0, 2, 2, 256, 256)
+    for (b, h, diagonal_index), local in rebuilt.items():
+        diagonal = diagonal_index - 1
+        differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
+        np.testing.assert_array_equal(local, np.clip(differences, -3, 3) + 3)
+    np.testing.assert_array_equal(flat, np.broadcast_to(
+        np.arange(2)[:, None, None] * 7 + np.arange(7), (2, 2, 7)))
+    # Block diagonal +1, keys 64 past the queries: differences 65..191, all clipped.
+    np.testing.assert_array_equal(spans[:, :, 2, 2, 1] - spans[:, :, 2, 2, 0], 1)
+    # The main diagonal's middle tile reaches all 7 entries.
+    np.testing.assert_array_equal(spans[:, :, 1, 1, 1] - spans[:, :, 1, 1, 0], 7)
