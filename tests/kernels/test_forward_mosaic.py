@@ -96,10 +96,22 @@ def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
     _check(variant, dtype, layout, 4 * q_len, 4 * kv_len, dim, "pallas")
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("variant", SLICED)
-@pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim", [
-    (jnp.bfloat16, "GQA4", 300, 300, 64), (jnp.float16, "MHA", 256, 256, 128)])
+_SLICE_SHAPES = [(jnp.bfloat16, "GQA4", 300, 300, 64), (jnp.float16, "MHA", 256, 256, 128)]
+
+
+def _slice_cases():
+    """On the GPU each variant at both shapes; in interpret mode each variant at one of
+    them, in rotation (both variants, both shapes, the ragged 300 included, still run)."""
+    for index, variant in enumerate(SLICED):
+        for shape_index, shape in enumerate(_SLICE_SHAPES):
+            case_id = "-".join([jnp.dtype(shape[0]).name, *map(str, shape[1:]), variant])
+            if shape_index == index % len(_SLICE_SHAPES):
+                yield pytest.param("interpret", variant, *shape, id=f"{case_id}-interpret")
+            yield pytest.param("pallas", variant, *shape, marks=pytest.mark.gpu,
+                               id=f"{case_id}-pallas")
+
+
+@pytest.mark.parametrize("backend,variant,dtype,layout,q_len,kv_len,dim", list(_slice_cases()))
 def test_slice_reads_of_document_ids(backend, variant, dtype, layout, q_len, kv_len, dim):
     """`doc_ids[q_idx]` / `doc_ids[kv_idx]` load as vectors (ragged lengths read the
     edge-padded ids)."""
@@ -423,8 +435,12 @@ PAGED_CASES = {
 }
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("case", PAGED_CASES)
+# In interpret mode every case but page32_softcap: pages below 128 rows still run at 8 and
+# 16, MQA at page 256, D 128 at page 128, a score_mod (ALiBi) at page 16; the soft-cap is
+# the score-mod path the gallery checks. The GPU runs every case.
+@pytest.mark.parametrize("case,backend", [
+    (case, "interpret") for case in PAGED_CASES if case != "page32_softcap"] + [
+    pytest.param(case, "pallas", marks=pytest.mark.gpu) for case in PAGED_CASES])
 def test_paged_prefill(case, backend):
     """The whole paged_flex_attention, BlockMask clipping included, on the Mosaic kernel."""
     from tests.paged.test_flex_attention import check_paged_against_golden
@@ -460,9 +476,19 @@ def _poisoned_past_lengths(cache, value):
                                v_pages=jnp.where(stale, value, cache.v_pages))
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("page_size", [16, 128])
-@pytest.mark.parametrize("stale", [np.nan, np.inf])
+def _stale_cases():
+    """On the GPU every page size x stale value; in interpret mode each page size (a TMA
+    copy per page, 128 rows of one page) once, NaN at one and inf at the other."""
+    for page_size in (16, 128):
+        for stale in (np.nan, np.inf):
+            case_id = f"{stale}-{page_size}"
+            if (page_size == 16) == bool(np.isnan(stale)):
+                yield pytest.param(page_size, stale, "interpret", id=f"{case_id}-interpret")
+            yield pytest.param(page_size, stale, "pallas", marks=pytest.mark.gpu,
+                               id=f"{case_id}-pallas")
+
+
+@pytest.mark.parametrize("page_size,stale,backend", list(_stale_cases()))
 def test_paged_prefill_never_reads_stale_slots_past_a_length(page_size, stale, backend):
     """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
     is the one of a clean cache, bit for bit."""
