@@ -235,10 +235,23 @@ def test_split_kv_matches_reference(config_name, option, num_splits, backend):
                                          backend, num_splits=num_splits)
 
 
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("mix", ["random_a", "random_b"])
-@pytest.mark.parametrize("config_name", ["gqa_bf16_page16", "mqa_bf16_page4"])
+def _random_mix_cases():
+    """On the GPU every config x mix x num_splits. In interpret mode each config meets
+    each mix once, split 3 ways (uneven shares) or 8 (more splits than some items have
+    tiles), in rotation: num_splits=1 (no split) and every split count on the fixed mix
+    run in test_split_kv_matches_reference."""
+    for config_name in ("gqa_bf16_page16", "mqa_bf16_page4"):
+        for mix in ("random_a", "random_b"):
+            for num_splits in (1, 3, 8):
+                case_id = f"{config_name}-{mix}-{num_splits}"
+                if num_splits == (3 if (config_name[0] == "g") == (mix == "random_a") else 8):
+                    yield pytest.param(config_name, mix, num_splits, "interpret",
+                                       id=f"{case_id}-interpret")
+                yield pytest.param(config_name, mix, num_splits, "pallas",
+                                   marks=pytest.mark.gpu, id=f"{case_id}-pallas")
+
+
+@pytest.mark.parametrize("config_name,mix,num_splits,backend", list(_random_mix_cases()))
 def test_split_kv_random_mixes_match_reference(config_name, mix, num_splits, backend):
     config, _ = case_config(config_name)
     case = make_case(3, SPLIT_MIXES[mix], **config)
