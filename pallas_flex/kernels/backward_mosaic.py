@@ -129,8 +129,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
-    entry_refs, (dk_ref, dv_ref) = rest[:4 * sites], rest[4 * sites:4 * sites + 2]
-    run_sums_refs, (scratch,) = rest[4 * sites + 2:-1], rest[-1:]
+    entry_refs, (dk_ref, dv_ref) = rest[:3 * sites], rest[3 * sites:3 * sites + 2]
+    run_sums_refs, (scratch,) = rest[3 * sites + 2:-1], rest[-1:]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
@@ -239,7 +239,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             for site, derivative in enumerate(read_derivatives):
                 _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
-                                 entry_refs[4 * site:4 * site + 4], batch=batch, head=head,
+                                 entry_refs[3 * site:3 * site + 3], batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
@@ -316,7 +316,7 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     """sums_ref[e] [64 keys] += sum over the tile's queries of dS' g where kv_idx - q_idx
     lies in a run of entry e (g: the read's derivative, as `_scores_to_logits` returns
     it), from the tile's block diagonal's runs by entry (`relative_reads.entry_tables`:
-    counts, starts, entries, and the span of runs the tile reaches). A dK/dV tile has
+    starts, entries, and the span of runs the tile reaches). A dK/dV tile has
     keys on the rows.
 
     Suffix sums: the tile's row sum, then for each later run r the sum over the elements
@@ -335,7 +335,7 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     a block diagonal, ~1000 cycles a run). A/B probes of the loop (AOT-compiled, paired
     rounds, before the spans): two runs a step 4.56 against 4.62 ms, the table loads a
     step ahead 4.67, the sums after dK's wgmma instead of beside it 4.64."""
-    _, starts_ref, entries_ref, spans_ref = tables
+    starts_ref, entries_ref, spans_ref = tables
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if varying is None and per_row is None:
         return  # the read does not change the score
@@ -655,7 +655,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
-                               tuple(tables for tables, _ in entries),
+                               # The run counts stay out: each tile's span bounds its loop.
+                               tuple(tables[1:] for tables, _ in entries),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     if pair_positions:
