@@ -54,6 +54,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -119,21 +120,27 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 interpret):
+                 dump_offsets, interpret):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
     (`_accumulate_runs`) and written per query head to its run_sums_ref
-    [B, Hq, 2 num_kv_blocks, entries, 64]. delta_ref then holds each row's exact delta
-    (`_exact_delta`)."""
+    [B, Hq, 2 num_kv_blocks, entries, 64]. dump_offsets: per such array, None or the
+    (first, count) of its `relative_reads.Dump`, whose tiles go to its dump_ref
+    [B Hq 2 num_kv_blocks count, 64 keys, 64 queries] instead. delta_ref then holds each
+    row's exact delta (`_exact_delta`)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
     entry_refs, (dk_ref, dv_ref) = rest[:3 * sites], rest[3 * sites:3 * sites + 2]
-    run_sums_refs, (scratch,) = rest[3 * sites + 2:-1], rest[-1:]
+    run_sums_refs = rest[3 * sites + 2:4 * sites + 2]
+    dump_refs, (scratch,) = iter(rest[4 * sites + 2:-1]), rest[-1:]
+    dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
+    staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
+    key_tiles = k_ref.shape[1] // ROWS_PER_WARPGROUP
     dtype = q_ref.dtype
     kv_head, batch = lax.axis_index("heads"), lax.axis_index("batch")
     kv_block = lax.axis_index("kv_seq")  # block 0 has the longest causal column: first
@@ -238,9 +245,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             for site, derivative in enumerate(read_derivatives):
+                dump = None
+                if dump_refs[site] is not None:
+                    first_offset, count = dump_offsets[site]
+                    # Slots [B, Hq, key tiles, count] flattened.
+                    key_tile = kv_block * COMPUTE_WARPGROUPS + warpgroup
+                    dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
+                            ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count)
                 _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
-                                 entry_refs[3 * site:3 * site + 3], batch=batch, head=head,
-                                 q_start=q_start, kv_start=kv_start, tile=tile,
+                                 entry_refs[3 * site:3 * site + 3], dump, batch=batch,
+                                 head=head, q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
             # at the end of `with_accumulators` waits for every wgmma of the step.
@@ -311,8 +325,8 @@ def _clear(rows_ref):
     lax.fori_loop(0, rows_ref.shape[0], clear_row, 0)
 
 
-def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q_start,
-                     kv_start, tile, interpret):
+def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, head,
+                     q_start, kv_start, tile, interpret):
     """sums_ref[e] [64 keys] += sum over the tile's queries of dS' g where kv_idx - q_idx
     lies in a run of entry e (g: the read's derivative, as `_scores_to_logits` returns
     it), from the tile's block diagonal's runs by entry (`relative_reads.entry_tables`:
@@ -325,16 +339,19 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     two consecutive suffixes. A block diagonal past the table's last bucket has one run:
     its tiles cost a row sum (a branch of its own, without the loop's index tiles).
 
-    Each tile loops over the runs its differences reach only (the table's spans).
+    Each tile loops over the runs its differences reach only (the table's spans). This
+    loop is what runs where the entries are traced (no `relative_reads.Dump`); with a
+    `dump` (dump_ref, staging [64, 64] float32 shared memory, the Dump's first offset and
+    count, the key tile's first slot) `_dump_or_add` takes the tile instead.
 
-    H100, causal + one-way T5 [Hq, 32] forward+backward (`pallas-flex bench
-    captured_gradients`; ms, with the table's gradient / without): B4 H16 S4096 D128
-    4.36 / 3.16, B1 S16384 12.5 / 9.35, B8 S2048 D64 2.11 / 1.66, GQA 32:8 8.63 / 6.14.
-    The dQ kernel's row sums for the exact deltas take some 0.3 ms of it at B4, these
-    sums the rest, almost all in the loop on the tiles near the diagonal (some 30 runs
-    a block diagonal, ~1000 cycles a run). A/B probes of the loop (AOT-compiled, paired
-    rounds, before the spans): two runs a step 4.56 against 4.62 ms, the table loads a
-    step ahead 4.67, the sums after dK's wgmma instead of beside it 4.64."""
+    H100, causal + one-way T5 [Hq, 32] forward+backward with the run loop (`pallas-flex
+    bench captured_gradients`; ms, with the table's gradient / without): B4 H16 S4096
+    D128 4.36 / 3.16, B1 S16384 12.5 / 9.35, B8 S2048 D64 2.11 / 1.66, GQA 32:8 8.63 /
+    6.14: almost all in the loop on the tiles near the diagonal (some 30 runs a block
+    diagonal, ~1000 cycles a run) and in each tile's two dependent table reads (span,
+    then entry). A/B probes of the loop (AOT-compiled, paired rounds, before the spans):
+    two runs a step 4.56 against 4.62 ms, the table loads a step ahead 4.67, the sums
+    after dK's wgmma instead of beside it 4.64."""
     starts_ref, entries_ref, spans_ref = tables
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if varying is None and per_row is None:
@@ -343,6 +360,13 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     if per_row is not None and constant_value(per_row) != 1.0:
         weighted = weighted * (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
                                else per_row)
+
+    def add(entry, sums):
+        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
+
+    if dump is not None:
+        _dump_or_add(weighted, dump, add, kv_start=kv_start, q_start=q_start)
+        return
     blocks = (spans_ref.shape[2] + 1) // 2
     row = (0 if spans_ref.shape[0] == 1 else batch, head,
            lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
@@ -350,9 +374,6 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
     # diagonal's -64, 0 or 64.
     span = row + (lax.div(lax.rem(kv_start, BLOCK) - lax.rem(q_start, BLOCK), TILE) + 1,)
     first, end = spans_ref[span + (0,)], spans_ref[span + (1,)]
-
-    def add(entry, sums):
-        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
 
     def single():
         add(entries_ref[row + (first,)], weighted.sum(axis=1))
@@ -371,6 +392,40 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, *, batch, head, q
         add(entries_ref[row + (end - 1,)], last)
 
     lax.cond(end - first > 1, several, single)
+
+
+def _dump_or_add(weighted, dump, add, *, kv_start, q_start):
+    """A tile at one of the dump's offsets to HBM; the others, which reach one entry
+    each, the same on every tile before the dumped offsets and on every tile past them
+    (`relative_reads.Dump`), summed per key into rows 0 and 1 of the sums: no table
+    read in the kernel. `_relative_gradient` sums the dumped tiles by diagonal, then by
+    entry.
+
+    H100, the same cases as `_accumulate_runs`' figures (ms, with the table's gradient /
+    without): B4 3.76 / 3.19, B1 S16384 11.2 / 9.59, B8 D64 1.90 / 1.69, GQA 7.47 / 6.23
+    (1.13-1.20x). Where the cost went at B4 when the call took 3.84 ms, before these
+    sums shrank from 34 rows to 2 (probes, paired rounds, parts left out in turn): the
+    summing of the dumps outside 0.09, their writes 0.12, the other tiles' row sums
+    0.13, the dQ kernel's row sums for the exact deltas 0.13, the rest (the dK/dV
+    program with the read's derivative, the per-head flushes of the 34 rows) 0.21."""
+    dump_ref, staging, first_offset, count, first_slot = dump
+    offset = lax.div(kv_start - q_start, TILE) - first_offset
+
+    def write():
+        # The last tile's copy has read the staging tile by now, or soon: tiles at the
+        # dumped offsets are a few steps apart.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        staging[...] = weighted
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
+
+    def before():
+        add(0, weighted.sum(axis=1))
+
+    def after():
+        add(1, weighted.sum(axis=1))
+
+    lax.cond(offset < 0, before, lambda: lax.cond(offset < count, write, after))
 
 
 def _drain(consumed, num_steps, num_stages):
@@ -648,40 +703,104 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                for position in relative]
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
+    dumps = [dump for _, _, dump in entries]
     run = _vmappable(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
         masked_first=masked_first, pair_positions=pair_positions,
-        relative_positions=relative))
+        relative_positions=relative,
+        dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
+                           for dump in dumps)))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
                                # The run counts stay out: each tile's span bounds its loop.
-                               tuple(tables[1:] for tables, _ in entries),
+                               tuple(tables[1:] for tables, _, _ in entries),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     if pair_positions:
         for position, grad in zip(pair_positions, _captured_gradients(
                 sums[0], launch.delta, d_lse, score_program, pair_positions, q.shape[1])):
             const_grads[position] = grad
-    for position, run_sums, (_, flat) in zip(relative, sums[len(sums) - len(relative):],
-                                            entries):
-        const_grads[position] = _relative_gradient(run_sums, flat, score_program.consts[position],
-                                                   k.shape[1])
+    dump_count = sum(dump is not None for dump in dumps)
+    dumped = iter(sums[len(sums) - dump_count:])
+    run_sums = sums[len(sums) - len(relative) - dump_count:]
+    for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
+        const_grads[position] = _relative_gradient(
+            run_sum, None if dump is None else next(dumped), flat, dump,
+            score_program.consts[position], entry_count(score_program, position),
+            tables[4:], padded_q_len, k.shape[1])
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
-def _relative_gradient(run_sums, flat, const, kv_len):
+def _relative_gradient(run_sums, dumped, flat, dump, const, entries, q_tables, padded_q_len,
+                       kv_len):
     """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
-    kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]):
-    summed over the keys (padded ones left out), then into the array's entries by
+    kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]), or
+    with a `relative_reads.Dump`, its sums per key of the tiles before and past the
+    dumped offsets (2 rows in place of E) and its `dumped` tiles: summed over the keys
+    (padded ones left out) per (b, h, local entry), then into the array's entries by
     `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`)."""
-    batch, heads, slots, count, rows = run_sums.shape
-    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, count, slots * rows)
-    per_entry = jnp.sum(per_key[..., :kv_len], axis=-1)
+    batch, heads, slots, rows, keys = run_sums.shape
+    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, rows, slots * keys)
+    per_row = jnp.sum(per_key[..., :kv_len], axis=-1)
+    if dump is None:
+        per_entry = per_row
+    else:
+        per_entry = _dumped_entry_sums(dumped, dump,
+                                       _visited_tiles(q_tables, padded_q_len, dump),
+                                       entries, kv_len)
+        # Every tile before the dumped offsets reaches the first dumped diagonal's entry,
+        # every tile past them the last one's.
+        for row, entry in ((0, dump.entries[:, :, 0, 0]), (1, dump.entries[:, :, -1, -1])):
+            per_entry = per_entry + jnp.where(entry[..., None] == np.arange(entries),
+                                              per_row[..., row, None], 0.0)
     flat = jnp.broadcast_to(flat, per_entry.shape)
     gradient = fixed_order_scatter_sum(flat.reshape(-1), per_entry.reshape(-1),
                                        jnp.size(const))
     return gradient.reshape(jnp.shape(const)).astype(const.dtype)
+
+
+def _visited_tiles(q_tables, padded_q_len, dump):
+    """[Bt, Ht, key tiles, dump.count] bool: whether the dK/dV kernel visits (and so
+    dumps) the tile of each key tile at each of the dump's offsets, from the BlockMask's
+    tables of query blocks per key block (full and partial)."""
+    full_num, full_indices, num, indices = q_tables
+    q_blocks = padded_q_len // BLOCK
+    blocks = jnp.arange(q_blocks, dtype=jnp.int32)
+
+    def listed(count, listed_indices):
+        valid = jnp.arange(listed_indices.shape[-1]) < count[..., None]
+        return jnp.any(valid[..., None] & (listed_indices[..., None] == blocks), axis=-2)
+
+    per_block = listed(full_num, full_indices) | listed(num, indices)  # [Bt, Ht, nkb, nqb]
+    key_tiles = jnp.arange(per_block.shape[2] * TILES_PER_BLOCK, dtype=jnp.int32)
+    query_tiles = (key_tiles[:, None]
+                   - (dump.first_offset + jnp.arange(dump.count, dtype=jnp.int32))[None, :])
+    inside = (query_tiles >= 0) & (query_tiles < q_blocks * TILES_PER_BLOCK)
+    query_blocks = jnp.clip(query_tiles // TILES_PER_BLOCK, 0, q_blocks - 1)
+    return per_block[:, :, (key_tiles // TILES_PER_BLOCK)[:, None], query_blocks] & inside
+
+
+def _dumped_entry_sums(dumped, dump, visited, entries, kv_len):
+    """[B, Hq, entries]: the dumped tiles dS' g (dumped [B Hq key_tiles count, 64 keys,
+    64 queries], `relative_reads.Dump`) summed by local entry. Tiles the kernel did not
+    visit hold whatever the buffer held: `visited` [Bt, Ht, key tiles, count] selects
+    the others; padded keys are left out. Summed over the key tiles, then along each
+    diagonal (a skewed view: the tile's queries reversed and padded to a pitch of 128,
+    read at a pitch of 127, puts diagonal kv_idx - q_idx = TILE o + m - 63 in column m),
+    then by entry in a fixed order: bitwise reproducible."""
+    key_tiles, count = visited.shape[2:]
+    heads = dump.entries.shape[1]
+    batch = dumped.shape[0] // (heads * key_tiles * count)
+    tiles = dumped.reshape(batch, heads, key_tiles, count, TILE, TILE)
+    keys = (jnp.arange(key_tiles)[:, None] * TILE + jnp.arange(TILE)[None, :]) < kv_len
+    keep = visited[:, :, :, :, None, None] & keys[None, None, :, None, :, None]
+    summed = jnp.sum(jnp.where(keep, tiles, 0.0), axis=2)  # [B, Hq, count, keys, queries]
+    skewed = jnp.pad(summed[..., ::-1], [(0, 0)] * 4 + [(0, TILE)])
+    skewed = skewed.reshape(batch, heads, count, TILE * 2 * TILE)[..., :TILE * (2 * TILE - 1)]
+    diagonals = skewed.reshape(batch, heads, count, TILE, 2 * TILE - 1).sum(axis=3)
+    one_hot = dump.entries[..., None] == np.arange(entries)  # [Bm, Hq, count, 127, E]
+    return jnp.sum(jnp.where(one_hot, diagonals[..., None], 0.0), axis=(2, 3))
 
 
 def _exact_delta(rows, delta, d_lse):
@@ -707,11 +826,13 @@ def _vmappable(launch):
 
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
-            relative_positions):
+            relative_positions, dump_offsets):
     """The two kernels on block-padded operands (`backward.prepare_operands`): (dq, dk,
     dv), then the dQ kernel's row sums where any gradient of a captured array is wanted,
     then per array at `relative_positions` the dK/dV kernel's sums per entry (its
-    `entry_tables_`). d_lse: padded, or None (zero or no relative positions)."""
+    `entry_tables_`), then the tiles dumped for those with `dump_offsets` (`Dump`'s
+    (first_offset, count) or None per array). d_lse: padded, or None (zero or no relative
+    positions)."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
@@ -789,19 +910,28 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=relative_entries,
-                            **settings)
+                            dump_offsets=dump_offsets, **settings)
+    # A dumped table's sums have two rows: the tiles before and past its offsets.
+    sum_rows = tuple(entries if offsets is None else 2
+                     for entries, offsets in zip(relative_entries, dump_offsets))
+    entry_smem = tuple(vectors(COMPUTE_WARPGROUPS, rows, ROWS_PER_WARPGROUP)
+                       for rows in sum_rows)
     run_sums_type = tuple(
-        jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, entries,
+        jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, rows,
                               ROWS_PER_WARPGROUP), jnp.float32)
-        for entries in relative_entries)
-    entry_smem = tuple(vectors(COMPUTE_WARPGROUPS, entries, ROWS_PER_WARPGROUP)
-                       for entries in relative_entries)
+        for rows in sum_rows)
+    dumps_type = tuple(
+        jax.ShapeDtypeStruct((batch * q_heads * COMPUTE_WARPGROUPS * num_kv_blocks * count,
+                              ROWS_PER_WARPGROUP, Q_TILE), jnp.float32)
+        for _, count in filter(None, dump_offsets))
+    if dumps_type:  # the staging tile the dumps are copied from, one per warpgroup
+        entry_smem += (vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE),)
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
         (*captured_for(dkv_program, dkv_reads),
          *[table.astype(jnp.int32) for tables in entry_tables_ for table in tables]),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         *run_sums_type),
+         *run_sums_type, *dumps_type),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
          smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),

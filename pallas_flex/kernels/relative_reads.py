@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
@@ -34,6 +35,7 @@ from pallas_flex.masks.mod_program import CALL_JAXPR_PARAMS
 
 BLOCK = 128  # the Mosaic kernels' BlockMask block (`mosaic_eligibility.BLOCK`)
 WINDOW = 2 * BLOCK - 1  # the diagonals kv_idx - q_idx one block pair spans
+TILE = 64  # the dK/dV kernel's tiles: 64 keys x 64 queries
 TABLE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.int32)
 
 
@@ -185,15 +187,32 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
     its value (the entry's row-major number along the array's axes indexed by
     kv_idx - q_idx, `varying_axes`: 0 <= entry < `entry_count`), and per 64 x 64 tile of
     a block pair (its keys' start less its queries' start -64, 0 or 64 from the block
-    diagonal's) the runs it reaches, [first, last + 1); and flat [Bm, H, E] int32, each
+    diagonal's) the runs it reaches, [first, last + 1); flat [Bm, H, E] int32, each
     (b, h, local entry)'s flat index in the array (the other axes' indices are the
-    pair's)."""
+    pair's); and the read's `Dump` or None."""
     numbers = numbered(reads)
     (number,) = [n for key, n in numbers.items() if reads[key].position == position]
+    table_batch = batch if program.uses_batch else 1
+    differences, window = _windows(q_length, kv_length)
+    local, flat = _local_entries(program, numbers, number, position, table_batch, heads,
+                                 differences)
+    counts, starts, entries = _runs(local[:, :, window], window + differences[0])
+    spans = _tile_spans(counts, starts, window + differences[0])
+    # The indices usually depend on b, h, q_idx and kv_idx only (T5's bucket): evaluated
+    # at trace time, they fix which tiles the kernel dumps.
+    with jax.ensure_compile_time_eval():
+        differences, _ = _windows(q_length, kv_length)
+        concrete, _ = _local_entries(program, numbers, number, position, table_batch,
+                                     heads, differences)
+        dump = Dump.of(concrete, int(differences[0]), q_length, kv_length)
+    return (counts, starts, entries, spans), flat, dump
+
+
+def _local_entries(program, numbers, number, position, table_batch, heads, differences):
+    """(each (b, h, difference)'s local entry [Bm, H, D], each (b, h, local entry)'s flat
+    index [Bm, H, E]) of relative read `number`, which reads the array at `position`."""
     axes = varying_axes(program)[position]
     shape = jnp.shape(program.consts[position])
-    differences, window = _windows(q_length, kv_length)
-    table_batch = batch if program.uses_batch else 1
     _, indices = _per_difference(program, {key: n for key, n in numbers.items()
                                            if n == number}, table_batch, heads, differences)
     pair_shape = (table_batch, heads, differences.shape[0])
@@ -208,12 +227,42 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
                jnp.zeros(pair_shape[:2], jnp.int32))
     digits = np.indices([shape[axis] for axis in axes]).reshape(len(axes), -1)
     offsets = sum(digits[i] * int(strides[axis]) for i, axis in enumerate(axes))
-    flat = base[..., None] + jnp.asarray(offsets, jnp.int32)
-    counts, starts, entries = _runs(local[:, :, window], window + differences[0])
-    return (counts, starts, entries, _tile_spans(counts, starts, window + differences[0])), flat
+    return local, base[..., None] + jnp.asarray(offsets, jnp.int32)
 
 
-TILE = 64  # the dK/dV kernel's tiles: 64 keys x 64 queries
+class Dump(NamedTuple):
+    """The 64 x 64 dK/dV tiles whose differences reach more than one entry for some
+    (b, h): those whose keys' start less their queries' start is TILE * o for o in
+    [first_offset, first_offset + count). The dK/dV kernel writes each such tile's dS' g
+    to HBM, and `backward_mosaic._dumped_entry_sums` sums it by diagonal, then by entry:
+    in the kernel, one compare, select and cross-thread sum per element and run cost
+    ~1000 cycles a run (some 30 runs a T5 tile on the diagonal). entries [Bm, H, count,
+    2 TILE - 1] int32: the local entry of each (b, h, tile offset, diagonal), the
+    diagonals kv_idx - q_idx from TILE * o - (TILE - 1) on."""
+    first_offset: int
+    count: int
+    entries: np.ndarray
+
+    @staticmethod
+    def of(local, first_difference: int, q_length: int, kv_length: int):
+        """The Dump of a read with local entries `local` [Bm, H, D] at the differences
+        from `first_difference` on, or None where they are traced (the index reads a
+        traced array: the kernel sums the runs itself) or one entry everywhere."""
+        try:
+            per_difference = np.asarray(local)
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            return None
+        # changes[i]: the entry differs between differences first + i and first + i + 1.
+        changes = np.any(per_difference[..., 1:] != per_difference[..., :-1], axis=(0, 1))
+        reaches = lambda offset: TILE * offset - (TILE - 1) - first_difference
+        offsets = [offset for offset in range(-(q_length // TILE) + 1, kv_length // TILE)
+                   if changes[reaches(offset):reaches(offset) + 2 * (TILE - 1)].any()]
+        if not offsets:
+            return None
+        first, count = offsets[0], offsets[-1] - offsets[0] + 1
+        positions = (np.array([reaches(first + o) for o in range(count)])[:, None]
+                     + np.arange(2 * TILE - 1)[None, :])
+        return Dump(first, count, per_difference[:, :, positions].astype(np.int32))
 
 
 def _tile_spans(counts, starts, differences):
@@ -295,5 +344,5 @@ def _per_difference(program, numbers, table_batch, heads, differences):
     return values, read_indices
 
 
-__all__ = ["RelativeRead", "TABLE_DTYPES", "WINDOW", "entry_count", "entry_tables", "numbered",
+__all__ = ["Dump", "RelativeRead", "TABLE_DTYPES", "WINDOW", "entry_count", "entry_tables", "numbered",
            "relative_reads", "relative_tables", "varying_axes"]

@@ -16,7 +16,7 @@ def _entries_per_difference(program, position, batch, heads, q_length, kv_length
     """Rebuilds, per (b, h) and block diagonal, the local entry of every difference from
     the runs, and checks the tile spans on the way."""
     reads = mosaic_eligibility.tile_reads(program)
-    (counts, starts, entries, spans), flat = relative_reads.entry_tables(
+    (counts, starts, entries, spans), flat, dump = relative_reads.entry_tables(
         program, reads, position, batch, heads, q_length, kv_length)
     blocks = max(q_length, kv_length) // 128
     rebuilt = {}
@@ -39,7 +39,28 @@ def _entries_per_difference(program, position, batch, heads, q_length, kv_length
                                and (run + 1 == runs or run_starts[run + 1] > low)]
                     first, end = np.asarray(spans[index + (offset_index,)])
                     assert (first, end) == (reached[0], reached[-1] + 1), (index, offset)
-    return rebuilt, np.asarray(flat), np.asarray(spans)
+    _check_dump(dump, rebuilt, counts.shape[0], heads, q_length, kv_length)
+    return rebuilt, np.asarray(flat), np.asarray(spans), dump
+
+
+def _check_dump(dump, rebuilt, table_batch, heads, q_length, kv_length):
+    """The dumped 64 x 64 tile offsets cover every offset whose 127 diagonals reach two
+    entries for some (b, h), and list each diagonal's entry."""
+    blocks = max(q_length, kv_length) // 128
+    for b in range(table_batch):
+        for h in range(heads):
+            entry_of = {}
+            for diagonal in range(-(blocks - 1), blocks):
+                differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
+                entry_of.update(zip(differences.tolist(),
+                                    rebuilt[(b, h, diagonal + blocks - 1)].tolist()))
+            for offset in range(-(q_length // 64) + 1, kv_length // 64):
+                local = [entry_of[d] for d in range(64 * offset - 63, 64 * offset + 64)]
+                dumped = dump is not None and 0 <= offset - dump.first_offset < dump.count
+                assert dumped or len(set(local)) == 1, (b, h, offset)
+                if dumped:
+                    np.testing.assert_array_equal(
+                        dump.entries[b, h, offset - dump.first_offset], local)
 
 
 @pytest.mark.parametrize("bidirectional", [False, True])
@@ -53,7 +74,10 @@ def test_t5_entry_runs_split_equal_values_and_point_into_the_table(bidirectional
         masks.t5_relative_bias(jnp.asarray(table), bidirectional=bidirectional), SCORE)
     assert mosaic_eligibility.relative_positions(program, (0,)) == (0,)
     assert relative_reads.entry_count(program, 0) == 32
-    rebuilt, flat, _ = _entries_per_difference(program, 0, 2, 3, 384, 256)
+    rebuilt, flat, _, dump = _entries_per_difference(program, 0, 2, 3, 384, 256)
+    # The buckets change up to |kv_idx - q_idx| = 91 both ways (one way, up to 112 keys
+    # before the query): the tiles up to two offsets from the diagonal are dumped.
+    assert (dump.first_offset, dump.count) == ((-2, 5) if bidirectional else (-2, 3))
     for (b, h, diagonal_index), local in rebuilt.items():
         diagonal = diagonal_index - 2
         differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
@@ -75,7 +99,10 @@ def test_a_table_read_at_b_and_a_clipped_difference():
 
     program = make_mod_program(score_mod, SCORE)
     assert relative_reads.varying_axes(program) == {0: (1,)}
-    rebuilt, flat, spans = _entries_per_difference(program, 0, 2, 2, 256, 256)
+    rebuilt, flat, spans, dump = _entries_per_difference(program, 0, 2, 2, 256, 256)
+    # The entries change from difference -3 to 3: the tiles one offset from the diagonal
+    # reach two entries or more; the others are not dumped.
+    assert (dump.first_offset, dump.count) == (-1, 3)
     for (b, h, diagonal_index), local in rebuilt.items():
         diagonal = diagonal_index - 1
         differences = np.arange(diagonal * 128 - 127, diagonal * 128 + 128)
