@@ -721,19 +721,18 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         for position, grad in zip(pair_positions, _captured_gradients(
                 sums[0], launch.delta, d_lse, score_program, pair_positions, q.shape[1])):
             const_grads[position] = grad
-    dump_count = sum(dump is not None for dump in dumps)
-    dumped = iter(sums[len(sums) - dump_count:])
-    run_sums = sums[len(sums) - len(relative) - dump_count:]
+    # The dK/dV kernel's outputs end with one run-sums array per relative read, then one
+    # dump per read that has one.
+    tail = sums[len(sums) - len(relative) - sum(dump is not None for dump in dumps):]
+    run_sums, dumped = tail[:len(relative)], iter(tail[len(relative):])
     for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
         const_grads[position] = _relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
-            score_program.consts[position], entry_count(score_program, position),
-            tables[4:], padded_q_len, k.shape[1])
+            score_program.consts[position], block_mask, k.shape[1])
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
-def _relative_gradient(run_sums, dumped, flat, dump, const, entries, q_tables, padded_q_len,
-                       kv_len):
+def _relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
     """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
     kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]), or
     with a `relative_reads.Dump`, its sums per key of the tiles before and past the
@@ -746,8 +745,8 @@ def _relative_gradient(run_sums, dumped, flat, dump, const, entries, q_tables, p
     if dump is None:
         per_entry = per_row
     else:
-        per_entry = _dumped_entry_sums(dumped, dump,
-                                       _visited_tiles(q_tables, padded_q_len, dump),
+        entries = flat.shape[-1]
+        per_entry = _dumped_entry_sums(dumped, dump, _visited_tiles(block_mask, dump),
                                        entries, kv_len)
         # Every tile before the dumped offsets reaches the first dumped diagonal's entry,
         # every tile past them the last one's.
@@ -760,19 +759,12 @@ def _relative_gradient(run_sums, dumped, flat, dump, const, entries, q_tables, p
     return gradient.reshape(jnp.shape(const)).astype(const.dtype)
 
 
-def _visited_tiles(q_tables, padded_q_len, dump):
+def _visited_tiles(block_mask, dump):
     """[Bt, Ht, key tiles, dump.count] bool: whether the dK/dV kernel visits (and so
-    dumps) the tile of each key tile at each of the dump's offsets, from the BlockMask's
-    tables of query blocks per key block (full and partial)."""
-    full_num, full_indices, num, indices = q_tables
-    q_blocks = padded_q_len // BLOCK
-    blocks = jnp.arange(q_blocks, dtype=jnp.int32)
-
-    def listed(count, listed_indices):
-        valid = jnp.arange(listed_indices.shape[-1]) < count[..., None]
-        return jnp.any(valid[..., None] & (listed_indices[..., None] == blocks), axis=-2)
-
-    per_block = listed(full_num, full_indices) | listed(num, indices)  # [Bt, Ht, nkb, nqb]
+    dumps) the tile of each key tile at each of the dump's offsets: those of the blocks
+    the BlockMask computes."""
+    per_block = jnp.swapaxes(block_mask.to_dense() > 0, -1, -2)  # [Bt, Ht, nKV, nQ]
+    q_blocks = per_block.shape[-1]
     key_tiles = jnp.arange(per_block.shape[2] * TILES_PER_BLOCK, dtype=jnp.int32)
     query_tiles = (key_tiles[:, None]
                    - (dump.first_offset + jnp.arange(dump.count, dtype=jnp.int32))[None, :])
