@@ -132,9 +132,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
-    entry_refs, (dk_ref, dv_ref) = rest[:3 * sites], rest[3 * sites:3 * sites + 2]
-    run_sums_refs = rest[3 * sites + 2:4 * sites + 2]
-    dump_refs, (scratch,) = iter(rest[4 * sites + 2:-1]), rest[-1:]
+    # Three entry tables per array that sums its runs, none per dumped one.
+    entry_refs, position = [], 0
+    for offsets in dump_offsets:
+        entry_refs.append(rest[position:position + (3 if offsets is None else 0)])
+        position += len(entry_refs[-1])
+    dk_ref, dv_ref = rest[position:position + 2]
+    run_sums_refs = rest[position + 2:position + 2 + sites]
+    dump_refs, (scratch,) = iter(rest[position + 2 + sites:-1]), rest[-1:]
     dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
@@ -154,7 +159,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     def walk(visit, carry, after_member=None):
         """visit(step, head, q_start, masked, carry) on every 64-row query tile of the
         key block's column, for each query head of the group; step counts them all;
-        after_member(head) after each head's tiles."""
+        carry = after_member(head, carry) after each head's tiles."""
         def member_walk(member, state):
             head = kv_head * group + member
             table = (table_batch, 0 if broadcast_heads else head, kv_block)
@@ -167,7 +172,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     return step + 1, visit(step, head, q_start, masked, carry)
                 state = lax.fori_loop(0, num_ref[table] * TILES_PER_BLOCK, visit_tile, state)
             if after_member is not None:
-                after_member(head)
+                step, carry = state
+                state = step, after_member(head, carry)
             return state
         if group == 1:
             return member_walk(0, (jnp.int32(0), carry))
@@ -207,11 +213,13 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             return with_accumulators(
                 functools.partial(step_matmuls, q_tile, do_tile, slot, head, q_start, masked),
-                carry, (tile, tile), interpret=interpret)
+                carry[:2], (tile, tile), interpret=interpret, states=tuple(carry[2:]))
 
-        def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh):
+        def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh,
+                         states=()):
             """S^T and dP^T issued together; P^T computed while dP^T runs, then dV's
-            wgmma issued; dS^T while dV runs; then dK's."""
+            wgmma issued; dS^T while dV runs; then dK's. states: per dumped array, the
+            key sums of the tiles before and past its offsets."""
             (d_k, d_v), (scores_ref, d_probabilities_ref) = carried, fresh
             issue(scores_ref, k_smem, q_tile, transpose_b=True, interpret=interpret)
             issue(d_probabilities_ref, v_smem, do_tile, transpose_b=True, interpret=interpret)
@@ -244,6 +252,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 d_scores_t_weighted = d_scores_t
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
+            states = iter(states)
             for site, derivative in enumerate(read_derivatives):
                 dump = None
                 if dump_refs[site] is not None:
@@ -251,10 +260,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     # Slots [B, Hq, key tiles, count] flattened.
                     key_tile = kv_block * COMPUTE_WARPGROUPS + warpgroup
                     dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
-                            ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count)
+                            ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count,
+                            (next(states), next(states)))
                 _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
-                                 entry_refs[3 * site:3 * site + 3], dump, batch=batch,
-                                 head=head, q_start=q_start, kv_start=kv_start, tile=tile,
+                                 entry_refs[site], dump, batch=batch, head=head,
+                                 q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
             # The slot is released once dK's wgmma has read it: reading the accumulators
             # at the end of `with_accumulators` waits for every wgmma of the step.
@@ -264,11 +274,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
+        # Per dumped array, two key sums carried in registers (`_dump_or_add`).
+        no_sums = plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP,)), vector_layout(0))
+        carry += (no_sums,) * (2 * sum(ref is not None for ref in dump_refs))
         for site in range(sites):
-            _clear(entry_smem[site].at[warpgroup])
+            if dump_refs[site] is None:
+                _clear(entry_smem[site].at[warpgroup])
 
-        def flush(head):
-            """The head's entry sums to its slot of run_sums_ref; the rows zeroed."""
+        def flush(head, carry):
+            """The head's entry sums to its slot of run_sums_ref (a dumped array's from
+            the carry); the sums zeroed."""
+            sums = iter(carry[2:])
+            for site in range(sites):
+                if dump_refs[site] is not None:
+                    for row in range(2):
+                        entry_smem[site].at[warpgroup, row][...] = next(sums)
             plgpu.commit_smem()
             for site in range(sites):
                 plgpu.copy_smem_to_gmem(
@@ -278,9 +298,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             plgpu.commit_smem_to_gmem_group()
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for site in range(sites):
-                _clear(entry_smem[site].at[warpgroup])
+                if dump_refs[site] is None:
+                    _clear(entry_smem[site].at[warpgroup])
+            return list(carry[:2]) + [no_sums] * (len(carry) - 2)
 
-        _, (d_k, d_v) = walk(visit, list(carry), flush if sites else None)
+        _, (d_k, d_v, *_) = walk(visit, list(carry), flush if sites else None)
         k_smem[...] = (d_k * scale).astype(dtype)
         v_smem[...] = d_v.astype(dtype)
         plgpu.commit_smem()
@@ -342,7 +364,8 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
     Each tile loops over the runs its differences reach only (the table's spans). This
     loop is what runs where the entries are traced (no `relative_reads.Dump`); with a
     `dump` (dump_ref, staging [64, 64] float32 shared memory, the Dump's first offset and
-    count, the key tile's first slot) `_dump_or_add` takes the tile instead.
+    count, the key tile's first slot, refs to the two key sums the walk carries)
+    `_dump_or_add` takes the tile instead.
 
     H100, causal + one-way T5 [Hq, 32] forward+backward with the run loop (`pallas-flex
     bench captured_gradients`; ms, with the table's gradient / without): B4 H16 S4096
@@ -352,7 +375,6 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
     then entry). A/B probes of the loop (AOT-compiled, paired rounds, before the spans):
     two runs a step 4.56 against 4.62 ms, the table loads a step ahead 4.67, the sums
     after dK's wgmma instead of beside it 4.64."""
-    starts_ref, entries_ref, spans_ref = tables
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if varying is None and per_row is None:
         return  # the read does not change the score
@@ -365,8 +387,9 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
         sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
 
     if dump is not None:
-        _dump_or_add(weighted, dump, add, kv_start=kv_start, q_start=q_start)
+        _dump_or_add(weighted, dump, kv_start=kv_start, q_start=q_start)
         return
+    starts_ref, entries_ref, spans_ref = tables
     blocks = (spans_ref.shape[2] + 1) // 2
     row = (0 if spans_ref.shape[0] == 1 else batch, head,
            lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
@@ -394,38 +417,37 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
     lax.cond(end - first > 1, several, single)
 
 
-def _dump_or_add(weighted, dump, add, *, kv_start, q_start):
+def _dump_or_add(weighted, dump, *, kv_start, q_start):
     """A tile at one of the dump's offsets to HBM; the others, which reach one entry
     each, the same on every tile before the dumped offsets and on every tile past them
-    (`relative_reads.Dump`), summed per key into rows 0 and 1 of the sums: no table
-    read in the kernel. `_relative_gradient` sums the dumped tiles by diagonal, then by
-    entry.
+    (`relative_reads.Dump`), summed per key into the two register vectors the walk
+    carries (dump's last element), which go to rows 0 and 1 of the sums per head: no
+    table read and no shared-memory sum in the kernel. `_relative_gradient` sums the
+    dumped tiles by diagonal, then by entry.
 
     H100, the same cases as `_accumulate_runs`' figures (ms, with the table's gradient /
-    without): B4 3.76 / 3.19, B1 S16384 11.2 / 9.59, B8 D64 1.90 / 1.69, GQA 7.47 / 6.23
-    (1.13-1.20x). Where the cost went at B4 when the call took 3.84 ms, before these
-    sums shrank from 34 rows to 2 (probes, paired rounds, parts left out in turn): the
-    summing of the dumps outside 0.09, their writes 0.12, the other tiles' row sums
-    0.13, the dQ kernel's row sums for the exact deltas 0.13, the rest (the dK/dV
-    program with the read's derivative, the per-head flushes of the 34 rows) 0.21."""
-    dump_ref, staging, first_offset, count, first_slot = dump
+    without), with these sums in shared memory: B4 3.76 / 3.19, B1 S16384 11.2 / 9.59, B8
+    D64 1.90 / 1.69, GQA 7.47 / 6.23 (1.13-1.20x). Where the cost went at B4 when the
+    call took 3.84 ms, before they shrank from 34 rows to 2 (probes, paired rounds, parts
+    left out in turn): the summing of the dumps outside 0.09, their writes 0.12, the
+    other tiles' row sums 0.13, the dQ kernel's row sums for the exact deltas 0.13, the
+    rest (the dK/dV program with the read's derivative, the per-head flushes of the 34
+    rows, the entry tables computed per call) 0.21."""
+    dump_ref, staging, first_offset, count, first_slot, (before, after) = dump
     offset = lax.div(kv_start - q_start, TILE) - first_offset
+    sums = weighted.sum(axis=1)
+    # Selected by a factor, not a branch: the sums stay in registers.
+    before[...] = before[...] + sums * (offset < 0).astype(jnp.float32)
+    after[...] = after[...] + sums * (offset >= count).astype(jnp.float32)
 
-    def write():
+    @pl.when((offset >= 0) & (offset < count))
+    def _():
         # The last tile's copy has read the staging tile by now, or soon: tiles at the
         # dumped offsets are a few steps apart.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         staging[...] = weighted
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
-
-    def before():
-        add(0, weighted.sum(axis=1))
-
-    def after():
-        add(1, weighted.sum(axis=1))
-
-    lax.cond(offset < 0, before, lambda: lax.cond(offset < count, write, after))
 
 
 def _drain(consumed, num_steps, num_stages):
@@ -714,7 +736,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
                                # The run counts stay out: each tile's span bounds its loop.
-                               tuple(tables[1:] for tables, _, _ in entries),
+                               tuple(() if tables is None else tables[1:]
+                                     for tables, _, _ in entries),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     if pair_positions:

@@ -187,17 +187,13 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
     its value (the entry's row-major number along the array's axes indexed by
     kv_idx - q_idx, `varying_axes`: 0 <= entry < `entry_count`), and per 64 x 64 tile of
     a block pair (its keys' start less its queries' start -64, 0 or 64 from the block
-    diagonal's) the runs it reaches, [first, last + 1); flat [Bm, H, E] int32, each
-    (b, h, local entry)'s flat index in the array (the other axes' indices are the
-    pair's); and the read's `Dump` or None."""
+    diagonal's) the runs it reaches, [first, last + 1), or None where the read has a
+    `Dump` (its kernel reads no table); flat [Bm, H, E] int32, each (b, h, local
+    entry)'s flat index in the array (the other axes' indices are the pair's); and the
+    read's `Dump` or None."""
     numbers = numbered(reads)
     (number,) = [n for key, n in numbers.items() if reads[key].position == position]
     table_batch = batch if program.uses_batch else 1
-    differences, window = _windows(q_length, kv_length)
-    local, flat = _local_entries(program, numbers, number, position, table_batch, heads,
-                                 differences)
-    counts, starts, entries = _runs(local[:, :, window], window + differences[0])
-    spans = _tile_spans(counts, starts, window + differences[0])
     # The indices usually depend on b, h, q_idx and kv_idx only (T5's bucket): evaluated
     # at trace time, they fix which tiles the kernel dumps.
     with jax.ensure_compile_time_eval():
@@ -205,7 +201,14 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
         concrete, _ = _local_entries(program, numbers, number, position, table_batch,
                                      heads, differences)
         dump = Dump.of(concrete, int(differences[0]), q_length, kv_length)
-    return (counts, starts, entries, spans), flat, dump
+    differences, window = _windows(q_length, kv_length)
+    local, flat = _local_entries(program, numbers, number, position, table_batch, heads,
+                                 differences)
+    if dump is not None:
+        return None, flat, dump
+    counts, starts, entries = _runs(local[:, :, window], window + differences[0])
+    spans = _tile_spans(counts, starts, window + differences[0])
+    return (counts, starts, entries, spans), flat, None
 
 
 def _local_entries(program, numbers, number, position, table_batch, heads, differences):

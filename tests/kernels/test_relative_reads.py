@@ -3,6 +3,8 @@
 64 x 64 dK/dV tile reaches, and where each entry lies in the table. Checked against the
 bucket function evaluated per difference with numpy."""
 
+from unittest import mock
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,8 +18,14 @@ def _entries_per_difference(program, position, batch, heads, q_length, kv_length
     """Rebuilds, per (b, h) and block diagonal, the local entry of every difference from
     the runs, and checks the tile spans on the way."""
     reads = mosaic_eligibility.tile_reads(program)
-    (counts, starts, entries, spans), flat, dump = relative_reads.entry_tables(
-        program, reads, position, batch, heads, q_length, kv_length)
+    tables, flat, dump = relative_reads.entry_tables(program, reads, position, batch,
+                                                     heads, q_length, kv_length)
+    assert tables is None and dump is not None  # a dumped read's kernel reads no table
+    # The run tables, as where the entries are traced.
+    with mock.patch.object(relative_reads.Dump, "of", staticmethod(lambda *args: None)):
+        (counts, starts, entries, spans), flat, no_dump = relative_reads.entry_tables(
+            program, reads, position, batch, heads, q_length, kv_length)
+    assert no_dump is None
     blocks = max(q_length, kv_length) // 128
     rebuilt = {}
     for b in range(counts.shape[0]):
