@@ -465,8 +465,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
                row_count, interpret):
-    """row_count: 0, or 2 + 2 n for the n captured arrays read at indices of b and h
-    whose gradients the program accumulates (the score program's read derivatives g):
+    """row_count: 0; 1 (sum P dP, the exact deltas only); or 2 + 2 n for the n captured
+    arrays read at indices of b and h whose gradients the program accumulates (the score
+    program's read derivatives g):
     per query row, sums over the row's keys written to rows_ref [row_count, B, Hq, S]
     (`_accumulate_rows`, `_captured_gradients`, `_exact_delta`)."""
     mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_tile_refs(
@@ -572,7 +573,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             if rows:
                 # Before dQ's wgmma: after it, P and dS' would stay live next to the
                 # 16-bit dS it reads from registers.
-                _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile)
+                _accumulate_rows(rows, probabilities, d_probabilities, d_scores,
+                                 read_derivatives, tile)
             if score_derivative is not None:
                 d_scores = d_scores * score_derivative
             issue(d_q, d_scores.astype(dtype), k_tile, interpret=interpret)
@@ -628,12 +630,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         _drain((k_consumed, v_consumed), num_steps, num_stages)
 
 
-def _accumulate_rows(rows, probabilities, d_scores, read_derivatives, tile):
+def _accumulate_rows(rows, probabilities, d_probabilities, d_scores, read_derivatives, tile):
     """rows[0] += sum dS' and rows[1] += sum P over the tile's keys, per query row, with
     dS' = P (dP - delta) before the score derivative; per read derivative g,
     rows[2 + 2i] += sum dS' g and rows[3 + 2i] += sum P g (see `_captured_gradients`).
     g's part that depends on the query only multiplies the first two sums instead of
-    every element (`mosaic_tiles.split_rows`)."""
+    every element (`mosaic_tiles.split_rows`). With one row only (the exact deltas of a
+    call without those reads), rows[0] += sum P dP: one sum in place of two."""
+    if len(rows) == 1:
+        rows[0][...] = rows[0][...] + (probabilities * d_probabilities).sum(axis=1)
+        return
     d_sum, p_sum = d_scores.sum(axis=1), probabilities.sum(axis=1)
     rows[0][...] = rows[0][...] + d_sum
     rows[1][...] = rows[1][...] + p_sum
@@ -819,11 +825,12 @@ def _dumped_entry_sums(dumped, dump, visited, entries, kv_len):
 
 
 def _exact_delta(rows, delta, d_lse):
-    """Each row's delta* = sum P dP - dlse from the dQ kernel's row sums D = sum dS' and
-    E = sum P (`_accumulate_rows`): sum P dP = D + delta E. The kernels' delta takes
-    rowsum(dO * out) from the output rounded to 16 bits; a table's gradient sums dS over
-    many rows, each of which would keep its rounding error (see `_captured_gradients`)."""
-    exact = rows[0] + delta * rows[1]
+    """Each row's delta* = sum P dP - dlse from the dQ kernel's row sums: sum P dP itself
+    (one row), or D = sum dS' and E = sum P, sum P dP = D + delta E (`_accumulate_rows`).
+    The kernels' delta takes rowsum(dO * out) from the output rounded to 16 bits; a
+    table's gradient sums dS over many rows, each of which would keep its rounding error
+    (see `_captured_gradients`)."""
+    exact = rows[0] if rows.shape[0] == 1 else rows[0] + delta * rows[1]
     return exact if d_lse is None else exact - d_lse
 
 
@@ -852,7 +859,6 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
     group = q_heads // kv_heads
-    wants_gradients = bool(pair_positions or relative_positions)
     dq_program = dkv_program = None
     if score_program is not None:
         # The dQ kernel also differentiates the values read at indices of b and h from
@@ -895,7 +901,9 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         )(*operands, *kernel_tables, *captured)
 
     dq_stages = _DQ_STAGES[head_dim]
-    row_count = 2 + 2 * len(pair_positions) if wants_gradients else 0
+    # Without reads at b and h, the exact deltas need sum P dP only.
+    row_count = (2 + 2 * len(pair_positions) if pair_positions
+                 else 1 if relative_positions else 0)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
                            row_count=row_count, **settings)
