@@ -315,3 +315,34 @@ def test_the_captured_gradients_suite_pairs_each_table_with_the_call_without_it(
         assert row["acceptance"]["criterion"] == "pallas_flex / no_table_gradient <= 1.1"
         assert row["acceptance"]["value"] == pytest.approx(
             row["pallas_flex"]["ms"] / row["no_table_gradient"]["ms"])
+
+
+def test_columns_timed_one_after_another_are_timed_again_in_paired_rounds(monkeypatch):
+    """`_pair`: every column `_measure` timed runs once per round, and the rounds' median
+    (per step of a chained call) replaces the first measurement's ms."""
+    import types
+
+    from pallas_flex.bench import jax_suites, timing
+    calls = []
+    clock = iter(range(1000))
+
+    def fake_time_calls(fn, args, *, iters, repeats):
+        calls.append(fn.__name__)
+        return {"ms": float(next(clock)), "repeats_ms": [0.0]}, None
+    monkeypatch.setattr(timing, "time_calls", fake_time_calls)
+
+    def ours(x):
+        return x
+
+    def peer(x):
+        return x
+    options = types.SimpleNamespace(quick=False, timing={"iters": 4, "repeats": 3})
+    row = {"ours": {"ms": 50.0, "compile_s": 1.0}, "peer": {"ms": 60.0}}
+    jax_suites._pair(row, {"ours": (ours, (1,), 1), "peer": (peer, (1,), 2)}, options)
+    assert calls == ["ours", "peer"] * 3  # interleaved, one round after another
+    assert row["ours"]["rounds_ms"] == [0.0, 2.0, 4.0] and row["ours"]["ms"] == 2.0
+    assert row["peer"]["rounds_ms"] == [0.5, 1.5, 2.5] and row["peer"]["ms"] == 1.5
+    assert row["ours"]["compile_s"] == 1.0 and row["ours"]["timing"] == "paired rounds"
+    one = {"ours": {"ms": 50.0}}  # one column, or a quick run: nothing to pair
+    jax_suites._pair(one, {"ours": (ours, (1,), 1)}, options)
+    assert one == {"ours": {"ms": 50.0}} and calls == ["ours", "peer"] * 3

@@ -86,12 +86,15 @@ def _chained(attend, steps):
     return chained
 
 
-def _measure(row, name, fn, args, options, ours_out=None, steps=1):
+def _measure(row, name, fn, args, options, ours_out=None, steps=1, timed=None):
     """Times `fn(*args)` into row[name] (ms per step of a call chaining `steps`); returns
-    its output (a failure is the entry)."""
+    its output (a failure is the entry). timed: a dict that collects {name: (fn, args,
+    steps)} of the calls that ran, for `_pair`."""
     print(f"  {row['case']}: {name}", flush=True)
     try:
         row[name], out = time_calls(fn, args, **options.timing)
+        if timed is not None:
+            timed[name] = (fn, args, steps)
         if steps > 1:
             row[name]["ms"] /= steps
             row[name]["repeats_ms"] = [t / steps for t in row[name]["repeats_ms"]]
@@ -102,6 +105,23 @@ def _measure(row, name, fn, args, options, ours_out=None, steps=1):
         traceback.print_exc()
         row[name] = error_entry(error, "error" if ours_out is None else "unsupported")
         return None
+
+
+def _pair(row, timed, options):
+    """Times the calls in `timed` ({column: (fn, args, steps)}, each already measured on
+    its own by `_measure`) again in paired rounds, each round running every column once,
+    and makes those rounds' median the entries' ms: the H100's clock drifts under
+    sustained load (docs/gpu-notes.md, Measuring), which columns timed one after another
+    would pay unequally. The loops of the first measurement stay as repeats_ms."""
+    if len(timed) < 2 or options.quick:
+        return
+    paired = time_paired({name: (fn, args) for name, (fn, args, _) in timed.items()},
+                         rounds=options.timing["repeats"], iters=options.timing["iters"])
+    for name, entry in paired.items():
+        steps = timed[name][2]
+        row[name].update(ms=entry["ms"] / steps,
+                         rounds_ms=[t / steps for t in entry["rounds_ms"]],
+                         timing="paired rounds")
 
 
 def _samples(out, shape):
@@ -162,8 +182,9 @@ def attention(options, mode: str, decode: bool = False):
                                          backend=options.backend)
             if steps > 1:  # the samples the torch peer compares: one step's
                 row["samples"] = _samples(jax.jit(ours)(q, k, v, block_mask), shape)
+            timed = {}
             out = _measure(row, OURS, _step(_chained(ours, steps), mode),
-                           (q, k, v, d_out, block_mask), options, steps=steps)
+                           (q, k, v, d_out, block_mask), options, steps=steps, timed=timed)
             if out is not None and steps == 1:
                 row["samples"] = _samples(out, shape)
             if not on_gpu:
@@ -175,16 +196,18 @@ def attention(options, mode: str, decode: bool = False):
                 lengths = jnp.full(shape.batch, shape.seq_len, jnp.int32) if decode else None
                 _measure(row, "cudnn", _step(_chained(_cudnn(variant, shape, lengths), steps),
                                              mode),
-                         (q, k, v, d_out), options, out, steps=steps)
+                         (q, k, v, d_out), options, out, steps=steps, timed=timed)
             if decode:
-                _jax_paged(row, variant, shape, (q, k, v), options, out, steps=steps)
+                _jax_paged(row, variant, shape, (q, k, v), options, out, steps=steps,
+                           timed=timed)
             else:
-                _tokamax(row, variant, shape, (q, k, v, d_out), mode, options, out)
+                _tokamax(row, variant, shape, (q, k, v, d_out), mode, options, out, timed)
+            _pair(row, timed, options)
             rows.append(row)
     return columns, "ms", rows
 
 
-def _tokamax(row, variant, shape, args, mode, options, ours_out):
+def _tokamax(row, variant, shape, args, mode, options, ours_out, timed=None):
     """tokamax's Mosaic GPU attention (causal, windows, soft-cap; optional: pip install)."""
     if variant.mask not in ("none", "causal", "sliding") or variant.score == "alibi":
         row["tokamax"] = {"status": "inexpressible", "reason": "no such mask or score"}
@@ -202,11 +225,11 @@ def _tokamax(row, variant, shape, args, mode, options, ours_out):
         local_window_size=(variant.window - 1, 0) if variant.mask == "sliding" else None,
         logits_soft_cap=variant.cap if variant.score == "softcap" else None,
         implementation="mosaic")
-    _measure(row, "tokamax", _step(attend, mode), args, options, ours_out)
+    _measure(row, "tokamax", _step(attend, mode), args, options, ours_out, timed=timed)
 
 
 def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_splits=16,
-               steps=1):
+               steps=1, timed=None):
     """JAX's Pallas Triton paged_attention (no ALiBi, Dv = D, S a multiple of k_splits
     pages; it applies no softmax scale, so q is scaled first)."""
     if variant.mask not in ("none", "causal") or variant.score == "alibi" \
@@ -235,7 +258,7 @@ def _jax_paged(row, variant, shape, qkv, options, ours_out, page_size=16, k_spli
             attn_logits_soft_cap=cap, k_splits=k_splits,
             interpret=jax.default_backend() != "gpu")[:, None]
     _measure(row, "jax_paged", jax.jit(_chained(call, steps)), (q, k_pages, v_pages, table),
-             options, ours_out, steps=steps)
+             options, ours_out, steps=steps, timed=timed)
 
 
 def _shuffled_pages(x, page_size):
