@@ -170,7 +170,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     warpgroup = lax.axis_index("warpgroup")
 
     turns = _Turns(warpgroup, schedule_barrier,
-                   named=NAMED_TURN_BARRIERS and early_hand_over and not interpret)
+                   named=(NAMED_TURN_BARRIERS and early_hand_over and head_dim == 128
+                          and not interpret))
 
     def _item(load_queries, q_smem, o_smem, lse_smem, local, consumed):
         """One work item of a compute warpgroup; returns the tiles consumed after it."""
@@ -479,8 +480,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_wait(v_consumed.at[slot_of(tile)])
 
 
-# Where a warpgroup hands the turn over as soon as its q·kᵀ is issued (`hand_over_early`)
-# the turns take named hardware barriers (`bar.arrive` / `bar.sync`, FlashAttention-3's
+# At D 128, where a warpgroup hands the turn over as soon as its q·kᵀ is issued
+# (`hand_over_early`), the turns take named hardware barriers (`bar.arrive` / `bar.sync`, FlashAttention-3's
 # ping-pong, as tokamax's kernel) on the GPU; otherwise, and in interpret mode (which
 # has no named barriers), an mbarrier both compute warpgroups arrive on and wait for (a
 # rendezvous, JAX's `attention_mgpu`). H100, paired rounds of AOT-compiled calls, bf16
@@ -490,7 +491,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 # same). Not where the turn is handed over after the scores are read, which the
 # rendezvous keeps the two softmaxes from overlapping on the transcendental unit:
 # causal + soft-cap 30 at D128 0.699 / 0.527, B8 S2048 D64 noop 0.370 / 0.333, causal
-# 0.222 / 0.206.
+# 0.222 / 0.206. D 64 hands over early only with a score_mod, and there named barriers
+# did not gain either (causal + soft-cap 30 0.240 / 0.237).
 NAMED_TURN_BARRIERS = True
 # Mosaic GPU takes the low named-barrier ids for its own warpgroup synchronizations.
 _FIRST_TURN_BARRIER = 8
