@@ -580,7 +580,8 @@ def paged(options):
     columns = ["contiguous"] + [f"paged_{size}" for size in page_sizes]
     calls_ = ((("decode", 2, 1, 512, 4, 2, 64), ("prefill", 1, 128, 512, 4, 4, 64))
               if options.quick else (("decode", 8, 1, 16384, 32, 8, 128),
-                                     ("prefill", 4, 2048, 8192, 16, 16, 128)))
+                                     ("prefill", 4, 2048, 8192, 16, 16, 128),
+                                     ("prefill_d64", 4, 2048, 8192, 16, 16, 64)))
     rows = []
     for name, batch, q_len, length, q_heads, kv_heads, dim in calls_:
         shape = cases.Shape(name, batch, q_heads, kv_heads, length, dim, q_len=q_len)
