@@ -30,8 +30,9 @@ test: $(VENV)/.installed
 # GPU_SHARDS (14) pytest shards, balanced by their estimated cost
 # (PALLAS_FLEX_TEST_SHARD=i/n, tests/gpu/conftest.py). All 14 at once took 520-575 s per
 # shard on the H100 machine's 16 cores (saturated; 16 shards ran slower), past the device
-# tool's 10 minutes with its start: run it as two calls, GPU_FIRST=0 GPU_LAST=6 and then
-# GPU_FIRST=7 GPU_LAST=13 (7 shards at once: 260-360 s each, ~370 s a call). Each
+# tool's 10 minutes with its start. 7 shards at once took 430-540 s each on 2026-11-27
+# (260-360 s earlier: the suite grew), 4 at once 380-400 s: run it as three calls,
+# GPU_FIRST=0 GPU_LAST=4, then 5..9, then 10..13, each within 10 minutes. Each
 # process allocates device memory as it goes and frees it after each test
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching allocator, 14 processes holding their peaks ran the GPU out of memory.
 #
