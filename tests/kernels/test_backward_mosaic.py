@@ -78,8 +78,11 @@ def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
 BACKWARD_HEAD_DIM_CASES = [c for c in HEAD_DIM_CASES if c[0] in (80, 96)]
 
 
+# In interpret mode the 300 x 300 case runs at 200 x 200: 2 x 2 tiles with partial tails
+# instead of 3 x 3 (the interpreter's time grows with the tiles).
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
-    ("interpret",) + BACKWARD_HEAD_DIM_CASES[index] for index in (0, 3)
+    ("interpret",) + tuple(200 if x == 300 else x for x in BACKWARD_HEAD_DIM_CASES[index])
+    for index in (0, 3)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in BACKWARD_HEAD_DIM_CASES])
 def test_head_dims_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend):
     """The Mosaic backward at D 80 and 96 against the float64 golden gradients."""
@@ -111,7 +114,9 @@ def test_fully_masked_rows_have_zero_gradients(backend):
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_lse_gradient_and_explicit_scale(backend):
     """A loss on the lse too (delta gets dlse folded in), with a scale of its own."""
-    q, k, v = random_qkv(2, 1, 200, 256, 4, 2, 128, 128, jnp.float16)
+    # Interpret mode: two query heads on one KV head (GQA still), half the programs.
+    q_heads, kv_heads = (2, 1) if backend == "interpret" else (4, 2)
+    q, k, v = random_qkv(2, 1, 200, 256, q_heads, kv_heads, 128, 128, jnp.float16)
 
     def loss(q, k, v, backend, options):
         out, lse = pf.attention(q, k, v, mask_mod=masks.causal_mask, scale=0.3,
