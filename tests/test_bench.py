@@ -5,6 +5,7 @@ plain install of the package."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -285,9 +286,11 @@ def test_bench_quick_works_from_a_plain_install(tmp_path):
     (Path(site_packages) / "borrowed.pth").write_text(sysconfig.get_path("purelib") + "\n")
     work = tmp_path / "elsewhere"
     work.mkdir()
+    # (without a PYTHONPATH of the caller's, which would put a checkout first)
+    clean_env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
     where = subprocess.run([venv / "bin" / "python", "-c",
                             "import pallas_flex; print(pallas_flex.__file__)"], cwd=work,
-                           capture_output=True, text=True, check=True).stdout
+                           capture_output=True, text=True, check=True, env=clean_env).stdout
     assert where.startswith(site_packages), where
     run = subprocess.run([venv / "bin" / "pallas-flex", "bench", "--quick"], cwd=work,
                          capture_output=True, text=True, timeout=600,
