@@ -47,7 +47,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, PAGE_ROWS_MULTIPLE, exp2_fma_share, hand_over_early, tile_reads)
+    BLOCK, PAGE_ROWS_MULTIPLE, exp2_fma_share, hand_over_early, named_turn_barriers,
+    tile_reads)
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
@@ -170,8 +171,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     warpgroup = lax.axis_index("warpgroup")
 
     turns = _Turns(warpgroup, schedule_barrier,
-                   named=(NAMED_TURN_BARRIERS and early_hand_over and head_dim == 128
-                          and not interpret))
+                   named=not interpret and named_turn_barriers(head_dim, score_program))
 
     def _item(load_queries, q_smem, o_smem, lse_smem, local, consumed):
         """One work item of a compute warpgroup; returns the tiles consumed after it."""
@@ -480,20 +480,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_wait(v_consumed.at[slot_of(tile)])
 
 
-# At D 128, where a warpgroup hands the turn over as soon as its q·kᵀ is issued
-# (`hand_over_early`), the turns take named hardware barriers (`bar.arrive` / `bar.sync`, FlashAttention-3's
-# ping-pong, as tokamax's kernel) on the GPU; otherwise, and in interpret mode (which
-# has no named barriers), an mbarrier both compute warpgroups arrive on and wait for (a
-# rendezvous, JAX's `attention_mgpu`). H100, paired rounds of AOT-compiled calls, bf16
-# forward, ms, named / mbarrier: B4 H16 S4096 D128 noop 0.941 / 0.961, causal 0.501 /
-# 0.510, causal + ALiBi 0.544 / 0.555; B1 S16384 noop 3.582 / 3.605, causal 1.748 /
-# 1.830; GQA 32:8 noop 1.889 / 1.891; B4 noop fwd+bwd 3.972 / 3.991 (outputs bitwise the
-# same). Not where the turn is handed over after the scores are read, which the
-# rendezvous keeps the two softmaxes from overlapping on the transcendental unit:
-# causal + soft-cap 30 at D128 0.699 / 0.527, B8 S2048 D64 noop 0.370 / 0.333, causal
-# 0.222 / 0.206. D 64 hands over early only with a score_mod, and there named barriers
-# did not gain either (causal + soft-cap 30 0.240 / 0.237).
-NAMED_TURN_BARRIERS = True
 # Mosaic GPU takes the low named-barrier ids for its own warpgroup synchronizations.
 _FIRST_TURN_BARRIER = 8
 
@@ -541,14 +527,14 @@ class _Turns:
 
 
 def _named_barrier(operation: str, barrier_id):
-    """`bar.{operation} barrier_id, 256`: both compute warpgroups' threads."""
+    """`bar.{operation} barrier_id, 256`: both compute warpgroups' 128 threads each."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import llvm
 
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
     def run(_, identifier):
         llvm.inline_asm(ir.Type.parse("!llvm.void"), [identifier.registers[()]],
-                        f"bar.{operation} $0, {2 * 128};", "r", has_side_effects=True)
+                        f"bar.{operation} $0, {COMPUTE_WARPGROUPS * 128};", "r", has_side_effects=True)
 
     run(jnp.asarray(barrier_id, jnp.int32))
 

@@ -80,6 +80,24 @@ def hand_over_early(head_dim, score_program):
     return not _has_transcendental(score_program)
 
 
+def named_turn_barriers(head_dim, score_program) -> bool:
+    """Whether the compute warpgroups take their turns with named hardware barriers
+    (`bar.arrive` / `bar.sync`, FlashAttention-3's ping-pong, as tokamax's kernel) rather
+    than an mbarrier both arrive on and wait for (a rendezvous, JAX's `attention_mgpu`):
+    at D 128 where the turn passes at the q·kᵀ issue (`hand_over_early`).
+
+    H100, paired rounds of AOT-compiled calls, bf16 forward, ms, named / mbarrier: B4 H16
+    S4096 D128 noop 0.941 / 0.961, causal 0.501 / 0.510, causal + ALiBi 0.544 / 0.555; B1
+    S16384 noop 3.582 / 3.605, causal 1.748 / 1.830; GQA 32:8 noop 1.889 / 1.891; B4 noop
+    fwd+bwd 3.972 / 3.991 (outputs bitwise the same). Not where the turn passes after the
+    scores are read, where the rendezvous keeps the two softmaxes from overlapping on the
+    transcendental unit: causal + soft-cap 30 at D128 0.699 / 0.527, B8 S2048 D64 noop
+    0.370 / 0.333, causal 0.222 / 0.206. D 64 hands over early only with a score_mod, and
+    there named barriers did not gain either (causal + soft-cap 30 0.240 / 0.237).
+    """
+    return head_dim == 128 and hand_over_early(head_dim, score_program)
+
+
 def _has_transcendental(score_program) -> bool:
     return score_program is not None and bool(
         set(_primitives(score_program.jaxpr)) & _TRANSCENDENTAL)
