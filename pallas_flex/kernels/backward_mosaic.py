@@ -383,12 +383,13 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
         weighted = weighted * (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
                                else per_row)
 
-    def add(entry, sums):
-        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
-
     if dump is not None:
         _dump_or_add(weighted, dump, kv_start=kv_start, q_start=q_start)
         return
+
+    def add(entry, sums):
+        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
+
     starts_ref, entries_ref, spans_ref = tables
     blocks = (spans_ref.shape[2] + 1) // 2
     row = (0 if spans_ref.shape[0] == 1 else batch, head,

@@ -196,14 +196,12 @@ def entry_tables(program, reads, position: int, batch: int, heads: int, q_length
     table_batch = batch if program.uses_batch else 1
     # The indices usually depend on b, h, q_idx and kv_idx only (T5's bucket): evaluated
     # at trace time, they fix which tiles the kernel dumps.
+    # (Where the index reads a traced array, `local` stays traced and there is no Dump.)
     with jax.ensure_compile_time_eval():
-        differences, _ = _windows(q_length, kv_length)
-        concrete, _ = _local_entries(program, numbers, number, position, table_batch,
+        differences, window = _windows(q_length, kv_length)
+        local, flat = _local_entries(program, numbers, number, position, table_batch,
                                      heads, differences)
-        dump = Dump.of(concrete, int(differences[0]), q_length, kv_length)
-    differences, window = _windows(q_length, kv_length)
-    local, flat = _local_entries(program, numbers, number, position, table_batch, heads,
-                                 differences)
+        dump = Dump.of(local, int(differences[0]), q_length, kv_length)
     if dump is not None:
         return None, flat, dump
     counts, starts, entries = _runs(local[:, :, window], window + differences[0])
