@@ -229,7 +229,8 @@ def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, sc
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
             interpret=interpret, masked_first=options.backward_masked_first,
             gradient_positions=mosaic_eligibility.differentiated_positions(
-                score_program, wanted_const_grads))
+                score_program, wanted_const_grads),
+            deterministic=options.backward_deterministic)
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                                    scale=scale, options=options, interpret=interpret,
                                    wanted_const_grads=wanted_const_grads)

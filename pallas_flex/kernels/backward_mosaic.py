@@ -23,19 +23,21 @@ elementwise work on their own 64 rows.
   compute warpgroup 64 query rows, walking the KV tables as the forward: S = Q K^T and
   dP = dO V^T [64, 128], dQ += dS K.
 
-Every gradient is written by exactly one program, in a fixed order: the result is
-bitwise reproducible run to run.
+Apart from the fused dQ below, every gradient is written by exactly one program, in a
+fixed order: the result is bitwise reproducible run to run.
 
-dQ stays in a kernel of its own although that recomputes S and dP (7 matmuls per tile
-pair against 5): FlashAttention-3's scheme, dQ += dS K inside the dK/dV kernel (dS^T
-through shared memory, wgmma with A transposed, each warpgroup half of dQ's columns
-over the block's 128 keys, the float32 tile TMA-reduce-added into a zeroed
-`jax.new_ref`), measured slower on the H100 (B4 H16 S4096 D128 bf16 fwd+bwd: noop 4.19-
-4.49 ms against 3.87-3.93, causal 2.32-2.60 against 1.98-2.07; only B1 S16384 noop gained,
-15.29 against 15.60): the dS^T store and the warpgroups' barrier cost 0.25 ms, the dQ
-wgmma with its float32 tile store and reduce-add 1.3 ms (the tile's shared-memory layout
-did not matter, 240 registers saved 0.06 ms). Each step waits for its dQ wgmma before
-storing the tile; a faster version must keep it in flight across steps. What it covers is the forward kernel's set
+At head dim 64 (`mosaic_eligibility.fuses_dq`: no gradients of captured arrays, not
+`backward_deterministic`) the dK/dV kernel computes dQ too, FlashAttention-3's scheme:
+dS^T goes to shared memory (dK's wgmma reads it there), dQ += dS K over the warpgroup's
+64 keys (wgmma with A transposed), and the float32 [64, 64] tile is TMA-reduce-added
+into a zeroed dQ (a `jax.new_ref`) from a double-buffered staging tile: 5 matmuls per
+tile pair instead of 7, and no dQ kernel. Elsewhere dQ stays in a kernel of its own,
+which recomputes S and dP: at D 128 the fused kernel spilled registers and lost at every
+variant measured (the figures are in `fuses_dq`'s docstring); the dQ kernel and the dK/dV
+kernel run at ~780 and ~680 TFLOP/s there (B4 H16 S4096 noop on the H100, 1.06 and 1.61
+ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5.
+
+What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
 which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`), or at
@@ -63,7 +65,8 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.forward_mosaic import tile_transforms
 from pallas_flex.kernels.backward import (
     fixed_order_scatter_sum, flat_index, prepare_operands)
-from pallas_flex.kernels.mosaic_eligibility import BLOCK, relative_positions, tile_reads
+from pallas_flex.kernels.mosaic_eligibility import (
+    BLOCK, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.kernels.mosaic_tiles import (
@@ -89,6 +92,16 @@ assert Q_TILE == ROWS_PER_WARPGROUP == TILE
 # 48 + 4 x 24 KiB. Tiles of D 80 and 96 take a narrower swizzle
 # (`forward_mosaic.tile_transforms`), as in the forward.
 _DQ_STAGES = {64: 4, 80: 3, 96: 3, 128: 2}
+# The dK/dV kernel that computes dQ too (`mosaic_eligibility.fuses_dq`) keeps dS^T and
+# DQ_STAGING float32 [64, 64] dQ tiles per warpgroup in shared memory as well.
+_FUSED_STAGES = {64: 4}
+DQ_STAGING = 2
+_FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+# Registers a thread of a compute / the memory warpgroup (setmaxnreg): the fused kernel's
+# compute warpgroups take 8 more than the two-kernel scheme's (232, 40); at D 64 its
+# fwd+bwd 1.287 -> 1.235 ms (B8 H16 S2048, H100).
+_REGISTERS = (232, 40)
+_FUSED_REGISTERS = (240, 24)
 _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 
 
@@ -120,7 +133,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 dump_offsets, interpret):
+                 dump_offsets, interpret, fuse_dq=False):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -141,7 +154,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     run_sums_refs = rest[position + 2:position + 2 + sites]
     dump_refs, (scratch,) = iter(rest[position + 2 + sites:-1]), rest[-1:]
     dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
+    dq_ref = None
+    if fuse_dq:  # the float32 dQ the kernel adds into, after its outputs
+        assert not sites and not dump_offsets
+        dq_ref = rest[position + 2]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
+    if fuse_dq:
+        ds_smem, dq_staging = entry_smem
+        entry_smem = []
     staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
     kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
@@ -184,7 +204,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
         if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers((_FUSED_REGISTERS if fuse_dq else _REGISTERS)[0],
+                                    action="increase")
         k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
         kv_start = kv_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
         rows = (batch, pl.ds(kv_start, ROWS_PER_WARPGROUP), kv_head)
@@ -212,11 +233,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             plgpu.barrier_wait(ready.at[slot])
             q_tile, do_tile = q_smem.at[slot], do_smem.at[slot]
             return with_accumulators(
-                functools.partial(step_matmuls, q_tile, do_tile, slot, head, q_start, masked),
+                functools.partial(step_matmuls, q_tile, do_tile, slot, head, q_start, masked,
+                                  step=step),
                 carry[:2], (tile, tile), interpret=interpret, states=tuple(carry[2:]))
 
         def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh,
-                         states=()):
+                         states=(), step=None):
             """S^T and dP^T issued together; P^T computed while dP^T runs, then dV's
             wgmma issued; dS^T while dV runs; then dK's. states: per dumped array, the
             key sums of the tiles before and past its offsets."""
@@ -250,6 +272,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 d_scores_t_weighted = d_scores_t * score_derivative
             else:
                 d_scores_t_weighted = d_scores_t
+            if fuse_dq:
+                _fused_dq(d_scores_t_weighted.astype(dtype), d_k, q_tile, step, slot, head,
+                          q_start)
+                return
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             states = iter(states)
@@ -270,6 +296,41 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             # at the end of `with_accumulators` waits for every wgmma of the step.
             result(d_k, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
+
+        def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start):
+            """dK += dS^T Q, and dQ[q tile] += dS K over this warpgroup's 64 keys: dS^T
+            goes to shared memory, which dK's wgmma reads, and dQ's transposed; each
+            [64, 64] float32 piece of dQ is added into dq_ref with a TMA reduce-add from a
+            staging tile (interpret mode: written to this key tile's own partial sums)."""
+            d_scores_tile = ds_smem.at[warpgroup]
+            d_scores_tile[...] = d_scores_t
+            plgpu.commit_smem()  # visible to wgmma (the async proxy)
+            issue(d_k, d_scores_tile, q_tile, interpret=interpret)
+            pieces = head_dim // Q_TILE
+            for piece in range(pieces):
+                def dq_matmul(_, fresh, piece=piece):
+                    (d_q,) = fresh
+                    columns = pl.ds(piece * Q_TILE, Q_TILE)
+                    keys = k_smem if pieces == 1 else k_smem.at[:, columns]
+                    issue(d_q, d_scores_tile, keys, transpose_a=True, interpret=interpret)
+                    d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
+                    if piece == 0:
+                        plgpu.barrier_arrive(consumed.at[slot])
+                    buffer = lax.rem(step * pieces + piece, jnp.int32(DQ_STAGING))
+                    # The copy from this buffer DQ_STAGING pieces ago has read it.
+                    plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
+                    dq_staging.at[warpgroup, buffer][...] = d_q
+                    plgpu.commit_smem()
+                    q_rows = (batch, pl.ds(q_start, Q_TILE), head)
+                    if pieces > 1:
+                        q_rows += (columns,)
+                    if interpret:  # no TMA reductions there: each key tile sums its own
+                        plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                                dq_ref.at[(kv_block, warpgroup) + q_rows])
+                    else:
+                        plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                                dq_ref.at[q_rows], reduction_op="add")
+                with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
@@ -303,6 +364,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             return list(carry[:2]) + [no_sums] * (len(carry) - 2)
 
         _, (d_k, d_v, *_) = walk(visit, list(carry), flush if sites else None)
+        if fuse_dq:
+            plgpu.wait_smem_to_gmem(0)
         k_smem[...] = (d_k * scale).astype(dtype)
         v_smem[...] = d_v.astype(dtype)
         plgpu.commit_smem()
@@ -314,7 +377,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
         if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers((_FUSED_REGISTERS if fuse_dq else _REGISTERS)[1],
+                                    action="decrease")
 
         def fetch(step, head, q_start, masked, carry):
             slot = lax.rem(step, jnp.int32(num_stages))
@@ -711,12 +775,15 @@ def _read_entries(score_program, positions, batch, heads):
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
-                                   masked_first: bool = True, gradient_positions=()):
+                                   masked_first: bool = True, gradient_positions=(),
+                                   deterministic: bool = False):
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
     of b and h only, or of kv_idx - q_idx:
-    `mosaic_eligibility.captured_gradient_unsupported_reason`), else None."""
+    `mosaic_eligibility.captured_gradient_unsupported_reason`), else None.
+    deterministic: every gradient bitwise reproducible run to run (no dQ fused into the
+    dK/dV kernel, `mosaic_eligibility.fuses_dq`)."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale, pad_head_dims=False)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -738,7 +805,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         masked_first=masked_first, pair_positions=pair_positions,
         relative_positions=relative,
         dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
-                           for dump in dumps)))
+                           for dump in dumps),
+        fuse_dq=fuses_dq(q.shape[3], gradient_positions, deterministic)))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
@@ -847,11 +915,50 @@ def _vmappable(launch):
     return run
 
 
+def _launch_fused(call, smem, vectors, q, k, v, d_out, lse_log2, delta, q_tables,
+                  dkv_program, dkv_reads, captured_for, settings, num_kv_blocks):
+    """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv).
+    dQ is summed in float32 over the key blocks by TMA reduce-adds into a zeroed array
+    (`jax.new_ref`), in whatever order the programs reach it."""
+    batch, _, q_heads, head_dim = q.shape
+    kv_heads, value_dim = k.shape[2], v.shape[3]
+    interpret = settings["interpret"]
+    stages = _FUSED_STAGES[head_dim]
+    dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
+                            score_reads=dkv_reads, relative_entries=(), dump_offsets=(),
+                            fuse_dq=True, **settings)
+    scratch = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+               smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
+               smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
+               vectors(stages, Q_TILE), vectors(stages, Q_TILE),
+               plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
+                          transforms=tile_transforms(Q_TILE)),
+               plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
+                          transforms=_FLOAT32_TRANSFORMS),
+               plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
+               plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
+    # Interpret mode has no TMA reductions: there every key tile (key block and
+    # warpgroup) writes partial sums of its own, summed here.
+    parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
+    accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
+    d_k, d_v = call(dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
+                    captured_for(dkv_program, dkv_reads),
+                    (jax.ShapeDtypeStruct(k.shape, k.dtype),
+                     jax.ShapeDtypeStruct(v.shape, v.dtype)),
+                    {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
+                    scratch, num_smem=8, accumulator=accumulator)
+    d_q = accumulator[...]
+    if interpret:
+        d_q = d_q.sum(axis=(0, 1))
+    return (d_q * settings["scale"]).astype(q.dtype), d_k, d_v
+
+
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
-            relative_positions, dump_offsets):
-    """The two kernels on block-padded operands (`backward.prepare_operands`): (dq, dk,
-    dv), then the dQ kernel's row sums where any gradient of a captured array is wanted,
+            relative_positions, dump_offsets, fuse_dq=False):
+    """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`)
+    on block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ kernel's row sums where any gradient of a captured array is wanted,
     then per array at `relative_positions` the dK/dV kernel's sums per entry (its
     `entry_tables_`), then the tiles dumped for those with `dump_offsets` (`Dump`'s
     (first_offset, count) or None per array). d_lse: padded, or None (zero or no relative
@@ -887,20 +994,41 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem):
+    def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
+             accumulator=None):
+        """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
+        a mutable float32 array (`jax.new_ref`) it adds into, after its outputs."""
+        num_inputs = len(operands) + len(kernel_tables) + len(captured)
+
         def entry(*refs):
+            if accumulator is not None:  # the kernel takes it after its outputs
+                refs = refs[:num_inputs] + refs[num_inputs + 1:] + refs[num_inputs:][:1]
+
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
             pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
 
         names = tuple(grid)
-        return plgpu.kernel(
-            entry, out_type=out_type, grid=tuple(grid[name] for name in names),
-            grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
+        if accumulator is None:
+            return plgpu.kernel(
+                entry, out_type=out_type, grid=tuple(grid[name] for name in names),
+                grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
+                compiler_params=plgpu.CompilerParams(approx_math=True),
+                interpret=plgpu.InterpretGPUParams() if interpret else None,
+            )(*operands, *kernel_tables, *captured)
+        # pl.kernel (plgpu.kernel's batching wrapper takes no mutable arrays); `_vmappable`
+        # batches the launch.
+        mesh = plgpu.Mesh(grid=tuple(grid[name] for name in names), grid_names=names,
+                          num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup")
+        return pl.kernel(
+            entry, out_type=out_type, mesh=mesh,
             compiler_params=plgpu.CompilerParams(approx_math=True),
-            interpret=plgpu.InterpretGPUParams() if interpret else None,
-        )(*operands, *kernel_tables, *captured)
+            interpret=plgpu.InterpretGPUParams() if interpret else False,
+        )(*operands, *kernel_tables, *captured, accumulator)
 
+    if fuse_dq:
+        return _launch_fused(call, smem, vectors, q, k, v, d_out, lse_log2, delta, q_tables,
+                             dkv_program, dkv_reads, captured_for, settings, num_kv_blocks)
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only.
     row_count = (2 + 2 * len(pair_positions) if pair_positions

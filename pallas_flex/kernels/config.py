@@ -48,13 +48,16 @@ class KernelOptions:
       (the backward always does). H100, B4 H16 S4096 causal T5 forward: D 64 2.17 ->
       1.51 ms (on), D 128 8.3 -> 8.95 ms (off there, by the tuning table); backward at
       both (forward+backward without the table's gradient 7.7 -> 6.2 and 18.2 -> 16.6).
-    backward_deterministic: gradients of arrays a score_mod captured must be bitwise
-      equal from run to run. Arrays read at indices of b and h only (ALiBi slopes) and
-      small tables read per element (at most `DETERMINISTIC_MAX_ENTRIES` entries along
-      the axes that vary over a tile: a T5 table) always are (each program writes its
-      own partial sums, reduced in a fixed order); larger tables read per element (a
-      relative table [H, 2S-1], a pair bias) are scatter-added with atomics, which this
-      option refuses with a ValueError.
+    backward_deterministic: every gradient must be bitwise equal from run to run. The
+      Mosaic GPU backward at head dim 64 otherwise sums dQ over key blocks by TMA
+      reduce-adds in its dK/dV kernel (`mosaic_eligibility.fuses_dq`; this option runs a
+      dQ kernel of its own instead: B8 H16 S2048 D64 fwd+bwd 1.317 against 1.235 ms on
+      the H100). Gradients of arrays a score_mod captured read at indices of b and h only
+      (ALiBi slopes) and small tables read per element (at most
+      `DETERMINISTIC_MAX_ENTRIES` entries along the axes that vary over a tile: a T5
+      table) always are (each program writes its own partial sums, reduced in a fixed
+      order); larger tables read per element (a relative table [H, 2S-1], a pair bias)
+      are scatter-added with atomics, which this option refuses with a ValueError.
     backward_batch_sum: how the gradient of a large captured table read per element is
       summed over batch rows that share its entries (a pair bias [B, H, S, S] read at
       b // rows by the folded rows of an MSA, a bias [H, S, S] shared by the batch).

@@ -98,6 +98,28 @@ def named_turn_barriers(head_dim, score_program) -> bool:
     return head_dim == 128 and hand_over_early(head_dim, score_program)
 
 
+def fuses_dq(head_dim, gradient_positions, deterministic) -> bool:
+    """Whether the Mosaic GPU backward computes dQ in its dK/dV kernel (dS^T through
+    shared memory, dQ += dS K per 64-key tile, float32 pieces TMA-reduce-added into a
+    zeroed dQ: 5 matmuls per tile pair) instead of a dQ kernel of its own (which
+    recomputes S and dP: 7). At D 64 only, without gradients of captured arrays (their
+    row sums live in the dQ kernel), and not where results must be bitwise reproducible
+    (the reduce-adds' order varies run to run).
+
+    H100, bf16 fwd+bwd, paired rounds, ms, fused / two kernels: B8 H16 S2048 D64 noop
+    1.235 / 1.317 (cuDNN ~1.30). At D 128 the fused kernel spilled 450-540 bytes of
+    registers (dK, dV [64, 128] float32 beside S, dP and the dQ tile) and lost at every
+    variant tried (B4 H16 S4096 noop, two kernels 3.87): each warpgroup half of dQ's
+    columns over both warpgroups' keys (dS^T halves shared, a named barrier) 5.13-5.22,
+    without the barrier (wrong; to measure it) 4.59, dK's wgmma reading dS^T from shared
+    memory with 240 registers 4.67, each warpgroup its own keys in two column pieces
+    5.41-5.48; plain stores instead of reduce-adds (wrong) 4.82, no dQ store at all 4.85-
+    5.53: not the reduction's traffic but the registers. Staggering the programs' walks
+    (each key block starting at its own query block) and key blocks first in the grid
+    were slower (4.72 / 6.34 against 5.19)."""
+    return head_dim == 64 and not tuple(gradient_positions) and not deterministic
+
+
 def _has_transcendental(score_program) -> bool:
     return score_program is not None and bool(
         set(_primitives(score_program.jaxpr)) & _TRANSCENDENTAL)

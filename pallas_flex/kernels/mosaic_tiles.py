@@ -676,6 +676,12 @@ def with_accumulators(body, carried, fresh_shapes, *, interpret, states=()):
             body(carried, fresh)
         return [accumulator.value for accumulator in carried] + [h.value for h in holders]
 
+    if not carried and not states:  # no state to discharge: the fresh ones only
+        def fresh_only(*fresh_refs):
+            body([], list(fresh_refs))
+        pl.run_scoped(fresh_only, *[plgpu.ACC(shape, jnp.float32) for shape in fresh_shapes])
+        return []
+
     count = len(carried)
 
     def stateful(refs):
@@ -706,16 +712,19 @@ class _Holder:
         self.value = value
 
 
-def issue(accumulator, a, b_smem, *, transpose_b=False, interpret):
-    """accumulator += a · b (a: shared memory ref or 16-bit register tile; b: shared
-    memory, [K, N] or [N, K] with transpose_b), asynchronously on the GPU."""
+def issue(accumulator, a, b_smem, *, transpose_a=False, transpose_b=False, interpret):
+    """accumulator += a · b (a: shared memory ref, [M, K] or [K, M] with transpose_a, or
+    a 16-bit register tile; b: shared memory, [K, N] or [N, K] with transpose_b),
+    asynchronously on the GPU."""
     if interpret:
         left = a[...] if not isinstance(a, jax.Array) else a
         accumulator.value = accumulator.value + lax.dot_general(
-            left, b_smem[...], (((1,), (1 if transpose_b else 0,)), ((), ())),
+            left, b_smem[...], (((0 if transpose_a else 1,), (1 if transpose_b else 0,)),
+                                ((), ())),
             preferred_element_type=jnp.float32)
         return
-    plgpu.wgmma(accumulator, a, b_smem.transpose((1, 0)) if transpose_b else b_smem)
+    plgpu.wgmma(accumulator, a.transpose((1, 0)) if transpose_a else a,
+                b_smem.transpose((1, 0)) if transpose_b else b_smem)
 
 
 def result(accumulator, *, in_flight_after: int, interpret):

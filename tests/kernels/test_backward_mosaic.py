@@ -28,7 +28,8 @@ from tests.test_backward import _assert_gradient_close, _cotangent, _golden_grad
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
 
-def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5, batch=2):
+def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5, batch=2,
+                     options=None):
     q_heads, kv_heads = heads_of(layout, backend)
     q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
     mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
@@ -36,7 +37,7 @@ def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5
 
     def ours(q, k, v):
         return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
-                            kernel_options=MOSAIC)
+                            kernel_options={**MOSAIC, **(options or {})})
 
     grads = jax.vjp(ours, q, k, v)[1](d_out)
     expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
@@ -364,11 +365,40 @@ def test_the_dispatcher_rules():
         resolve_options({"backward_kernel": "cuda"}, 64)
 
 
+def test_fused_dq_rule():
+    """dQ is fused into the dK/dV kernel at head dim 64 only, never with gradients of
+    captured arrays or in deterministic mode."""
+    from pallas_flex.kernels.mosaic_eligibility import fuses_dq
+    assert fuses_dq(64, (), False)
+    assert not fuses_dq(64, (), True)
+    assert not fuses_dq(64, (0,), False)
+    for dim in (80, 96, 128):
+        assert not fuses_dq(dim, (), False)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_fused_dq_in_interpret_mode(deterministic, monkeypatch):
+    """At D 64 the dK/dV kernel computes dQ too (interpret mode: partial sums per key
+    tile, summed outside), unless `backward_deterministic`; both agree with the float64
+    reference (GQA, ragged lengths, Sq != Skv, the causal mask's partial blocks)."""
+    from pallas_flex.kernels import backward_mosaic
+    fused_launches = []
+    launch = backward_mosaic._launch_fused
+    monkeypatch.setattr(backward_mosaic, "_launch_fused",
+                        lambda *args, **kwargs: fused_launches.append(1) or launch(*args, **kwargs))
+    _check_gradients("causal", jnp.bfloat16, "GQA4", 200, 328, 64, "interpret", batch=1,
+                     options={"backward_deterministic": deterministic})
+    assert bool(fused_launches) is not deterministic
+
+
 @pytest.mark.gpu
-def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly():
-    """With default options a covered call's backward lowers to Mosaic GPU kernels; two
-    runs give the same bits; the Triton backward agrees."""
-    q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, 128, 128, jnp.bfloat16)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly(dim):
+    """With default options a covered call's backward lowers to Mosaic GPU kernels (at D
+    64 one: dQ fused into the dK/dV kernel by TMA reduce-adds), with
+    backward_deterministic to two, whose results are the same bits run to run; the Triton
+    backward agrees with both."""
+    q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, dim, dim, jnp.bfloat16)
     d_out = _cotangent(q.shape, 9).astype(q.dtype)
 
     def grads(options):
@@ -377,13 +407,22 @@ def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly():
                                 score_mod=masks.tanh_softcap(20.0), kernel_options=options)
         return jax.jit(lambda q, k, v: jax.vjp(ours, q, k, v)[1](d_out))(q, k, v)
 
-    text = jax.jit(lambda q, k, v: jax.vjp(
-        lambda q, k, v: pf.attention(q, k, v, mask_mod=masks.causal_mask), q, k, v)[1](
-            d_out)).lower(q, k, v).as_text()
-    assert text.count("mosaic_gpu") >= 3  # the forward and the two backward kernels
-    first, second = grads(None), grads(None)
+    def kernels(options):
+        return jax.jit(lambda q, k, v: jax.vjp(
+            lambda q, k, v: pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                                         kernel_options=options), q, k, v)[1](
+                d_out)).lower(q, k, v).as_text().count("mosaic_gpu")
+
+    deterministic = {"backward_deterministic": True}
+    # The forward and the backward's kernels: one fused at D 64, two otherwise.
+    two_kernels, default_kernels = kernels(deterministic), kernels(None)
+    assert two_kernels >= 3
+    assert default_kernels < two_kernels if dim == 64 else default_kernels == two_kernels
+    first, second = grads(deterministic), grads(deterministic)
+    default = grads(None)
     triton = grads({"backward_kernel": "triton"})
-    for a, b, c in zip(first, second, triton):
+    for a, b, c, d in zip(first, second, triton, default):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-        a, c = np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32))
+        a, c, d = (np.asarray(x.astype(jnp.float32)) for x in (a, c, d))
         assert np.max(np.abs(a - c)) <= 2e-2 * np.max(np.abs(c))
+        assert np.max(np.abs(d - c)) <= 2e-2 * np.max(np.abs(c))
