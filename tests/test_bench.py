@@ -320,9 +320,9 @@ def test_the_captured_gradients_suite_pairs_each_table_with_the_call_without_it(
             row["pallas_flex"]["ms"] / row["no_table_gradient"]["ms"])
 
 
-def test_columns_timed_one_after_another_are_timed_again_in_paired_rounds(monkeypatch):
-    """`_pair`: every column `_measure` timed runs once per round, and the rounds' median
-    (per step of a chained call) replaces the first measurement's ms."""
+def test_columns_are_timed_in_paired_rounds(monkeypatch):
+    """`_pair`: every column `_measure` compiled runs once per round, and the rounds'
+    median (per step of a chained call) is its ms."""
     import types
 
     from pallas_flex.bench import jax_suites, timing
@@ -346,6 +346,10 @@ def test_columns_timed_one_after_another_are_timed_again_in_paired_rounds(monkey
     assert row["ours"]["rounds_ms"] == [0.0, 2.0, 4.0] and row["ours"]["ms"] == 2.0
     assert row["peer"]["rounds_ms"] == [0.5, 1.5, 2.5] and row["peer"]["ms"] == 1.5
     assert row["ours"]["compile_s"] == 1.0 and row["ours"]["timing"] == "paired rounds"
-    one = {"ours": {"ms": 50.0}}  # one column, or a quick run: nothing to pair
+    one = {"ours": {"compile_s": 1.0}}  # one column: timed alone, in rounds as well
     jax_suites._pair(one, {"ours": (ours, (1,), 1)}, options)
-    assert one == {"ours": {"ms": 50.0}} and calls == ["ours", "peer"] * 3
+    assert one["ours"]["rounds_ms"] == [6.0, 7.0, 8.0] and one["ours"]["ms"] == 7.0
+    quick = types.SimpleNamespace(quick=True, timing=options.timing)
+    timed_already = {"ours": {"ms": 50.0}}  # a quick run: `_measure` timed it
+    jax_suites._pair(timed_already, {"ours": (ours, (1,), 1)}, quick)
+    assert timed_already == {"ours": {"ms": 50.0}} and len(calls) == 9

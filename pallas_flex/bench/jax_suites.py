@@ -89,12 +89,19 @@ def _chained(attend, steps):
 def _measure(row, name, fn, args, options, ours_out=None, steps=1, timed=None):
     """Times `fn(*args)` into row[name] (ms per step of a call chaining `steps`); returns
     its output (a failure is the entry). timed: a dict that collects {name: (fn, args,
-    steps)} of the calls that ran, for `_pair`."""
+    steps)} of the calls that ran, which `_pair` then times together: here they only
+    compile and run once (a quick run times them here)."""
     print(f"  {row['case']}: {name}", flush=True)
     try:
-        row[name], out = time_calls(fn, args, **options.timing)
-        if timed is not None:
+        if timed is not None and not options.quick:
+            start = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            row[name] = {"compile_s": time.perf_counter() - start}
             timed[name] = (fn, args, steps)
+            if ours_out is not None:
+                row[name]["max_rel_diff_vs_ours"] = _difference(ours_out, out)
+            return out
+        row[name], out = time_calls(fn, args, **options.timing)
         if steps > 1:
             row[name]["ms"] /= steps
             row[name]["repeats_ms"] = [t / steps for t in row[name]["repeats_ms"]]
@@ -108,15 +115,25 @@ def _measure(row, name, fn, args, options, ours_out=None, steps=1, timed=None):
 
 
 def _pair(row, timed, options):
-    """Times the calls in `timed` ({column: (fn, args, steps)}, each already measured on
-    its own by `_measure`) again in paired rounds, each round running every column once,
-    and makes those rounds' median the entries' ms: the H100's clock drifts under
-    sustained load (docs/gpu-notes.md, Measuring), which columns timed one after another
-    would pay unequally. The loops of the first measurement stay as repeats_ms."""
-    if len(timed) < 2 or options.quick:
+    """Times the calls in `timed` ({column: (fn, args, steps)}, each compiled and run once
+    by `_measure`) in paired rounds, each round running every column once, and makes
+    those rounds' median the entries' ms: the H100's clock drifts under sustained load
+    (docs/gpu-notes.md, Measuring), which columns timed one after another would pay
+    unequally. A quick run has timed them in `_measure` already."""
+    if not timed or options.quick:
         return
-    paired = time_paired({name: (fn, args) for name, (fn, args, _) in timed.items()},
-                         rounds=options.timing["repeats"], iters=options.timing["iters"])
+    try:
+        paired = time_paired({name: (fn, args) for name, (fn, args, _) in timed.items()},
+                             rounds=options.timing["repeats"], iters=options.timing["iters"])
+    except Exception:  # each on its own then, so that one failure stays its own
+        traceback.print_exc()
+        paired = {}
+        for name, (fn, args, _) in timed.items():
+            try:
+                paired[name] = time_paired({name: (fn, args)}, rounds=options.timing["repeats"],
+                                           iters=options.timing["iters"])[name]
+            except Exception as error:
+                row[name] = error_entry(error, "error" if name == OURS else "unsupported")
     for name, entry in paired.items():
         steps = timed[name][2]
         row[name].update(ms=entry["ms"] / steps,
