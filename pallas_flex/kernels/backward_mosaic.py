@@ -97,11 +97,12 @@ _DQ_STAGES = {64: 4, 80: 3, 96: 3, 128: 2}
 _FUSED_STAGES = {64: 4}
 DQ_STAGING = 2
 _FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
-# Registers a thread of a compute / the memory warpgroup (setmaxnreg): the fused kernel's
-# compute warpgroups take 8 more than the two-kernel scheme's (232, 40); at D 64 its
-# fwd+bwd 1.287 -> 1.235 ms (B8 H16 S2048, H100).
-_REGISTERS = (232, 40)
-_FUSED_REGISTERS = (240, 24)
+# Registers a thread of a compute / the memory warpgroup (setmaxnreg): 8 more for the
+# compute warpgroups than the forward's (232, 40). H100, paired rounds, ms, 240 / 232:
+# fused D 64 fwd+bwd (B8 H16 S2048) 1.235 / 1.287; two kernels at D 128 B4 H16 S4096
+# 3.954 / 3.971 (ptxas spills 36 / 100 B), B1 S16384 14.91 / 14.98 (24 / 76 B). The
+# forward lost with 240 (B4 D128 0.952 / 0.936, D64 0.350 / 0.343).
+_REGISTERS = (240, 24)
 _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 
 
@@ -204,8 +205,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
         if not interpret:
-            plgpu.set_max_registers((_FUSED_REGISTERS if fuse_dq else _REGISTERS)[0],
-                                    action="increase")
+            plgpu.set_max_registers(_REGISTERS[0], action="increase")
         k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
         kv_start = kv_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
         rows = (batch, pl.ds(kv_start, ROWS_PER_WARPGROUP), kv_head)
@@ -377,8 +377,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
         if not interpret:
-            plgpu.set_max_registers((_FUSED_REGISTERS if fuse_dq else _REGISTERS)[1],
-                                    action="decrease")
+            plgpu.set_max_registers(_REGISTERS[1], action="decrease")
 
         def fetch(step, head, q_start, masked, carry):
             slot = lax.rem(step, jnp.int32(num_stages))
@@ -561,7 +560,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
         if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGISTERS[0], action="increase")
         q_smem, do_smem = q_smem2.at[warpgroup], do_smem2.at[warpgroup]
         q_start = q_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
         rows = (batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head)
@@ -672,7 +671,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
         if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGISTERS[1], action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
 
         @pl.loop(0, num_steps)
