@@ -81,6 +81,7 @@ def xla_cpu_optimized():
     yield
     jax.config.update("jax_disable_most_optimizations", before)
 
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's caches of compiled programs after each test module. Every XLA:CPU

@@ -298,39 +298,34 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             plgpu.barrier_arrive(consumed.at[slot])
 
         def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start):
-            """dK += dS^T Q, and dQ[q tile] += dS K over this warpgroup's 64 keys: dS^T
-            goes to shared memory, which dK's wgmma reads, and dQ's transposed; each
-            [64, 64] float32 piece of dQ is added into dq_ref with a TMA reduce-add from a
-            staging tile (interpret mode: written to this key tile's own partial sums)."""
+            """dK += dS^T Q, and dQ[q tile] += dS K over this warpgroup's 64 keys (head
+            dim 64: one [64, 64] tile): dS^T goes to shared memory, which dK's wgmma
+            reads, and dQ's transposed; the float32 dQ tile is added into dq_ref with a
+            TMA reduce-add from a staging tile (interpret mode: written to this key
+            tile's own partial sums)."""
             d_scores_tile = ds_smem.at[warpgroup]
             d_scores_tile[...] = d_scores_t
             plgpu.commit_smem()  # visible to wgmma (the async proxy)
             issue(d_k, d_scores_tile, q_tile, interpret=interpret)
-            pieces = head_dim // Q_TILE
-            for piece in range(pieces):
-                def dq_matmul(_, fresh, piece=piece):
-                    (d_q,) = fresh
-                    columns = pl.ds(piece * Q_TILE, Q_TILE)
-                    keys = k_smem if pieces == 1 else k_smem.at[:, columns]
-                    issue(d_q, d_scores_tile, keys, transpose_a=True, interpret=interpret)
-                    d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
-                    if piece == 0:
-                        plgpu.barrier_arrive(consumed.at[slot])
-                    buffer = lax.rem(step * pieces + piece, jnp.int32(DQ_STAGING))
-                    # The copy from this buffer DQ_STAGING pieces ago has read it.
-                    plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
-                    dq_staging.at[warpgroup, buffer][...] = d_q
-                    plgpu.commit_smem()
-                    q_rows = (batch, pl.ds(q_start, Q_TILE), head)
-                    if pieces > 1:
-                        q_rows += (columns,)
-                    if interpret:  # no TMA reductions there: each key tile sums its own
-                        plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
-                                                dq_ref.at[(kv_block, warpgroup) + q_rows])
-                    else:
-                        plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
-                                                dq_ref.at[q_rows], reduction_op="add")
-                with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
+
+            def dq_matmul(_, fresh):
+                (d_q,) = fresh
+                issue(d_q, d_scores_tile, k_smem, transpose_a=True, interpret=interpret)
+                d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
+                plgpu.barrier_arrive(consumed.at[slot])
+                buffer = lax.rem(step, jnp.int32(DQ_STAGING))
+                # The copy from this buffer DQ_STAGING steps ago has read it.
+                plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
+                dq_staging.at[warpgroup, buffer][...] = d_q
+                plgpu.commit_smem()
+                q_rows = (batch, pl.ds(q_start, Q_TILE), head)
+                if interpret:  # no TMA reductions there: each key tile sums its own
+                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                            dq_ref.at[(kv_block, warpgroup) + q_rows])
+                else:
+                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                            dq_ref.at[q_rows], reduction_op="add")
+            with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
@@ -914,29 +909,24 @@ def _vmappable(launch):
     return run
 
 
-def _launch_fused(call, smem, vectors, q, k, v, d_out, lse_log2, delta, q_tables,
+def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                   dkv_program, dkv_reads, captured_for, settings, num_kv_blocks):
     """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv).
     dQ is summed in float32 over the key blocks by TMA reduce-adds into a zeroed array
     (`jax.new_ref`), in whatever order the programs reach it."""
     batch, _, q_heads, head_dim = q.shape
-    kv_heads, value_dim = k.shape[2], v.shape[3]
+    kv_heads = k.shape[2]
     interpret = settings["interpret"]
     stages = _FUSED_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=(), dump_offsets=(),
                             fuse_dq=True, **settings)
-    scratch = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
-               smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
-               smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
-               vectors(stages, Q_TILE), vectors(stages, Q_TILE),
-               plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
-                          transforms=tile_transforms(Q_TILE)),
-               plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
-                          transforms=_FLOAT32_TRANSFORMS),
-               plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
-               plgpu.Barrier(num_arrivals=4, num_barriers=stages),
-               plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
+    # dS^T and the float32 dQ staging tiles, per compute warpgroup.
+    scratch, num_smem = dkv_scratch(stages, (
+        plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
+                   transforms=tile_transforms(Q_TILE)),
+        plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
+                   transforms=_FLOAT32_TRANSFORMS)))
     # Interpret mode has no TMA reductions: there every key tile (key block and
     # warpgroup) writes partial sums of its own, summed here.
     parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
@@ -946,7 +936,7 @@ def _launch_fused(call, smem, vectors, q, k, v, d_out, lse_log2, delta, q_tables
                     (jax.ShapeDtypeStruct(k.shape, k.dtype),
                      jax.ShapeDtypeStruct(v.shape, v.dtype)),
                     {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-                    scratch, num_smem=8, accumulator=accumulator)
+                    scratch, num_smem, accumulator=accumulator)
     d_q = accumulator[...]
     if interpret:
         d_q = d_q.sum(axis=(0, 1))
@@ -957,8 +947,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
             score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
             relative_positions, dump_offsets, fuse_dq=False):
     """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`)
-    on block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ kernel's row sums where any gradient of a captured array is wanted,
-    then per array at `relative_positions` the dK/dV kernel's sums per entry (its
+    on block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
+    kernel's row sums where any gradient of a captured array is wanted, then per array at `relative_positions` the dK/dV kernel's sums per entry (its
     `entry_tables_`), then the tiles dumped for those with `dump_offsets` (`Dump`'s
     (first_offset, count) or None per array). d_lse: padded, or None (zero or no relative
     positions)."""
@@ -993,6 +983,18 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
+    def dkv_scratch(stages, extra_smem=()):
+        """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and
+        delta per stage, then `extra_smem`) and barriers; the count of the former."""
+        buffers = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
+                   smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
+                   smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
+                   vectors(stages, Q_TILE), vectors(stages, Q_TILE), *extra_smem)
+        barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
+                    plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
+        return buffers + barriers, len(buffers)
+
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
              accumulator=None):
         """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
@@ -1026,7 +1028,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         )(*operands, *kernel_tables, *captured, accumulator)
 
     if fuse_dq:
-        return _launch_fused(call, smem, vectors, q, k, v, d_out, lse_log2, delta, q_tables,
+        return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks)
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only.
@@ -1084,12 +1086,5 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *run_sums_type, *dumps_type),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
-         smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
-         smem((dkv_stages, Q_TILE, head_dim)), smem((dkv_stages, Q_TILE, value_dim)),
-         vectors(dkv_stages, Q_TILE), vectors(dkv_stages, Q_TILE), *entry_smem,
-         plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
-         plgpu.Barrier(num_arrivals=4, num_barriers=dkv_stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dkv_stages)),
-        num_smem=6 + len(entry_smem))
+        *dkv_scratch(dkv_stages, entry_smem))
     return (d_q, d_k, d_v, *rows, *run_sums)

@@ -116,9 +116,9 @@ def fuses_dq(head_dim, gradient_positions, deterministic) -> bool:
     5.41-5.48, the dQ wgmmas issued after the step's score accumulators are read and dK's
     wgmma has landed 5.51 (still 444-548 B of spills); plain stores instead of
     reduce-adds (wrong) 4.82, no dQ store at all 4.85-5.53: not the reduction's traffic
-    but the registers. Staggering the programs' walks
-    (each key block starting at its own query block) and key blocks first in the grid
-    were slower (4.72 / 6.34 against 5.19)."""
+    but the registers. Staggering the programs' walks (each key block starting at its own
+    query block) and key blocks first in the grid were slower (4.72 / 6.34 against
+    5.19)."""
     return head_dim == 64 and not tuple(gradient_positions) and not deterministic
 
 
