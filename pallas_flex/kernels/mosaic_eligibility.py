@@ -118,7 +118,9 @@ def fuses_dq(head_dim, gradient_positions, deterministic) -> bool:
     reduce-adds (wrong) 4.82, no dQ store at all 4.85-5.53: not the reduction's traffic
     but the registers. Staggering the programs' walks (each key block starting at its own
     query block) and key blocks first in the grid were slower (4.72 / 6.34 against
-    5.19)."""
+    5.19). With 32-query steps instead (S^T, dP^T [64, 32] and dQ^T = K^T dS^T [128, 32]:
+    60 B of spills) it lost to the two kernels 4.76 / 3.88 (B4 noop) and 16.99 / 15.36
+    (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md)."""
     return head_dim == 64 and not tuple(gradient_positions) and not deterministic
 
 
