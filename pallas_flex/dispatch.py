@@ -145,7 +145,7 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     if reason is None:
         return Choice("mosaic_forward", "the Mosaic GPU forward takes it (Hopper, "
                                         "warp-specialized, wgmma; "
-                                        f"{_mosaic_items_per_program(q, block_mask, options)} "
+                                        f"{_mosaic_items_per_program(q, block_mask, options, paged)} "
                                         "query blocks per program)")
     if named:
         raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
@@ -153,10 +153,13 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     return Choice("triton_forward", f"the Mosaic GPU forward does not take {reason}")
 
 
-def _mosaic_items_per_program(q, block_mask, options: KernelOptions) -> int:
+def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool) -> int:
     """The (head, query block, batch) items a Mosaic GPU forward program walks."""
-    return forward_mosaic.choose_items_per_program(options.forward_items_per_program,
-                                                   q.shape[3], block_mask.mask_mod)
+    batch, q_len, q_heads, head_dim = q.shape
+    num_items = batch * q_heads * block_mask.num_blocks[0]
+    return forward_mosaic.choose_items_per_program(
+        options.forward_items_per_program, head_dim, block_mask.mask_mod, num_items,
+        paged=paged)
 
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
@@ -183,7 +186,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
             with_max=with_max, sinks=sinks,
-            items_per_program=_mosaic_items_per_program(q, block_mask, options), **paging)
+            items_per_program=_mosaic_items_per_program(q, block_mask, options,
+                                                        page_table is not None), **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
                                   with_max=with_max, sinks=sinks, **paging)

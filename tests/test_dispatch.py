@@ -127,12 +127,14 @@ def test_dispatch_table(row, capability, kernel, plan_as):
 def test_the_explanation_names_the_query_blocks_per_program(plan_as):
     plan_as(H100)
     causal = _choose(_shape(dim=64), _shape(dim=64), masks.causal_mask, None, None, "pallas")
-    dense = _choose(_shape(dim=64), _shape(dim=64), None, None, None, "pallas")
+    # 8 x 16 heads x 16 query blocks: one wave of 128 programs on the H100's 132 SMs.
+    large = _shape(batch=8, length=2048, heads=16, dim=64)
+    dense = _choose(large, large, None, None, None, "pallas")
     given = _choose(_shape(), _shape(), None, None, {"forward_items_per_program": 3},
                     "pallas")
     assert causal.kernel == dense.kernel == given.kernel == "mosaic_forward"
     assert "2 query blocks per program" in causal.reason
-    assert "8 query blocks per program" in dense.reason
+    assert "16 query blocks per program" in dense.reason
     assert "3 query blocks per program" in given.reason
 
 

@@ -2,8 +2,8 @@
 
 Warp-specialized, after FlashAttention-3. A work item is one 128-row BlockMask query
 block of one head and batch row; a program walks `items_per_program` consecutive items
-(KernelOptions.forward_items_per_program; 2, or 8 at D 64 where all of a head's query
-blocks walk the same blocks: `choose_items_per_program`). Its memory warpgroup streams
+(KernelOptions.forward_items_per_program; 2, or where all of a head's query blocks walk
+the same blocks as many as make one wave of programs: `choose_items_per_program`). Its memory warpgroup streams
 the K/V tiles of the blocks that each item's BlockMask row lists into shared memory with
 TMA, `num_stages` tiles ahead of use and on from one item into the next; its two compute
 warpgroups (64 query rows each) run wgmma for q·kᵀ and p·v and the online softmax, and
@@ -49,6 +49,7 @@ from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, PAGE_ROWS_MULTIPLE, exp2_fma_share, hand_over_early, named_turn_barriers,
     tile_reads)
+from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
@@ -81,12 +82,21 @@ _STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 _PARTS_PER_BLOCK = {192: 2, 256: 2}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
-# that does not read q_idx: no mask, key padding) more items cost nothing in balance;
-# at D 64 they gain: B8 H16 S2048 D64 noop, paired rounds on the H100, 1 / 2 / 4 / 8
-# items 0.354 / 0.347 / 0.341 / 0.330 ms (at D 128 4 and 8 items were within 3 % of 2,
-# either way, and causal masks lose with more than 2).
+# that does not read q_idx: no mask, key padding) and the cache is contiguous, the items
+# are spread over one wave of programs, at most one per SM: a program walks the
+# consecutive items of one query block for each head in turn (heads vary fastest), so the
+# programs running together read the same head's K/V from L2, and no partial wave trails.
+# H100, forward, paired rounds, ms, 2048 items (B1 H16 S16384 D128 / B4 H16 S4096 D128 /
+# B8 H16 S2048 D64) at 2 / 4 / 8 / 16 items a program: 3.693 / 3.677 / 3.631 / 3.575
+# (cuDNN 3.522), 0.9375 / 0.958 / 0.952 / 0.9405 (0.920); D64 at 8 / 16 / 32: 0.3377 /
+# 0.3345 / 0.642 (0.3234), and 12 (171 programs: a second wave of 39) 0.494. The rule
+# against the old defaults (2; 8 at D 64), another host: 3.665 / 3.805, 0.969 / 0.971,
+# 0.3357 / 0.3371, GQA 32:8 B4 S4096 1.867 / 1.860; fwd+bwd within 1 %. Masks that
+# read q_idx keep 2: rows of unequal length in one wave leave SMs idle (causal lost up to
+# 26 % with 4 or 8), and so do paged calls, whose rows end at each sequence's length.
 _ITEMS_PER_PROGRAM = 2
-_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
+# Head dims where the one-wave spread was measured; the others keep 2.
+_ONE_WAVE_HEAD_DIMS = (64, 128)
 # Work items (`_kernel`) vary heads fastest, then query blocks, then batch rows: heads
 # first (as JAX's own Mosaic GPU attention) measured faster than query blocks first, the
 # Triton kernel's order: B4 H16 S4096 D128 noop 0.936 against 1.000 ms, causal 0.489
@@ -623,15 +633,19 @@ def tile_transforms(head_dim: int):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def choose_items_per_program(requested: int, head_dim: int, mask_program) -> int:
+def choose_items_per_program(requested: int, head_dim: int, mask_program, num_items: int,
+                             *, paged: bool = False) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
-    or where that is 0, by head dim and whether the mask reads q_idx."""
+    or where that is 0, by head dim, whether the mask reads q_idx and whether the cache
+    is paged: enough that the num_items (head, query block, batch) items make one wave of
+    programs where all rows are equal, else 2."""
     if head_dim == 256:  # a persistent program's output buffer would not fit
         return 1
     if requested:
         return requested
-    if head_dim == 64 and not reads_index(mask_program, {}, "q_idx"):
-        return _ITEMS_PER_PROGRAM_EQUAL_ROWS_D64
+    if (head_dim in _ONE_WAVE_HEAD_DIMS and not paged
+            and not reads_index(mask_program, {}, "q_idx")):
+        return max(1, pl.cdiv(num_items, multiprocessor_count()))
     return _ITEMS_PER_PROGRAM
 
 
