@@ -82,19 +82,26 @@ _STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 _PARTS_PER_BLOCK = {192: 2, 256: 2}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
 # has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
-# that does not read q_idx: no mask, key padding) and the cache is contiguous, the items
-# are spread over one wave of programs, at most one per SM: a program walks the
-# consecutive items of one query block for each head in turn (heads vary fastest), so the
-# programs running together read the same head's K/V from L2, and no partial wave trails.
-# H100, forward, paired rounds, ms, 2048 items (B1 H16 S16384 D128 / B4 H16 S4096 D128 /
-# B8 H16 S2048 D64) at 2 / 4 / 8 / 16 items a program: 3.693 / 3.677 / 3.631 / 3.575
-# (cuDNN 3.522), 0.9375 / 0.958 / 0.952 / 0.9405 (0.920); D64 at 8 / 16 / 32: 0.3377 /
-# 0.3345 / 0.642 (0.3234), and 12 (171 programs: a second wave of 39) 0.494. The rule
-# against the old defaults (2; 8 at D 64), another host: 3.665 / 3.805, 0.969 / 0.971,
-# 0.3357 / 0.3371, GQA 32:8 B4 S4096 1.867 / 1.860; fwd+bwd within 1 %. Masks that
-# read q_idx keep 2: rows of unequal length in one wave leave SMs idle (causal lost up to
-# 26 % with 4 or 8), and so do paged calls, whose rows end at each sequence's length.
+# that does not read q_idx: no mask, key padding) and the cache is contiguous, and the
+# items fit one wave of programs (at most one per SM) of at most one query block's heads
+# each, they are spread over that wave (at least the default a program): the programs
+# running together walk one head at a time (heads vary fastest), so they read that head's
+# K/V from L2, and no partial wave trails. H100, forward, paired rounds, ms, 2048 items
+# (B1 H16 S16384 D128 / B4 H16 S4096 D128 / B8 H16 S2048 D64) at 2 / 4 / 8 / 16 items a
+# program: 3.693 / 3.677 / 3.631 / 3.575 (cuDNN 3.522), 0.9375 / 0.958 / 0.952 / 0.9405
+# (0.920); D64 at 8 / 16 / 32: 0.3377 / 0.3345 / 0.642 (0.3234), and 12 (171 programs: a
+# second wave of 39) 0.494; against the old defaults on another host 3.665 / 3.805, 0.969
+# / 0.971, 0.3357 / 0.3371, GQA 32:8 B4 S4096 (32 a program) 1.867 / 1.860, and on a
+# third 3.645 / 3.654, 0.9555 / 0.9664, 0.3427 / 0.3451 (the gain varies by host). More items
+# than heads lose: B32 H16 S4096 D128 at 125 a program 11.78 against 7.19 with 2, B64 H32
+# S1024 3.31 / 2.03 (the programs running together then span every batch row's K/V), and
+# so do programs of 1 item on small calls (B2 H8 S1000 D64 0.0758 / 0.0723 with 2). Masks
+# that read q_idx keep 2: rows of unequal length in one wave leave SMs idle (causal lost
+# up to 26 % with 4 or 8), and so do paged calls, whose rows end at each sequence's length.
 _ITEMS_PER_PROGRAM = 2
+# Where rows are equal at D 64 (also where the items do not fit one such wave, and on
+# pages): 1 / 2 / 4 / 8 items 0.354 / 0.347 / 0.341 / 0.330 ms (B8 H16 S2048 D64 noop).
+_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
 # Head dims where the one-wave spread was measured; the others keep 2.
 _ONE_WAVE_HEAD_DIMS = (64, 128)
 # Work items (`_kernel`) vary heads fastest, then query blocks, then batch rows: heads
@@ -634,19 +641,23 @@ def tile_transforms(head_dim: int):
 
 
 def choose_items_per_program(requested: int, head_dim: int, mask_program, num_items: int,
-                             *, paged: bool = False) -> int:
+                             num_heads: int, *, paged: bool = False) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
-    or where that is 0, by head dim, whether the mask reads q_idx and whether the cache
-    is paged: enough that the num_items (head, query block, batch) items make one wave of
-    programs where all rows are equal, else 2."""
+    or where that is 0, by head dim, whether the mask reads q_idx, whether the cache is
+    paged and how the num_items (head, query block, batch) items compare with one wave
+    of programs of at most num_heads (query heads) each: see `_ITEMS_PER_PROGRAM`."""
     if head_dim == 256:  # a persistent program's output buffer would not fit
         return 1
     if requested:
         return requested
-    if (head_dim in _ONE_WAVE_HEAD_DIMS and not paged
-            and not reads_index(mask_program, {}, "q_idx")):
-        return max(1, pl.cdiv(num_items, multiprocessor_count()))
-    return _ITEMS_PER_PROGRAM
+    equal_rows = not reads_index(mask_program, {}, "q_idx")
+    default = (_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 if head_dim == 64 and equal_rows
+               else _ITEMS_PER_PROGRAM)
+    one_wave = pl.cdiv(num_items, multiprocessor_count())
+    if (equal_rows and head_dim in _ONE_WAVE_HEAD_DIMS and not paged
+            and one_wave <= num_heads):
+        return max(default, one_wave)
+    return default
 
 
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,

@@ -401,10 +401,11 @@ def test_items_per_program_give_the_same_bits(case, backend):
 
 
 def test_items_per_program_by_head_dim_and_mask():
-    """2 items per program; where every query block of a head walks the same blocks (a
-    mask that reads no q_idx) at D 64 and 128 on a contiguous cache, as many as make one
-    wave of programs on the device's SMs (132 off the GPU); 1 at D 256; a number given
-    in kernel_options is kept."""
+    """2 items per program, 8 at D 64 where every query block of a head walks the same
+    blocks (a mask that reads no q_idx); there, at D 64 and 128 on a contiguous cache,
+    as many as make one wave of programs on the device's SMs (132 off the GPU) where
+    that is at most the query heads; 1 at D 256; a number given in kernel_options is
+    kept."""
     from pallas_flex.kernels.forward_mosaic import choose_items_per_program
     from pallas_flex.masks.mod_program import MASK
 
@@ -417,19 +418,23 @@ def test_items_per_program_by_head_dim_and_mask():
         "document": make_mod_program(lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx],
                                      MASK),
     }
-    items = 2048  # B8 H16 S2048: 16 a program, 128 programs
-    assert choose_items_per_program(0, 64, program["none"], items) == 16
-    assert choose_items_per_program(0, 64, program["key_padding"], items) == 16
-    assert choose_items_per_program(0, 128, program["none"], items) == 16
-    assert choose_items_per_program(0, 128, program["none"], 2049) == 16  # 129 programs
-    assert choose_items_per_program(0, 128, program["none"], 2113) == 17
-    assert choose_items_per_program(0, 128, program["none"], 100) == 1
-    assert choose_items_per_program(0, 64, program["none"], items, paged=True) == 2
-    assert choose_items_per_program(0, 64, program["causal"], items) == 2
-    assert choose_items_per_program(0, 64, program["document"], items) == 2
-    assert choose_items_per_program(0, 96, program["none"], items) == 2
-    assert choose_items_per_program(0, 256, program["none"], items) == 1
-    assert choose_items_per_program(3, 64, program["none"], items) == 3
+    choose = choose_items_per_program
+    items = 2048  # B8 H16 S2048: 16 a program (one query block's heads), 128 programs
+    assert choose(0, 64, program["none"], items, 16) == 16
+    assert choose(0, 64, program["key_padding"], items, 16) == 16
+    assert choose(0, 128, program["none"], items, 16) == 16
+    assert choose(0, 128, program["none"], 4096, 32) == 32  # GQA 32:8
+    assert choose(0, 128, program["none"], 2113, 16) == 2  # 17 > 16 heads: default
+    assert choose(0, 64, program["none"], 16384, 16) == 8
+    assert choose(0, 128, program["none"], 100, 4) == 2  # never under the default
+    assert choose(0, 64, program["none"], 100, 4) == 8
+    assert choose(0, 64, program["none"], items, 16, paged=True) == 8
+    assert choose(0, 128, program["none"], items, 16, paged=True) == 2
+    assert choose(0, 64, program["causal"], items, 16) == 2
+    assert choose(0, 64, program["document"], items, 16) == 2
+    assert choose(0, 96, program["none"], items, 16) == 2
+    assert choose(0, 256, program["none"], items, 16) == 1
+    assert choose(3, 64, program["none"], items, 16) == 3
 
 
 # Paged prefill: (lengths, page_size, q_len, Hq, Hkv, D, dtype, mask, score). Page sizes
