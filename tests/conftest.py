@@ -74,8 +74,10 @@ def xla_cpu_optimized():
     level 0 XLA:CPU (jaxlib 0.11.2) gives NaN in one query row of the float64 dense
     reference's dq for a score_mod s * (1 + 0.1 tanh(bias[h, q, kv])) under a causal mask
     (tests/test_block_reads.py, long_table), where level 1 and the eager op-by-op run give
-    finite values: a compiler fault, not the code under test. The programs compiled here
-    are separate entries of the compilation caches (their options differ)."""
+    finite values: a compiler fault, not the code under test. Tests whose programs are
+    cheap to compile but long to run (the 32768 x 32768 block-mask build: ~40 s at level
+    0, ~2 s optimized) take it too. The programs compiled here are separate entries of the
+    compilation caches (their options differ)."""
     before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     yield
