@@ -23,8 +23,8 @@ from pallas_flex.kernels.reference import reference_attention
 
 
 def _compilation_cache_for_this_process():
-    """On the CPU, each test process keeps the executables it compiles in a persistent
-    compilation cache of its own (a temporary directory, removed at exit): a program
+    """On the CPU, the test processes of one run keep the executables they compile in a
+    persistent compilation cache (a temporary directory, removed at exit): a program
     compiled again from the same HLO with the same options loads the executable it got
     the first time instead of compiling it again. Compiling is most of this suite's time
     on the CPU, and much of it is the same programs again: the float64 and low-precision
@@ -37,8 +37,16 @@ def _compilation_cache_for_this_process():
         return
     if jax.default_backend() != "cpu":
         return
-    path = tempfile.mkdtemp(prefix="pallas-flex-tests-jax-cache-")
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    path = os.environ.get("PALLAS_FLEX_TEST_JAX_CACHE_DIR")
+    if not path:
+        # The first process of the run (pytest-xdist's controller, or the one process
+        # without xdist) makes the directory and removes it at exit; the workers it starts
+        # inherit the variable and share the directory, so a program one worker compiled
+        # loads in the other (the golden references and helpers recur across modules that
+        # xdist hands to different workers).
+        path = tempfile.mkdtemp(prefix="pallas-flex-tests-jax-cache-")
+        os.environ["PALLAS_FLEX_TEST_JAX_CACHE_DIR"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
@@ -171,3 +179,4 @@ def assert_close_to_golden(out, expected, q, k, v, mask_mod=None, score_mod=None
     baseline = dense_low_precision(q, k, v, mask_mod, score_mod, scale)
     ours, theirs = rmse(out, expected), rmse(baseline, expected)
     assert ours <= theirs, f"RMSE {ours:.3g} worse than dense {q.dtype} XLA's {theirs:.3g}"
+
