@@ -179,4 +179,3 @@ def assert_close_to_golden(out, expected, q, k, v, mask_mod=None, score_mod=None
     baseline = dense_low_precision(q, k, v, mask_mod, score_mod, scale)
     ours, theirs = rmse(out, expected), rmse(baseline, expected)
     assert ours <= theirs, f"RMSE {ours:.3g} worse than dense {q.dtype} XLA's {theirs:.3g}"
-
