@@ -103,6 +103,9 @@ _FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(12
 # 3.954 / 3.971 (ptxas spills 36 / 100 B), B1 S16384 14.91 / 14.98 (24 / 76 B). The
 # forward lost with 240 (B4 D128 0.952 / 0.936, D64 0.350 / 0.343).
 _REGISTERS = (240, 24)
+# At D 128 the dK/dV kernel's stages hardly matter (H100, fwd+bwd, paired rounds, ms, 3 /
+# 4 / 2 stages: B4 S4096 noop 4.017 / 4.023 / 4.024, causal 2.243 / 2.248 / 2.233; B1
+# S16384 noop 15.20 / 15.24 / 15.22, causal 8.30 / 8.24 / 8.22): the stream is ahead.
 _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 
 
