@@ -143,10 +143,10 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
                                        interpret=interpret, paged=paged, out_dtype=out_dtype)
     if reason is None:
+        items = _mosaic_items_per_program(q, block_mask, options, paged)
         return Choice("mosaic_forward", "the Mosaic GPU forward takes it (Hopper, "
-                                        "warp-specialized, wgmma; "
-                                        f"{_mosaic_items_per_program(q, block_mask, options, paged)} "
-                                        "query blocks per program)")
+                                        f"warp-specialized, wgmma; {items} query blocks per "
+                                        "program)")
     if named:
         raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
                          f"forward kernel does not take this call: {reason}")

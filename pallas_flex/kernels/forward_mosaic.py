@@ -2,10 +2,10 @@
 
 Warp-specialized, after FlashAttention-3. A work item is one 128-row BlockMask query
 block of one head and batch row; a program walks `items_per_program` consecutive items
-(KernelOptions.forward_items_per_program; 2, or where all of a head's query blocks walk
-the same blocks as many as make one wave of programs: `choose_items_per_program`). Its memory warpgroup streams
-the K/V tiles of the blocks that each item's BlockMask row lists into shared memory with
-TMA, `num_stages` tiles ahead of use and on from one item into the next; its two compute
+(KernelOptions.forward_items_per_program; `choose_items_per_program`: 2, more where all
+of a head's query blocks walk the same blocks). Its memory warpgroup streams the K/V
+tiles of the blocks that each item's BlockMask row lists into shared memory with TMA,
+`num_stages` tiles ahead of use and on from one item into the next; its two compute
 warpgroups (64 query rows each) run wgmma for q·kᵀ and p·v and the online softmax, and
 load the next item's queries while they store the current item's output. A schedule
 barrier makes the compute warpgroups take turns on the tensor cores, so one's softmax
@@ -81,23 +81,24 @@ _STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 # 0.784 / 0.775 (0.771).
 _PARTS_PER_BLOCK = {192: 2, 256: 2}
 # Items per program (`choose_items_per_program`; KernelOptions.forward_items_per_program
-# has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a mask
-# that does not read q_idx: no mask, key padding) and the cache is contiguous, and the
-# items fit one wave of programs (at most one per SM) of at most one query block's heads
-# each, they are spread over that wave (at least the default a program): the programs
-# running together walk one head at a time (heads vary fastest), so they read that head's
-# K/V from L2, and no partial wave trails. H100, forward, paired rounds, ms, 2048 items
-# (B1 H16 S16384 D128 / B4 H16 S4096 D128 / B8 H16 S2048 D64) at 2 / 4 / 8 / 16 items a
-# program: 3.693 / 3.677 / 3.631 / 3.575 (cuDNN 3.522), 0.9375 / 0.958 / 0.952 / 0.9405
-# (0.920); D64 at 8 / 16 / 32: 0.3377 / 0.3345 / 0.642 (0.3234), and 12 (171 programs: a
-# second wave of 39) 0.494; against the old defaults on another host 3.665 / 3.805, 0.969
-# / 0.971, 0.3357 / 0.3371, GQA 32:8 B4 S4096 (32 a program) 1.867 / 1.860, and on a
-# third 3.645 / 3.654, 0.9555 / 0.9664, 0.3427 / 0.3451 (the gain varies by host). More items
-# than heads lose: B32 H16 S4096 D128 at 125 a program 11.78 against 7.19 with 2, B64 H32
-# S1024 3.31 / 2.03 (the programs running together then span every batch row's K/V), and
-# so do programs of 1 item on small calls (B2 H8 S1000 D64 0.0758 / 0.0723 with 2). Masks
-# that read q_idx keep 2: rows of unequal length in one wave leave SMs idle (causal lost
-# up to 26 % with 4 or 8), and so do paged calls, whose rows end at each sequence's length.
+# has the 1 -> 2 figures). Where every query block of a head walks the same blocks (a
+# mask that does not read q_idx: no mask, key padding) and the cache is contiguous, and
+# the items fit one wave of programs (at most one per SM) of at most one query block's
+# heads each, they are spread over that wave (at least the default a program): the
+# programs running together walk one head at a time (heads vary fastest), so they read
+# that head's K/V from L2, and no partial wave trails. H100, forward, paired rounds, ms,
+# 2048 items (B1 H16 S16384 D128 / B4 H16 S4096 D128 / B8 H16 S2048 D64) at 2 / 4 / 8 /
+# 16 items a program: 3.693 / 3.677 / 3.631 / 3.575 (cuDNN 3.522), 0.9375 / 0.958 / 0.952
+# / 0.9405 (0.920); D64 at 8 / 16 / 32: 0.3377 / 0.3345 / 0.642 (0.3234), and 12 (171
+# programs: a second wave of 39) 0.494; against the old defaults on another host 3.665 /
+# 3.805, 0.969 / 0.971, 0.3357 / 0.3371, GQA 32:8 B4 S4096 (32 a program) 1.867 / 1.860,
+# and on a third 3.645 / 3.654, 0.9555 / 0.9664, 0.3427 / 0.3451 (the gain varies by
+# host). More items than heads lose: B32 H16 S4096 D128 at 125 a program 11.78 against
+# 7.19 with 2, B64 H32 S1024 3.31 / 2.03 (the programs running together then span every
+# batch row's K/V), and so do programs of 1 item on small calls (B2 H8 S1000 D64 0.0758 /
+# 0.0723 with 2). Masks that read q_idx keep 2: rows of unequal length in one wave leave
+# SMs idle (causal lost up to 26 % with 4 or 8), and so do paged calls, whose rows end at
+# each sequence's length.
 _ITEMS_PER_PROGRAM = 2
 # Where rows are equal at D 64 (also where the items do not fit one such wave, and on
 # pages): 1 / 2 / 4 / 8 items 0.354 / 0.347 / 0.341 / 0.330 ms (B8 H16 S2048 D64 noop).
