@@ -155,7 +155,7 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
 
 def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool) -> int:
     """The (head, query block, batch) items a Mosaic GPU forward program walks."""
-    batch, q_len, q_heads, head_dim = q.shape
+    batch, _, q_heads, head_dim = q.shape
     num_items = batch * q_heads * block_mask.num_blocks[0]
     return forward_mosaic.choose_items_per_program(
         options.forward_items_per_program, head_dim, block_mask.mask_mod, num_items,

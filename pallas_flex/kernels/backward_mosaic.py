@@ -949,12 +949,12 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
             relative_positions, dump_offsets, fuse_dq=False):
-    """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`)
-    on block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
-    kernel's row sums where any gradient of a captured array is wanted, then per array at `relative_positions` the dK/dV kernel's sums per entry (its
-    `entry_tables_`), then the tiles dumped for those with `dump_offsets` (`Dump`'s
-    (first_offset, count) or None per array). d_lse: padded, or None (zero or no relative
-    positions)."""
+    """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`) on
+    block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
+    kernel's row sums where any gradient of a captured array is wanted, then per array
+    at `relative_positions` the dK/dV kernel's sums per entry (its `entry_tables_`),
+    then the tiles dumped for those with `dump_offsets` (`Dump`'s (first_offset,
+    count) or None per array). d_lse: padded, or None (zero or no relative positions)."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
