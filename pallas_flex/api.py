@@ -137,7 +137,7 @@ def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
     kernel's softmax; the lse includes them."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
-                                     options=options, out_dtype=out_dtype)
+                                     options=options, out_dtype=out_dtype, with_max=with_max)
 
     def forward(operands, offsets):
         q, k, v, block_mask, score_program, sinks = operands

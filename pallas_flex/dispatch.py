@@ -8,6 +8,7 @@ order the rules are tried:
 | rule                                                           | kernel          |
 |----------------------------------------------------------------|-----------------|
 | backend "xla"                                                  | xla_blockwise   |
+| Sq <= decode_max_q_len and one BlockMask query block: latent attention (one query, one KV head, D 128-640, Dv 128-512) that the Mosaic GPU latent decode takes (`decode_latent_mosaic.unsupported_reason`), decode_kernel "auto" (not under backend "interpret") or "mosaic" | mosaic_latent_decode |
 | Sq <= decode_max_q_len and one BlockMask query block            | decode          |
 | forward_kernel "triton"                                         | triton_forward  |
 | backend "interpret", forward_kernel "auto"                      | triton_forward  |
@@ -46,7 +47,8 @@ import dataclasses
 import jax.numpy as jnp
 
 from pallas_flex import sharding
-from pallas_flex.kernels import backward_mosaic, device, forward_mosaic, mosaic_eligibility
+from pallas_flex.kernels import (
+    backward_mosaic, decode_latent_mosaic, device, forward_mosaic, mosaic_eligibility)
 from pallas_flex.kernels.backward import flex_attention_backward
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.decode import flex_decode
@@ -56,7 +58,8 @@ from pallas_flex.kernels.xla_blockwise import blockwise_attention
 from pallas_flex.masks.row_reads import precompute_row_reads
 from pallas_flex.sinks import merge_sinks
 
-FORWARD_KERNELS = ("xla_blockwise", "decode", "triton_forward", "mosaic_forward")
+FORWARD_KERNELS = ("xla_blockwise", "decode", "mosaic_latent_decode", "triton_forward",
+                   "mosaic_forward")
 BACKWARD_KERNELS = ("triton_backward", "mosaic_backward")
 
 
@@ -115,18 +118,18 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
 
 def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
                    options: KernelOptions, paged: bool = False, out_dtype=None,
-                   quantized: bool = False) -> Choice:
+                   quantized: bool = False, with_max: bool = False) -> Choice:
     """The forward kernel of a call (see the module docstring's table). k / v are pages
     [num_pages, Hkv, page_size, D] when `paged`. A ValueError when kernel_options name
-    the Mosaic kernel and it does not take the call."""
+    a Mosaic kernel and it does not take the call."""
     if backend not in ("pallas", "interpret"):
         return Choice("xla_blockwise", f'backend "{backend}": the blockwise XLA loop')
     interpret = backend == "interpret"
     q_len = q.shape[1]
     if uses_decode_kernel(q_len, block_mask, options):
-        return Choice("decode", f"Sq = {q_len} <= decode_max_q_len = "
-                                f"{options.decode_max_q_len} in one BlockMask query block: "
-                                "the split-KV decode kernel")
+        return _choose_decode(q, k, v, block_mask, score_program, options=options,
+                              interpret=interpret, paged=paged or quantized,
+                              with_max=with_max)
     if options.forward_kernel == "triton":
         return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
     named = options.forward_kernel == "mosaic"
@@ -151,6 +154,36 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
         raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
                          f"forward kernel does not take this call: {reason}")
     return Choice("triton_forward", f"the Mosaic GPU forward does not take {reason}")
+
+
+def _choose_decode(q, k, v, block_mask, score_program, *, options: KernelOptions,
+                   interpret: bool, paged: bool, with_max: bool) -> Choice:
+    """Latent-attention decode on the Mosaic GPU kernel where it takes the call (see
+    KernelOptions.decode_kernel), else the Triton split-KV decode."""
+    split_kv = Choice("decode", f"Sq = {q.shape[1]} <= decode_max_q_len = "
+                                f"{options.decode_max_q_len} in one BlockMask query block: "
+                                "the split-KV decode kernel")
+    named = options.decode_kernel == "mosaic"
+    if options.decode_kernel == "triton" or (interpret and not named):
+        return split_kv
+    reason = decode_latent_mosaic.unsupported_reason(
+        q, k, v, block_mask, score_program, paged=paged, with_max=with_max,
+        interpret=interpret)
+    axes = sharding.varying_axes(q, k, v)
+    if reason is None and axes:
+        reason = (f"inputs varying over the manual mesh axes {list(axes)} of a jax.shard_map "
+                  "that checks them (check_vma=True)")
+    budget = planned_shared_memory(options)
+    if reason is None and not interpret and not device.mosaic_allowed(budget):
+        reason = (f"a shared-memory budget of {budget // 1024} KiB "
+                  f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
+    if reason is None:
+        return Choice("mosaic_latent_decode", "latent-attention decode: the Mosaic GPU "
+                                              "kernel (Hopper, wgmma, 64 heads a program)")
+    if named:
+        raise ValueError(f"kernel_options['decode_kernel'] is 'mosaic', but the Mosaic GPU "
+                         f"latent decode does not take this call: {reason}")
+    return split_kv
 
 
 def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool) -> int:
@@ -182,6 +215,13 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         return (out, lse, *row_max)
+    if choice.kernel == "mosaic_latent_decode":
+        out, lse = decode_latent_mosaic.latent_decode(
+            q, k, v, block_mask, scale=scale, interpret=interpret,
+            num_splits=options.decode_num_splits, out_dtype=out_dtype)
+        if sinks is not None:
+            out, lse = merge_sinks(out, lse, sinks)
+        return out, lse
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,

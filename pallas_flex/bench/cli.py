@@ -32,7 +32,8 @@ SUITES = {  # each suite and what it is compared with
     "variants": "sinks: the call without them; differential: two pf.attention calls, XLA; "
                 "gated: XLA",
     "captured_gradients": "the same forward+backward without the captured array's "
-                          "gradient"}
+                          "gradient",
+    "latent": "the Triton decode on the same latent-attention call"}
 TORCH_SUITES = ("forward", "fwd_bwd", "decode", "block_mask")
 
 

@@ -911,11 +911,85 @@ def compile_time(options):
     return ["forward", "fwd_bwd", "decode"], "s", rows
 
 
+def latent(options):
+    """Latent-attention (MLA) decode as DeepSeek serves it: Hq 128, one KV head, D 576,
+    Dv 512, one query per batch row at the end of its cache (a decode offset, so the
+    BlockMask lists every block), on a contiguous cache: the Mosaic GPU kernel
+    (`kernels/decode_latent_mosaic.py`, decode_kernel "mosaic") against the Triton
+    split-KV decode (decode_kernel "triton") on the same inputs, in paired rounds. Each
+    entry: ms per step of `steps` chained steps in one jitted call (a step's output,
+    padded, is the next step's query), the K/V bytes a step reads and their TB/s, the
+    TFLOP/s of its 2 x Hq x (D + Dv) flops per cached token, and the largest |difference|
+    from the Triton column's output. --quick: narrow heads in interpret mode on a CPU."""
+    steps = 2 if options.quick else 8
+    interpret = options.backend != "pallas"
+    backend = "interpret" if interpret else options.backend
+    if options.quick:
+        q_heads, dim, value_dim = 64, 128, 128
+        shapes = (("tiny_b1_s256", 1, 256), ("tiny_b2_s300", 2, 300))
+    else:
+        q_heads, dim, value_dim = 128, 576, 512
+        shapes = tuple((f"b{batch}_s{length}", batch, length)
+                       for length in (4096, 32768) for batch in (16, 64, 128))
+    columns = ["mosaic", "triton"]
+    scale = 1 / np.sqrt(192.0)
+    rows = []
+    for name, batch, length in shapes:
+        print(f"[latent] {name}", flush=True)
+        keys = jax.random.split(jax.random.PRNGKey(0), 3)
+        q = jax.random.normal(keys[0], (batch, 1, q_heads, dim), jnp.bfloat16)
+        k = jax.random.normal(keys[1], (batch, length, 1, dim), jnp.bfloat16)
+        v = jax.random.normal(keys[2], (batch, length, 1, value_dim), jnp.bfloat16)
+        positions = jnp.full((batch,), length - 1, jnp.int32)
+        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask, positions),
+                                          batch, None, 1, length)
+        stored = batch * length * (dim + value_dim) * 2
+        flops = 2 * batch * length * q_heads * (dim + value_dim)
+        row = {"case": name, "params": {
+            "batch": batch, "q_heads": q_heads, "kv_heads": 1, "seq_len": length,
+            "head_dim": dim, "value_dim": value_dim, "steps_per_call": steps,
+            "bytes": stored, "flops": flops}}
+
+        def decode_steps(q, k, v, block_mask, kernel):
+            """(the first step's output, the last's)."""
+            outs, query = [], q
+            for _ in range(steps):
+                out = pf.flex_attention(query, k, v, block_mask=block_mask, scale=scale,
+                                        backend=backend,
+                                        kernel_options={"decode_kernel": kernel})
+                outs.append(out)
+                query = jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, dim - value_dim)))
+            return outs[0], outs[-1]
+
+        calls, outs = {}, {}
+        for column in columns:
+            call = jax.jit(functools.partial(decode_steps, kernel=column))
+            try:
+                outs[column] = jax.block_until_ready(call(q, k, v, block_mask))[0]
+                calls[column] = (call, (q, k, v, block_mask))
+            except Exception as error:
+                traceback.print_exc()
+                row[column] = error_entry(error)
+        rounds = 3 if options.quick else 9
+        for column, entry in time_paired(calls, rounds=rounds,
+                                         iters=2 if options.quick else 20).items():
+            ms = entry["ms"] / steps
+            row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
+                           "tb_per_s": stored / ms / 1e9, "tflop_per_s": flops / ms / 1e9}
+        if "mosaic" in outs and "triton" in outs:
+            row["mosaic"]["max_abs_diff_vs_triton"] = float(jnp.max(jnp.abs(
+                outs["mosaic"].astype(jnp.float32) - outs["triton"].astype(jnp.float32))))
+            row["mosaic"]["speedup_vs_triton"] = row["triton"]["ms"] / row["mosaic"]["ms"]
+        rows.append(row)
+        del q, k, v, calls, outs
+    return columns, "ms", rows
+
+
 SUITES = {
     "forward": lambda options: attention(options, "fwd"),
     "fwd_bwd": lambda options: attention(options, "fwd_bwd"), "score_mods": score_mods,
     "decode": lambda options: attention(options, "fwd", decode=True),
     "paged": paged, "quantized": quantized, "ragged": ragged, "cascade": cascade,
     "memory": memory, "block_mask": block_mask, "compile": compile_time, "fuse": fuse,
-    "variants": variants, "captured_gradients": captured_gradients,
+    "variants": variants, "captured_gradients": captured_gradients, "latent": latent,
 }

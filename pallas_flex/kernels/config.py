@@ -89,6 +89,14 @@ class KernelOptions:
       12 documents -2.7 to +11.5 %, soft-cap 1.3-4.4 %, ALiBi 0-5.8 %. 4 or 8 items, or
       one program per SM, lose up to 26 % on causal masks: the hardware's scheduling of
       programs no longer balances rows of unequal length.
+    decode_kernel: which decode kernel runs latent-attention decode (one query position,
+      one KV head, D and Dv as wide as DeepSeek's 576 / 512) on the GPU: "auto": the
+      Mosaic GPU kernel (`kernels/decode_latent_mosaic.py`) on Hopper where it covers the
+      call, else the Triton decode; "mosaic": a ValueError saying why where it does not
+      (with backend="interpret", its interpret mode); "triton": the Triton decode.
+      Giving decode_block_kv, decode_num_warps, decode_num_stages or decode_max_rows
+      (the Triton decode's settings) without decode_kernel selects "triton";
+      decode_num_splits sets either kernel's splits.
     backward_kernel: which backward kernel runs on the GPU, the same way: "auto" (the
       Mosaic GPU backward, `kernels/backward_mosaic.py`, where it covers the call: the
       forward's set, without gradients of captured arrays), "mosaic" (a ValueError
@@ -118,6 +126,7 @@ class KernelOptions:
     backward_masked_first: bool = True
     forward_kernel: str = "auto"
     backward_kernel: str = "auto"
+    decode_kernel: str = "auto"
     forward_items_per_program: int = 0
     backward_deterministic: bool = False
     forward_selects_small_tables: bool = True
@@ -189,6 +198,8 @@ BATCH_LOOP_TARGET_PROGRAMS = 1024
 BATCH_SUMS = ("auto", "atomic", "loop")
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages", "forward_selects_small_tables"})
+TRITON_DECODE_FIELDS = frozenset({"decode_block_kv", "decode_num_warps", "decode_num_stages",
+                                  "decode_max_rows"})
 TRITON_BACKWARD_FIELDS = frozenset({
     "backward_block_q", "backward_block_kv", "backward_dkdv_block_q",
     "backward_dkdv_block_kv", "backward_num_warps", "backward_num_stages",
@@ -265,7 +276,7 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         count = kernel_options.get(name, 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ValueError(f"kernel_options[{name!r}] must be a non-negative int, got {count!r}")
-    for name in ("forward_kernel", "backward_kernel"):
+    for name in ("forward_kernel", "backward_kernel", "decode_kernel"):
         if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
             raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "
                              f"got {kernel_options[name]!r}")
@@ -286,6 +297,8 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
     # Tile settings are the Triton kernel's: a user who tunes them wants that kernel.
     if "forward_kernel" not in kernel_options and TRITON_FORWARD_FIELDS & set(kernel_options):
         options = options.replace(forward_kernel="triton")
+    if "decode_kernel" not in kernel_options and TRITON_DECODE_FIELDS & set(kernel_options):
+        options = options.replace(decode_kernel="triton")
     if "backward_kernel" not in kernel_options and (
             TRITON_BACKWARD_FIELDS | TRITON_FORWARD_FIELDS) & set(kernel_options):
         options = options.replace(backward_kernel="triton")

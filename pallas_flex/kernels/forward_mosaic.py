@@ -522,10 +522,10 @@ class _Turns:
         plgpu.barrier_wait(self.barrier)
 
     def _signal(self):
-        _named_barrier("arrive", _FIRST_TURN_BARRIER + 1 - self.warpgroup)
+        named_barrier("arrive", _FIRST_TURN_BARRIER + 1 - self.warpgroup)
 
     def _wait(self):
-        _named_barrier("sync", _FIRST_TURN_BARRIER + self.warpgroup)
+        named_barrier("sync", _FIRST_TURN_BARRIER + self.warpgroup)
 
     def start(self):
         pl.when(self.warpgroup == 1)(self._wait if self.named else self._rendezvous)
@@ -544,7 +544,7 @@ class _Turns:
         pl.when(self.warpgroup == 0)(self._signal if self.named else self._rendezvous)
 
 
-def _named_barrier(operation: str, barrier_id):
+def named_barrier(operation: str, barrier_id):
     """`bar.{operation} barrier_id, 256`: both compute warpgroups' 128 threads each."""
     from jaxlib.mlir import ir
     from jaxlib.mlir.dialects import llvm

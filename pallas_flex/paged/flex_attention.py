@@ -61,7 +61,7 @@ def _paged_attention_impl(q, k_pages, v_pages, page_table, lengths, block_mask,
     backend, scale, options, with_max = config
     choice = dispatch.choose_forward(q, k_pages, v_pages, block_mask, score_program,
                                      backend=backend, options=options, paged=True,
-                                     quantized=scales is not None)
+                                     quantized=scales is not None, with_max=with_max)
 
     def attend(operands, offsets):
         q, k_pages, v_pages, page_table, lengths, block_mask, score_program, scales = operands

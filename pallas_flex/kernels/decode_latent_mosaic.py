@@ -1,0 +1,392 @@
+"""Latent-attention (MLA) decode for Hopper: a Pallas Mosaic GPU kernel.
+
+DeepSeek's multi-head latent attention decodes with many query heads (128) on one KV
+head of a wide latent (D 576 for q·kᵀ, Dv 512 for p·v). Per cached token that is
+~280 kFLOP against 2176 bytes: at the H100's bandwidth the tensor cores must run
+wgmma near their peak, which the Triton decode (`decode.py`, mma.sync on 32-row
+programs) cannot (0.3-1 TB/s). Here, after FlashMLA:
+
+* A program owns 64 query heads (the wgmma M) of one batch row and one split of the
+  keys the BlockMask row lists; the head blocks of one (batch row, split) are
+  neighbouring programs, so the second reads the keys from L2.
+* Its two compute warpgroups share the work without sharing an accumulator: warpgroup
+  w computes the partial scores Q[:, half w] · K[:, half w]ᵀ over its half of the 576
+  columns, the two halves are added through shared memory (a [64, T] float32 tile
+  each, two named-barrier rendezvous a tile), both run the same online softmax on the
+  same sums, and warpgroup w accumulates P · V[:, half w] into its half of the output:
+  [64, 256] float32, 128 registers a thread. No matmul is done twice.
+* The memory warpgroup streams each warpgroup's halves of the K/V tiles (T keys) with
+  TMA, `_STAGES` ahead; each warpgroup waits for and releases only its own halves.
+* Each program writes its normalized [64, Dv] output in float32 and its lse; the splits
+  merge exactly afterwards (`online_softmax.merge_partials`), as in the Triton decode.
+
+Masks run on partial tiles as in the other kernels (rows are heads here, so the mask
+may not read h, nor captured arrays at q_idx: `unsupported_reason`).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_flex.kernels import device, online_softmax
+from pallas_flex.kernels.device import multiprocessor_count
+from pallas_flex.kernels.forward_mosaic import named_barrier
+from pallas_flex.kernels.mosaic_eligibility import (
+    EXACT_FLOAT32_INTEGERS, mod_unsupported_reason, tile_reads)
+from pallas_flex.kernels.mosaic_tiles import (
+    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, matmul, split_tile_refs,
+    tile_inputs)
+from pallas_flex.kernels.padding import pad_axis
+
+COMPUTE_WARPGROUPS = 2
+HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
+# Keys per K/V tile and tiles in flight: 64 x 576 queries (72 KiB), two stages of 32
+# keys of K and V (2 x 68 KiB) and the score halves' exchange tile (2 x 8 KiB) fill the
+# H100's 227 KiB of shared memory.
+TILE = 32
+_STAGES = 2
+_REGISTERS = (232, 40)
+# Named barriers (Mosaic GPU takes the low ids): the scores' halves written / read.
+_WRITTEN_BARRIER, _READ_BARRIER = 8, 9
+
+
+def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_max: bool,
+                       interpret: bool):
+    """None if this kernel takes the decode call, else why not (a short phrase)."""
+    batch, q_len, q_heads, head_dim = q.shape
+    if not interpret:
+        capability = device.compute_capability()
+        if capability is None:
+            return "no GPU"
+        if capability != device.HOPPER:
+            return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
+                    "Hopper, 9.0)")
+    if paged:
+        return "a paged cache"
+    if with_max:
+        return "the row max asked for"
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (it takes 16-bit q, k, v of one dtype)"
+    if q_len != 1:
+        return f"Sq = {q_len} (it takes one query position)"
+    if k.shape[2] != 1:
+        return f"{k.shape[2]} KV heads (it takes latent attention's one)"
+    if q_heads % HEADS_PER_PROGRAM:
+        return f"{q_heads} query heads (it takes a multiple of {HEADS_PER_PROGRAM})"
+    value_dim = v.shape[3]
+    if head_dim % 64 or not 128 <= head_dim <= 640:
+        return f"head dim {head_dim} (it takes multiples of 64 from 128 to 640)"
+    if value_dim % 128 or not 128 <= value_dim <= 512:
+        return f"value dim {value_dim} (it takes multiples of 128 up to 512)"
+    if block_mask.shape[3] > EXACT_FLOAT32_INTEGERS:
+        return f"KV length {block_mask.shape[3]} above {EXACT_FLOAT32_INTEGERS}"
+    if block_mask.block_size[1] % TILE:
+        return f"BlockMask KV blocks of {block_mask.block_size[1]} (a multiple of {TILE})"
+    if score_program is not None:
+        return "a score_mod"
+    mask_program = block_mask.mask_mod
+    reason = mod_unsupported_reason(mask_program)
+    if reason is not None:
+        return reason
+    if mask_program is not None and mask_program.uses_head:
+        return "a mask_mod that reads h (rows are heads here)"
+    if any(kind != "kv" for _, _, kind in tile_reads(mask_program).values()):
+        return "a mask_mod reading a captured array at q_idx"
+    return None
+
+
+def _transforms(columns: int, contraction_rows: int | None = None):
+    """A 16-bit tile's shared-memory layout: rows of 8 x swizzle / 2 elements, swizzled
+    by the widest of 128, 64 and 32 bytes that divides a row, and for a tile wgmma
+    contracts along its rows (V: keys), their count too (wgmma's K is a multiple of
+    swizzle / 2: 32 keys take 64 bytes)."""
+    swizzle = next(width for width in (128, 64, 32) if columns * 2 % width == 0
+                   and (contraction_rows is None or contraction_rows * 2 % width == 0))
+    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
+
+
+def _float32_transforms(columns: int):
+    swizzle = min(128, columns * 4)
+    return (plgpu.TilingTransform((8, swizzle // 4)), plgpu.SwizzleTransform(swizzle))
+
+
+def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
+            partial_indices_ref, *refs, mask_program, mask_reads, scale, num_splits,
+            head_blocks, kv_len, tiles_per_block, broadcast_batch, tile_rows, num_stages,
+            spread_copies, interpret):
+    mask_refs, _, (out_ref, lse_ref, scratch) = split_tile_refs(
+        refs, mask_program, mask_reads, None, {})
+    q_smem, ((k_smem, v_smem), (o_smem, lse_smem)), s_smem, barriers = scratch
+    (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, written, read) = barriers
+    qk_half, value_half = q_smem.shape[2], v_smem.shape[3]
+    dtype = q_ref.dtype
+
+    program = lax.axis_index("programs")
+    head_block = lax.rem(program, jnp.int32(head_blocks))
+    rest = lax.div(program, jnp.int32(head_blocks))
+    split = lax.rem(rest, jnp.int32(num_splits))
+    batch = lax.div(rest, jnp.int32(num_splits))
+    table = (0 if broadcast_batch else batch, 0, 0)
+    num_full_tiles = full_num_ref[table] * tiles_per_block
+    num_tiles = num_full_tiles + partial_num_ref[table] * tiles_per_block
+    per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
+    low = jnp.minimum(split * per_split, num_tiles)
+    high = jnp.minimum(num_tiles, low + per_split)
+    last_listed = full_indices_ref.shape[-1] - 1
+
+    def key_start_of(tile):
+        """The first key of listed tile `tile` (full blocks' tiles first)."""
+        listed, part = lax.div(tile, jnp.int32(tiles_per_block)), lax.rem(
+            tile, jnp.int32(tiles_per_block))
+        num_full = full_num_ref[table]
+        full = full_indices_ref[table + (jnp.minimum(listed, last_listed),)]
+        partial = partial_indices_ref[table + (jnp.clip(listed - num_full, 0, last_listed),)]
+        block = jnp.where(listed < num_full, full, partial)
+        return (block * tiles_per_block + part) * tile_rows
+
+    def slot_of(step):
+        return lax.rem(step, jnp.int32(num_stages))
+
+    warpgroup = lax.axis_index("warpgroup")
+
+    def rendezvous(named_id, barrier):
+        if interpret:
+            plgpu.barrier_arrive(barrier)
+            plgpu.barrier_wait(barrier)
+        else:
+            named_barrier("sync", named_id)
+
+    @pl.when(warpgroup < COMPUTE_WARPGROUPS)
+    def _compute():
+        if not interpret:
+            plgpu.set_max_registers(_REGISTERS[0], action="increase")
+        half = warpgroup
+        heads = pl.ds(head_block * HEADS_PER_PROGRAM, HEADS_PER_PROGRAM)
+        plgpu.copy_gmem_to_smem(q_ref.at[batch, 0, heads, pl.ds(half * qk_half, qk_half)],
+                                q_smem.at[half], q_barriers.at[half])
+        plgpu.barrier_wait(q_barriers.at[half])
+        tile = (HEADS_PER_PROGRAM, tile_rows)
+        row_layout = plgpu.Layout.WGMMA.reduce(1)
+        running_max = plgpu.layout_cast(
+            jnp.full((HEADS_PER_PROGRAM,), -jnp.inf, jnp.float32), row_layout)
+        running_sum = plgpu.layout_cast(
+            jnp.full((HEADS_PER_PROGRAM,), 0.0, jnp.float32), row_layout)
+        accumulator = plgpu.layout_cast(
+            jnp.full((HEADS_PER_PROGRAM, value_half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
+        logit_scale = scale * online_softmax.LOG2_E
+        other = 1 - half
+
+        def visit(step, carry, masked):
+            accumulator, running_max, running_sum = carry
+            local = step - low
+            slot = slot_of(local)
+            plgpu.barrier_wait(k_barriers.at[slot * COMPUTE_WARPGROUPS + half])
+            partial = matmul(q_smem.at[half], k_smem.at[slot, half], shape=tile,
+                             interpret=interpret, transpose_b=True)
+            plgpu.barrier_arrive(k_consumed.at[slot * COMPUTE_WARPGROUPS + half])
+            # The other half may still read this tile's last contents.
+            pl.when(local > 0)(lambda: rendezvous(_READ_BARRIER, read))
+            s_smem.at[half][...] = partial
+            rendezvous(_WRITTEN_BARRIER, written)
+            # a + b == b + a: both warpgroups hold the same sums, bit for bit.
+            logits = partial + plgpu.load(s_smem.at[other], layout=plgpu.Layout.WGMMA)
+            if masked:
+                kv_start = key_start_of(step)
+                kv_position = index_vector(kv_start, tile_rows, 1)
+                kv_idx = Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
+                logits = apply_mask(
+                    logits, mask_program, mask_reads, mask_refs,
+                    (batch, jnp.int32(0), jnp.int32(0), kv_idx),
+                    extra_keep=Vector(kv_position.value < kv_len, 1), tile=tile, q_axis=0,
+                    q_start=0, kv_start=kv_start, interpret=interpret)
+            new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
+            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+            correction = jnp.exp2(running_max - safe_max)
+            p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
+            accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
+            running_sum = running_sum * correction + p.sum(axis=1)
+            plgpu.barrier_wait(v_barriers.at[slot * COMPUTE_WARPGROUPS + half])
+            accumulator = matmul(p.astype(dtype), v_smem.at[slot, half],
+                                 shape=accumulator.shape, interpret=interpret,
+                                 accumulator=accumulator)
+            plgpu.barrier_arrive(v_consumed.at[slot * COMPUTE_WARPGROUPS + half])
+            return accumulator, new_max, running_sum
+
+        carry = (accumulator, running_max, running_sum)
+        middle = jnp.clip(num_full_tiles, low, high)
+        carry = lax.fori_loop(low, middle, functools.partial(visit, masked=False), carry)
+        carry = lax.fori_loop(middle, high, functools.partial(visit, masked=True), carry)
+        accumulator, running_max, running_sum = carry
+        # Both halves are done with the K/V stages, which the output tiles reuse.
+        rendezvous(_READ_BARRIER, read)
+        has_mass = running_sum > 0.0
+        inverse_sum = 1.0 / jnp.where(has_mass, running_sum, 1.0)
+        out = accumulator * lax.broadcast_in_dim(inverse_sum, accumulator.shape, [0])
+        safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
+        lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
+        o_smem.at[half][...] = out
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            o_smem.at[half],
+            out_ref.at[batch, head_block, split, :, pl.ds(half * value_half, value_half)])
+
+        @pl.when(half == 0)
+        def _():
+            lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head_block, split])
+
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(warpgroup == COMPUTE_WARPGROUPS)
+    def _memory():
+        if not interpret:
+            plgpu.set_max_registers(_REGISTERS[1], action="decrease")
+        # Four copies a tile (K and V, a half each): from one thread one after another,
+        # or (spread_copies) one from each warp of the warpgroup.
+        copies = [(source, destination, ready, consumed, columns)
+                  for source, destination, ready, consumed, columns in (
+                      (k_ref, k_smem, k_barriers, k_consumed, qk_half),
+                      (v_ref, v_smem, v_barriers, v_consumed, value_half))]
+
+        def issue(step, copy_index):
+            source, destination, ready, consumed, columns = copies[copy_index // 2]
+            half = copy_index % 2
+            local = step - low
+            slot = slot_of(local)
+            barrier = slot * COMPUTE_WARPGROUPS + half
+
+            @pl.when(local >= num_stages)
+            def _():
+                plgpu.barrier_wait(consumed.at[barrier])
+
+            plgpu.copy_gmem_to_smem(
+                source.at[batch, pl.ds(key_start_of(step), tile_rows), 0,
+                          pl.ds(half * columns, columns)],
+                destination.at[slot, half], ready.at[barrier])
+
+        @pl.loop(low, high)
+        def _fetch(step):
+            if spread_copies:
+                def per_warp(warp):
+                    for copy_index in range(4):
+                        pl.when(warp == copy_index)(functools.partial(issue, step, copy_index))
+                plgpu.warp_map(per_warp)
+            else:
+                for copy_index in (0, 1, 2, 3):
+                    issue(step, copy_index)
+
+        def drain(step, copy_index):
+            _, _, _, consumed, _ = copies[copy_index // 2]
+            slot = slot_of(step - low)
+            plgpu.barrier_wait(consumed.at[slot * COMPUTE_WARPGROUPS + copy_index % 2])
+
+        # Observe the last releases, so that every phase is waited on once (the
+        # interpreter checks it), by whoever waited on the earlier ones.
+        @pl.loop(jnp.maximum(high - num_stages, low), high)
+        def _drain(step):
+            if spread_copies:
+                def per_warp(warp):
+                    for copy_index in range(4):
+                        pl.when(warp == copy_index)(functools.partial(drain, step, copy_index))
+                plgpu.warp_map(per_warp)
+            else:
+                for copy_index in range(4):
+                    drain(step, copy_index)
+
+
+def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
+    """Splits of a row's KV tiles: as many as keep the programs within one wave (at
+    most one per SM), at least 1, at most the tiles."""
+    if requested:
+        return max(1, min(requested, num_tiles))
+    return max(1, min(num_tiles, multiprocessor_count() // (batch * head_blocks)))
+
+
+def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
+                  tile_rows: int = TILE, num_stages: int = _STAGES,
+                  spread_copies: bool = True, out_dtype=None):
+    """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
+    contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
+    which calls)."""
+    batch, _, q_heads, head_dim = q.shape
+    value_dim = v.shape[3]
+    kv_len = block_mask.shape[3]
+    mask_block = block_mask.block_size[1]
+    num_kv_blocks = block_mask.num_blocks[1]
+    k = pad_axis(k, 1, num_kv_blocks * mask_block)
+    v = pad_axis(v, 1, num_kv_blocks * mask_block)
+    head_blocks = q_heads // HEADS_PER_PROGRAM
+    tiles_per_block = mask_block // tile_rows
+    num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
+                               num_splits)
+    if interpret:
+        num_splits = min(num_splits, 2)
+    mask_program = block_mask.mask_mod
+    mask_reads = tile_reads(mask_program)
+    captured = tile_inputs(mask_program, mask_reads, None, {}, batch=batch, heads=q_heads,
+                           q_length=mask_block, kv_length=num_kv_blocks * mask_block)
+    tables = tuple(t.astype(jnp.int32) for t in (
+        block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+        block_mask.kv_num_blocks, block_mask.kv_indices))
+    qk_half, value_half = head_dim // 2, value_dim // 2
+    kernel = functools.partial(
+        _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
+        num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
+        tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
+        tile_rows=tile_rows, num_stages=num_stages, spread_copies=spread_copies,
+        interpret=interpret)
+    halves = COMPUTE_WARPGROUPS
+
+    def entry(*refs):
+        def scoped(q_smem, union, s_smem, *barriers):
+            kernel(*refs, (q_smem, tuple(union), s_smem, barriers))
+
+        pl.run_scoped(
+            scoped,
+            plgpu.SMEM((halves, HEADS_PER_PROGRAM, qk_half), q.dtype,
+                       transforms=_transforms(qk_half)),
+            # The output tiles (and lse) reuse the K/V stages' memory once the walk is over.
+            plgpu.RefUnion(
+                (plgpu.SMEM((num_stages, halves, tile_rows, qk_half), q.dtype,
+                            transforms=_transforms(qk_half)),
+                 plgpu.SMEM((num_stages, halves, tile_rows, value_half), q.dtype,
+                            transforms=_transforms(value_half, tile_rows))),
+                (plgpu.SMEM((halves, HEADS_PER_PROGRAM, value_half), jnp.float32,
+                            transforms=_float32_transforms(value_half)),
+                 plgpu.SMEM((HEADS_PER_PROGRAM,), jnp.float32))),
+            plgpu.SMEM((halves, HEADS_PER_PROGRAM, tile_rows), jnp.float32,
+                       transforms=_float32_transforms(tile_rows)),
+            plgpu.Barrier(num_barriers=halves),
+            plgpu.Barrier(num_barriers=num_stages * halves),
+            plgpu.Barrier(num_barriers=num_stages * halves),
+            plgpu.Barrier(num_barriers=num_stages * halves),
+            plgpu.Barrier(num_barriers=num_stages * halves),
+            plgpu.Barrier(num_arrivals=halves),
+            plgpu.Barrier(num_arrivals=halves),
+            collective_axes="warpgroup",
+        )
+
+    out_type = (
+        jax.ShapeDtypeStruct((batch, head_blocks, num_splits, HEADS_PER_PROGRAM, value_dim),
+                             jnp.float32),
+        jax.ShapeDtypeStruct((batch, head_blocks, num_splits, HEADS_PER_PROGRAM), jnp.float32))
+    partial_out, partial_lse = plgpu.kernel(
+        entry,
+        out_type=out_type,
+        grid=(batch * head_blocks * num_splits,),
+        grid_names=("programs",),
+        num_threads=COMPUTE_WARPGROUPS + 1,
+        thread_name="warpgroup",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(q, k, v, *tables, *captured)
+    out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)
+    out = out.reshape(batch, 1, q_heads, value_dim).astype(out_dtype or q.dtype)
+    return out, lse.reshape(batch, q_heads, 1)

@@ -1,0 +1,142 @@
+"""The Mosaic GPU latent-attention decode (`kernels/decode_latent_mosaic.py`).
+
+On CPU it runs in Mosaic GPU's interpret mode (`decode_kernel="mosaic"` with
+backend="interpret": TMA copies, barriers, the three warpgroups and the score halves'
+exchange are the kernel's own code; the matmuls are plain dots). Interpret mode takes
+narrower heads than DeepSeek's (D 128, Dv 128 / 256, the same code with halves of 64 /
+128 columns) to stay quick; on the GPU (marker `gpu`) the same cases run compiled, and
+the MLA shape itself (Hq 128, D 576, Dv 512).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import dispatch, masks
+from pallas_flex.kernels import decode_latent_mosaic
+from pallas_flex.kernels.config import resolve_options
+from tests.conftest import assert_close_to_golden, golden, random_qkv
+
+MOSAIC = {"decode_kernel": "mosaic"}
+GPU = pytest.param("pallas", marks=pytest.mark.gpu)
+
+
+def _key_padding(valid):
+    def mask(b, h, q_idx, kv_idx):
+        return valid[b, kv_idx]
+    return mask
+
+
+def _cases():
+    """(name, dtype, batch, q_heads, kv_len, head dim, value dim, mask_mod factory)."""
+    offsets = jnp.array([190, 61], jnp.int32)  # per row: a partial block, an empty one
+    valid = (jnp.arange(300)[None, :] % 7 != 3) & (jnp.arange(2)[:, None] == 0)
+    return [
+        # One head block, ragged keys (the last block partial), no mask.
+        ("noop_ragged", jnp.bfloat16, 1, 64, 300, 128, 128, lambda: None),
+        # Two head blocks, Dv != D, a decode offset per batch row (full, partial and
+        # unlisted blocks).
+        ("offset_causal", jnp.float16, 2, 128, 256, 128, 256,
+         lambda: masks.offset(masks.causal_mask, offsets)),
+        # A captured array read at kv_idx; batch row 1 has no key at all (zeros, -inf).
+        ("key_padding_empty_row", jnp.bfloat16, 2, 64, 300, 128, 128,
+         lambda: _key_padding(valid)),
+    ]
+
+
+CASES = _cases()
+
+
+def _run(q, k, v, mask_mod, backend, options=MOSAIC):
+    block_mask = pf.create_block_mask(mask_mod or pf.noop_mask, q.shape[0], None, 1,
+                                      k.shape[1])
+    return pf.flex_attention(q, k, v, block_mask=block_mask, return_lse=True,
+                             backend=backend, kernel_options=options), block_mask
+
+
+@pytest.mark.parametrize("backend", ["interpret", GPU])
+@pytest.mark.parametrize("case", CASES, ids=[case[0] for case in CASES])
+def test_matches_float64(case, backend):
+    _, dtype, batch, q_heads, kv_len, dim, value_dim, mask_factory = case
+    q, k, v = random_qkv(7, batch, 1, kv_len, q_heads, 1, dim, value_dim, dtype)
+    mask_mod = mask_factory()
+    (out, lse), block_mask = _run(q, k, v, mask_mod, backend)
+    choice = dispatch.choose_forward(q, k, v, block_mask, None, backend=backend,
+                                     options=resolve_options(MOSAIC, dim, dtype))
+    assert choice.kernel == "mosaic_latent_decode"
+    expected_out, expected_lse = golden(q, k, v, mask_mod=mask_mod)
+    assert out.shape == (batch, 1, q_heads, value_dim) and out.dtype == dtype
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod=mask_mod)
+    lse = np.asarray(lse, np.float64)
+    empty = np.isneginf(expected_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty)
+    np.testing.assert_allclose(lse[~empty], expected_lse[~empty], atol=2e-3, rtol=1e-4)
+    assert not np.any(np.asarray(out.astype(jnp.float32))[np.moveaxis(empty, 2, 1)])
+
+
+@pytest.mark.gpu
+def test_deepseek_shape_on_gpu_matches_float64_and_the_triton_decode():
+    """Hq 128, one KV head, D 576, Dv 512: the kernel's own shape, against float64 and
+    against the Triton decode on the same call (`decode_kernel="triton"`)."""
+    q, k, v = random_qkv(11, 2, 1, 1000, 128, 1, 576, 512, jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, jnp.array([999, 517], jnp.int32))
+    (out, lse), _ = _run(q, k, v, mask_mod, "pallas", options={})
+    (triton_out, triton_lse), _ = _run(q, k, v, mask_mod, "pallas",
+                                       options={"decode_kernel": "triton"})
+    expected_out, _ = golden(q, k, v, mask_mod=mask_mod)
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod=mask_mod)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(triton_lse), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
+                               np.asarray(triton_out.astype(jnp.float32)), atol=2e-2)
+
+
+def _reason(q_shape=(2, 1, 128, 576), k_shape=(2, 512, 1, 576), v_shape=(2, 512, 1, 512),
+            dtype=jnp.bfloat16, mask_mod=pf.noop_mask, score_mod=None, paged=False,
+            with_max=False):
+    q, k, v = (jax.ShapeDtypeStruct(shape, dtype) for shape in (q_shape, k_shape, v_shape))
+    block_mask = pf.create_block_mask(mask_mod, q_shape[0], q_shape[2], q_shape[1], k_shape[1])
+    program = None
+    if score_mod is not None:
+        from pallas_flex.masks.mod_program import SCORE, make_mod_program
+        program = make_mod_program(score_mod, SCORE)
+    return decode_latent_mosaic.unsupported_reason(q, k, v, block_mask, program, paged=paged,
+                                                   with_max=with_max, interpret=True)
+
+
+def test_unsupported_calls_say_why():
+    assert _reason() is None
+    assert "paged" in _reason(paged=True)
+    assert "row max" in _reason(with_max=True)
+    assert "Sq = 2" in _reason(q_shape=(2, 2, 128, 576))
+    assert "KV heads" in _reason(k_shape=(2, 512, 2, 576), v_shape=(2, 512, 2, 512))
+    assert "query heads" in _reason(q_shape=(2, 1, 96, 576))
+    assert "head dim 100" in _reason(q_shape=(2, 1, 128, 100), k_shape=(2, 512, 1, 100))
+    assert "value dim 640" in _reason(v_shape=(2, 512, 1, 640))
+    assert "float32" in _reason(dtype=jnp.float32)
+    assert "score_mod" in _reason(score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5)
+    assert "reads h" in _reason(mask_mod=lambda b, h, q_idx, kv_idx: h < 64)
+    ids = jnp.arange(512) // 100
+    assert "q_idx" in _reason(mask_mod=lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
+
+
+def test_dispatch_names_the_kernel_only_where_it_is_asked_or_automatic():
+    q, k, v = random_qkv(0, 1, 1, 256, 64, 1, 128, 128, jnp.bfloat16)
+    block_mask = pf.create_block_mask(pf.noop_mask, None, None, 1, 256)
+
+    def choose(options, backend="interpret", **flags):
+        return dispatch.choose_forward(q, k, v, block_mask, None, backend=backend,
+                                       options=resolve_options(options, 128, jnp.bfloat16),
+                                       **flags).kernel
+
+    assert choose(MOSAIC) == "mosaic_latent_decode"
+    assert choose({}) == "decode"  # interpret mode runs the Mosaic kernel only by name
+    assert choose({"decode_kernel": "triton"}) == "decode"
+    with pytest.raises(ValueError, match="decode_kernel.*row max"):
+        choose(MOSAIC, with_max=True)
+    # The Triton decode's own settings select it.
+    assert resolve_options({"decode_num_warps": 8}, 128, jnp.bfloat16).decode_kernel == "triton"
+    assert resolve_options({"decode_num_splits": 4}, 128, jnp.bfloat16).decode_kernel == "auto"
+    with pytest.raises(ValueError, match="decode_kernel"):
+        resolve_options({"decode_kernel": "cuda"}, 128, jnp.bfloat16)
