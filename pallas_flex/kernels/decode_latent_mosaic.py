@@ -96,8 +96,14 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_
         return reason
     if mask_program is not None and mask_program.uses_head:
         return "a mask_mod that reads h (rows are heads here)"
-    if any(kind != "kv" for _, _, kind in tile_reads(mask_program).values()):
+    reads = tile_reads(mask_program).values()
+    if any(kind != "kv" for _, _, kind in reads):
         return "a mask_mod reading a captured array at q_idx"
+    # A 32-key tile's column vector holds 2 elements a thread: Mosaic GPU loads no fewer
+    # than 8 bits, which 2 booleans are not.
+    if any(jnp.dtype(mask_program.consts[position].dtype) == jnp.bool_
+           for position, _, _ in reads):
+        return "a mask_mod reading a boolean captured array at kv_idx (give it as int8)"
     return None
 
 

@@ -25,14 +25,15 @@ GPU = pytest.param("pallas", marks=pytest.mark.gpu)
 
 def _key_padding(valid):
     def mask(b, h, q_idx, kv_idx):
-        return valid[b, kv_idx]
+        return valid[b, kv_idx] != 0
     return mask
 
 
 def _cases():
     """(name, dtype, batch, q_heads, kv_len, head dim, value dim, mask_mod factory)."""
     offsets = jnp.array([190, 61], jnp.int32)  # per row: a partial block, an empty one
-    valid = (jnp.arange(300)[None, :] % 7 != 3) & (jnp.arange(2)[:, None] == 0)
+    valid = ((jnp.arange(300)[None, :] % 7 != 3) & (jnp.arange(2)[:, None] == 0)).astype(
+        jnp.int8)
     return [
         # One head block, ragged keys (the last block partial), no mask.
         ("noop_ragged", jnp.bfloat16, 1, 64, 300, 128, 128, lambda: None),
@@ -117,6 +118,10 @@ def test_unsupported_calls_say_why():
     assert "float32" in _reason(dtype=jnp.float32)
     assert "score_mod" in _reason(score_mod=lambda s, b, h, q_idx, kv_idx: s * 0.5)
     assert "reads h" in _reason(mask_mod=lambda b, h, q_idx, kv_idx: h < 64)
+    flags = jnp.arange(512) % 3 == 0
+    assert "boolean" in _reason(mask_mod=lambda b, h, q_idx, kv_idx: flags[kv_idx])
+    bytes_ = flags.astype(jnp.int8)
+    assert _reason(mask_mod=lambda b, h, q_idx, kv_idx: bytes_[kv_idx] != 0) is None
     ids = jnp.arange(512) // 100
     assert "q_idx" in _reason(mask_mod=lambda b, h, q_idx, kv_idx: ids[q_idx] == ids[kv_idx])
 
