@@ -16,7 +16,8 @@ programs) cannot (0.3-1 TB/s). Here, after FlashMLA:
   same sums, and warpgroup w accumulates P · V[:, half w] into its half of the output:
   [64, 256] float32, 128 registers a thread. No matmul is done twice.
 * The memory warpgroup streams each warpgroup's halves of the K/V tiles (T keys) with
-  TMA, `_STAGES` ahead; each warpgroup waits for and releases only its own halves.
+  TMA, `_STAGES` ahead, each of the four copies of a tile from a warp of its own; each
+  compute warpgroup waits for and releases only its own halves.
 * Each program writes its normalized [64, Dv] output in float32 and its lse; the splits
   merge exactly afterwards (`online_softmax.merge_partials`), as in the Triton decode.
 
@@ -48,7 +49,10 @@ COMPUTE_WARPGROUPS = 2
 HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
 # Keys per K/V tile and tiles in flight: 64 x 576 queries (72 KiB), two stages of 32
 # keys of K and V (2 x 68 KiB) and the score halves' exchange tile (2 x 8 KiB) fill the
-# H100's 227 KiB of shared memory.
+# H100's 227 KiB of shared memory (the output tiles reuse the stages). 16-key tiles at 4
+# stages lost (H100, ms a step: B8 S8192 0.155 against 0.113, B64 S4096 0.373 / 0.300).
+# The copies of a tile issued from one thread instead of four warps: 0.131 / 0.113 at B8
+# S8192, 0.114 / 0.105 at B1 S32768, alike at B64 (docs/gpu-notes.md, Decode).
 TILE = 32
 _STAGES = 2
 _REGISTERS = (232, 40)
@@ -125,7 +129,7 @@ def _float32_transforms(columns: int):
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, mask_reads, scale, num_splits,
             head_blocks, kv_len, tiles_per_block, broadcast_batch, tile_rows, num_stages,
-            spread_copies, interpret):
+            interpret):
     mask_refs, _, (out_ref, lse_ref, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, None, {})
     q_smem, ((k_smem, v_smem), (o_smem, lse_smem)), s_smem, barriers = scratch
@@ -254,12 +258,16 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     def _memory():
         if not interpret:
             plgpu.set_max_registers(_REGISTERS[1], action="decrease")
-        # Four copies a tile (K and V, a half each): from one thread one after another,
-        # or (spread_copies) one from each warp of the warpgroup.
-        copies = [(source, destination, ready, consumed, columns)
-                  for source, destination, ready, consumed, columns in (
-                      (k_ref, k_smem, k_barriers, k_consumed, qk_half),
-                      (v_ref, v_smem, v_barriers, v_consumed, value_half))]
+        # Four copies a tile (K and V, a half each), one from each warp: from one thread,
+        # one after another, they were slower (see TILE).
+        copies = ((k_ref, k_smem, k_barriers, k_consumed, qk_half),
+                  (v_ref, v_smem, v_barriers, v_consumed, value_half))
+
+        def each_warp(body, step):
+            def per_warp(warp):
+                for copy_index in range(4):
+                    pl.when(warp == copy_index)(functools.partial(body, step, copy_index))
+            plgpu.warp_map(per_warp)
 
         def issue(step, copy_index):
             source, destination, ready, consumed, columns = copies[copy_index // 2]
@@ -277,34 +285,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                           pl.ds(half * columns, columns)],
                 destination.at[slot, half], ready.at[barrier])
 
-        @pl.loop(low, high)
-        def _fetch(step):
-            if spread_copies:
-                def per_warp(warp):
-                    for copy_index in range(4):
-                        pl.when(warp == copy_index)(functools.partial(issue, step, copy_index))
-                plgpu.warp_map(per_warp)
-            else:
-                for copy_index in (0, 1, 2, 3):
-                    issue(step, copy_index)
-
         def drain(step, copy_index):
-            _, _, _, consumed, _ = copies[copy_index // 2]
+            consumed = copies[copy_index // 2][3]
             slot = slot_of(step - low)
             plgpu.barrier_wait(consumed.at[slot * COMPUTE_WARPGROUPS + copy_index % 2])
 
+        pl.loop(low, high)(functools.partial(each_warp, issue))
         # Observe the last releases, so that every phase is waited on once (the
-        # interpreter checks it), by whoever waited on the earlier ones.
-        @pl.loop(jnp.maximum(high - num_stages, low), high)
-        def _drain(step):
-            if spread_copies:
-                def per_warp(warp):
-                    for copy_index in range(4):
-                        pl.when(warp == copy_index)(functools.partial(drain, step, copy_index))
-                plgpu.warp_map(per_warp)
-            else:
-                for copy_index in range(4):
-                    drain(step, copy_index)
+        # interpreter checks it), by the warp that waited on the earlier ones.
+        pl.loop(jnp.maximum(high - num_stages, low), high)(functools.partial(each_warp, drain))
 
 
 def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
@@ -316,8 +305,7 @@ def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int =
 
 
 def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
-                  tile_rows: int = TILE, num_stages: int = _STAGES,
-                  spread_copies: bool = True, out_dtype=None):
+                  tile_rows: int = TILE, num_stages: int = _STAGES, out_dtype=None):
     """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
     contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
     which calls)."""
@@ -346,7 +334,7 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
         num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
         tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
-        tile_rows=tile_rows, num_stages=num_stages, spread_copies=spread_copies,
+        tile_rows=tile_rows, num_stages=num_stages,
         interpret=interpret)
     halves = COMPUTE_WARPGROUPS
 
