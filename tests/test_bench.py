@@ -218,6 +218,25 @@ def test_quick_runs_the_quantized_suite(tmp_path):
     assert "TB/s float8_e4m3fn" in text and "max abs diff vs bf16's output: int8" in text
 
 
+def test_quick_runs_the_latent_suite(tmp_path):
+    """`pallas-flex bench latent --quick`: the Mosaic GPU latent decode (in interpret mode
+    on a CPU, narrow heads) against the Triton decode on the same chained steps, each
+    entry with its bytes' TB/s and TFLOP/s, and the Mosaic column's distance from the
+    Triton column's output."""
+    assert cli.main(["latent", "--quick", "--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "cpu" / "latent.json").read_text())
+    assert written["columns"] == ["mosaic", "triton"]
+    assert [row["case"] for row in written["rows"]] == ["tiny_b1_s300"]
+    for row in written["rows"]:
+        params = row["params"]
+        assert params["bytes"] == params["batch"] * params["seq_len"] * (128 + 128) * 2
+        for column in ("mosaic", "triton"):
+            entry = row[column]
+            assert entry["tb_per_s"] == pytest.approx(params["bytes"] / entry["ms"] / 1e9)
+            assert entry["tflop_per_s"] == pytest.approx(params["flops"] / entry["ms"] / 1e9)
+        assert 0 <= row["mosaic"]["max_abs_diff_vs_triton"] < 2e-2
+
+
 def test_quick_runs_the_variants_suite(tmp_path):
     """`pallas-flex bench variants --quick`: sinks (forward, forward+backward, decode steps)
     against the same calls without them, differential attention against two pf.attention
