@@ -41,8 +41,8 @@ from pallas_flex.kernels.forward_mosaic import named_barrier
 from pallas_flex.kernels.mosaic_eligibility import (
     EXACT_FLOAT32_INTEGERS, mod_unsupported_reason, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, matmul, split_tile_refs,
-    tile_inputs)
+    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, map_each_element, matmul,
+    split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
 
 COMPUTE_WARPGROUPS = 2
@@ -296,46 +296,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         pl.loop(jnp.maximum(high - num_stages, low), high)(functools.partial(each_warp, drain))
 
 
-def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
-    """Splits of a row's KV tiles: as many as keep the programs within one wave (at
-    most one per SM), at least 1, at most the tiles."""
-    if requested:
-        return max(1, min(requested, num_tiles))
-    return max(1, min(num_tiles, multiprocessor_count() // (batch * head_blocks)))
-
-
-def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
-                  tile_rows: int = TILE, num_stages: int = _STAGES, out_dtype=None):
-    """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
-    contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
-    which calls)."""
-    batch, _, q_heads, head_dim = q.shape
-    value_dim = v.shape[3]
-    kv_len = block_mask.shape[3]
-    mask_block = block_mask.block_size[1]
-    num_kv_blocks = block_mask.num_blocks[1]
-    k = pad_axis(k, 1, num_kv_blocks * mask_block)
-    v = pad_axis(v, 1, num_kv_blocks * mask_block)
-    head_blocks = q_heads // HEADS_PER_PROGRAM
-    tiles_per_block = mask_block // tile_rows
-    num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
-                               num_splits)
-    if interpret:
-        num_splits = min(num_splits, 2)
-    mask_program = block_mask.mask_mod
-    mask_reads = tile_reads(mask_program)
-    captured = tile_inputs(mask_program, mask_reads, None, {}, batch=batch, heads=q_heads,
-                           q_length=mask_block, kv_length=num_kv_blocks * mask_block)
-    tables = tuple(t.astype(jnp.int32) for t in (
-        block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
-        block_mask.kv_num_blocks, block_mask.kv_indices))
-    qk_half, value_half = head_dim // 2, value_dim // 2
-    kernel = functools.partial(
-        _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
-        num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
-        tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
-        tile_rows=tile_rows, num_stages=num_stages,
-        interpret=interpret)
+def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, tile_rows,
+            num_stages, interpret):
+    """The kernel's partial outputs [B, head blocks, splits, 64, Dv] and lse [B, head
+    blocks, splits, 64] (float32) for each split of each row's keys."""
+    batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
+    value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS
 
     def entry(*refs):
@@ -371,7 +337,7 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         jax.ShapeDtypeStruct((batch, head_blocks, num_splits, HEADS_PER_PROGRAM, value_dim),
                              jnp.float32),
         jax.ShapeDtypeStruct((batch, head_blocks, num_splits, HEADS_PER_PROGRAM), jnp.float32))
-    partial_out, partial_lse = plgpu.kernel(
+    return plgpu.kernel(
         entry,
         out_type=out_type,
         grid=(batch * head_blocks * num_splits,),
@@ -381,6 +347,67 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, *tables, *captured)
+
+
+def _mapped_under_vmap(launch):
+    """`launch` with a batching rule of its own: Pallas would batch the Mosaic GPU kernel
+    by batching its body, which the compiled kernel cannot run; under `jax.vmap` it runs
+    once per element instead (`lax.map`)."""
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, tables, captured):
+        return launch(q, k, v, tables, captured)
+
+    @run.def_vmap
+    def rule(axis_size, in_batched, q, k, v, tables, captured):
+        return map_each_element(run, axis_size, in_batched, (q, k, v, tables, captured))
+
+    return run
+
+
+def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
+    """Splits of a row's KV tiles: as many as keep the programs within one wave (at
+    most one per SM), at least 1, at most the tiles."""
+    if requested:
+        return max(1, min(requested, num_tiles))
+    return max(1, min(num_tiles, multiprocessor_count() // (batch * head_blocks)))
+
+
+def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
+                  tile_rows: int = TILE, num_stages: int = _STAGES, out_dtype=None):
+    """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
+    contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
+    which calls)."""
+    batch, _, q_heads, head_dim = q.shape
+    value_dim = v.shape[3]
+    kv_len = block_mask.shape[3]
+    mask_block = block_mask.block_size[1]
+    num_kv_blocks = block_mask.num_blocks[1]
+    k = pad_axis(k, 1, num_kv_blocks * mask_block)
+    v = pad_axis(v, 1, num_kv_blocks * mask_block)
+    head_blocks = q_heads // HEADS_PER_PROGRAM
+    tiles_per_block = mask_block // tile_rows
+    num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
+                               num_splits)
+    if interpret:
+        num_splits = min(num_splits, 2)
+    mask_program = block_mask.mask_mod
+    mask_reads = tile_reads(mask_program)
+    captured = tile_inputs(mask_program, mask_reads, None, {}, batch=batch, heads=q_heads,
+                           q_length=mask_block, kv_length=num_kv_blocks * mask_block)
+    tables = tuple(t.astype(jnp.int32) for t in (
+        block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
+        block_mask.kv_num_blocks, block_mask.kv_indices))
+    kernel = functools.partial(
+        _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
+        num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
+        tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
+        tile_rows=tile_rows, num_stages=num_stages,
+        interpret=interpret)
+    launch = functools.partial(
+        _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
+        tile_rows=tile_rows, num_stages=num_stages, interpret=interpret)
+    partial_out, partial_lse = _mapped_under_vmap(launch)(q, k, v, tables, tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)
     out = out.reshape(batch, 1, q_heads, value_dim).astype(out_dtype or q.dtype)
     return out, lse.reshape(batch, q_heads, 1)

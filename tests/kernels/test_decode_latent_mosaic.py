@@ -145,3 +145,19 @@ def test_dispatch_names_the_kernel_only_where_it_is_asked_or_automatic():
     assert resolve_options({"decode_num_splits": 4}, 128, jnp.bfloat16).decode_kernel == "auto"
     with pytest.raises(ValueError, match="decode_kernel"):
         resolve_options({"decode_kernel": "cuda"}, 128, jnp.bfloat16)
+
+
+def test_vmap_runs_the_kernel_once_per_element():
+    """Under jax.vmap (beams, layers) the kernel runs per element, as the calls one by one."""
+    q, k, v = random_qkv(5, 1, 1, 200, 64, 1, 128, 128, jnp.bfloat16)
+    qs = jnp.stack([q, -q])
+    block_mask = pf.create_block_mask(pf.noop_mask, None, None, 1, 200)
+
+    def decode(q):
+        return pf.flex_attention(q, k, v, block_mask=block_mask, backend="interpret",
+                                 kernel_options=MOSAIC)
+
+    batched = jax.vmap(decode)(qs)
+    for index in range(2):
+        np.testing.assert_array_equal(np.asarray(batched[index].astype(jnp.float32)),
+                                      np.asarray(decode(qs[index]).astype(jnp.float32)))
