@@ -103,17 +103,23 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
     """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
     reason = mosaic_eligibility.unsupported_reason(q, k, v, block_mask, score_program,
                                                interpret=interpret, paged=paged)
-    axes = sharding.varying_axes(q, k, v)
-    if reason is None and axes:
-        reason = (f"inputs varying over the manual mesh axes {list(axes)} of a jax.shard_map "
-                  "that checks them (check_vma=True): the Triton kernels run there")
     if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
         reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"
+    return reason or _mosaic_setting_reason(q, k, v, options=options, interpret=interpret)
+
+
+def _mosaic_setting_reason(q, k, v, *, options, interpret):
+    """Why no Mosaic GPU kernel runs a call they could take, where the call's setting
+    says so (a checked shard_map, a smaller shared-memory budget), else None."""
+    axes = sharding.varying_axes(q, k, v)
+    if axes:
+        return (f"inputs varying over the manual mesh axes {list(axes)} of a jax.shard_map "
+                "that checks them (check_vma=True): the Triton kernels run there")
     budget = planned_shared_memory(options)
-    if reason is None and not interpret and not device.mosaic_allowed(budget):
-        reason = (f"a shared-memory budget of {budget // 1024} KiB "
-                  f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
-    return reason
+    if not interpret and not device.mosaic_allowed(budget):
+        return (f"a shared-memory budget of {budget // 1024} KiB "
+                f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
+    return None
 
 
 def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
@@ -168,15 +174,8 @@ def _choose_decode(q, k, v, block_mask, score_program, *, options: KernelOptions
         return split_kv
     reason = decode_latent_mosaic.unsupported_reason(
         q, k, v, block_mask, score_program, paged=paged, with_max=with_max,
-        interpret=interpret)
-    axes = sharding.varying_axes(q, k, v)
-    if reason is None and axes:
-        reason = (f"inputs varying over the manual mesh axes {list(axes)} of a jax.shard_map "
-                  "that checks them (check_vma=True)")
-    budget = planned_shared_memory(options)
-    if reason is None and not interpret and not device.mosaic_allowed(budget):
-        reason = (f"a shared-memory budget of {budget // 1024} KiB "
-                  f"({device.SHARED_MEMORY_ENVIRONMENT_VARIABLE}), below the device's own")
+        interpret=interpret) or _mosaic_setting_reason(q, k, v, options=options,
+                                                        interpret=interpret)
     if reason is None:
         return Choice("mosaic_latent_decode", "latent-attention decode: the Mosaic GPU "
                                               "kernel (Hopper, wgmma, 64 heads a program)")

@@ -35,11 +35,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels import device, online_softmax
+from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.forward_mosaic import named_barrier
 from pallas_flex.kernels.mosaic_eligibility import (
-    EXACT_FLOAT32_INTEGERS, mod_unsupported_reason, tile_reads)
+    EXACT_FLOAT32_INTEGERS, device_unsupported_reason, mod_unsupported_reason, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, map_each_element, matmul,
     split_tile_refs, tile_inputs)
@@ -64,13 +64,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_
                        interpret: bool):
     """None if this kernel takes the decode call, else why not (a short phrase)."""
     batch, q_len, q_heads, head_dim = q.shape
-    if not interpret:
-        capability = device.compute_capability()
-        if capability is None:
-            return "no GPU"
-        if capability != device.HOPPER:
-            return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
-                    "Hopper, 9.0)")
+    if not interpret and device_unsupported_reason() is not None:
+        return device_unsupported_reason()
     if paged:
         return "a paged cache"
     if with_max:

@@ -192,6 +192,17 @@ def tile_reads(program) -> dict:
     return {**contiguous_reads(program), **relative_reads(program)}
 
 
+def device_unsupported_reason():
+    """None on Hopper, which the Mosaic GPU kernels are written for, else why not."""
+    capability = device.compute_capability()
+    if capability is None:
+        return "no GPU"
+    if capability != device.HOPPER:
+        return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
+                "Hopper, 9.0)")
+    return None
+
+
 def mod_unsupported_reason(program):
     """None if the kernel can run `program` (None included), else why not."""
     if program is None:
@@ -293,13 +304,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                     f"that are multiples of {PAGE_ROWS_MULTIPLE})")
     if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
-    if not interpret:
-        capability = device.compute_capability()
-        if capability is None:
-            return "no GPU"
-        if capability != device.HOPPER:
-            return (f"compute capability {capability[0]}.{capability[1]} (it is written for "
-                    "Hopper, 9.0)")
+    if not interpret and device_unsupported_reason() is not None:
+        return device_unsupported_reason()
     for program in (block_mask.mask_mod, score_program):
         reason = mod_unsupported_reason(program)
         if reason is not None:
