@@ -57,8 +57,10 @@ def parse_args(argv):
     parser.add_argument("--variants", help="forward/fwd_bwd/decode: comma-separated names")
     parser.add_argument("--backend", help="ours on this backend (default: the device's best)")
     parser.add_argument("--no-torch", action="store_true", help="skip PyTorch FlexAttention")
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=None,
+                        help="calls a timed loop (default 20; 1 with --quick)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed loops an entry (default 5; 1 with --quick)")
     parser.add_argument("--timeout", type=float, default=None,
                         help="seconds per suite and framework (default: none)")
     parser.add_argument("--out", help="results directory (default: benchmarks/results in a "
@@ -100,7 +102,9 @@ def run_child(args, suite: str) -> dict:
         quick=args.quick, backend=args.backend or pf.default_backend(), shapes=shapes,
         variants=_pick(args.variants, cases.DECODE_VARIANTS if decode else cases.VARIANTS,
                        "variant"),
-        timing={"iters": args.iters, "repeats": args.repeats})
+        # --quick checks that every entry is timed, not how fast: one loop of one call.
+        timing={"iters": args.iters or (1 if args.quick else 20),
+                "repeats": args.repeats or (1 if args.quick else 5)})
     columns, metric, rows = jax_suites.SUITES[suite](options)
     versions = {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
                 "pallas_flex": pf.__version__}

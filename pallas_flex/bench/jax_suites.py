@@ -615,7 +615,8 @@ def paged(options):
                 q, c, block_mask=m, backend=options.backend)), (q, cache, block_mask))
         print(f"[paged] {name}", flush=True)
         row = {"case": name, "params": {**dataclasses.asdict(shape), "bytes": shape.kv_bytes}}
-        row.update(time_paired(calls, rounds=3 if options.quick else 9))
+        row.update(time_paired(calls, rounds=3 if options.quick else 9,
+                               iters=3 if options.quick else 20))
         ours = calls["contiguous"][0](*calls["contiguous"][1])
         for column in columns[1:]:
             row[column]["max_rel_diff_vs_ours"] = _difference(ours, calls[column][0](
@@ -687,7 +688,8 @@ def quantized(options):
                 except Exception as error:
                     traceback.print_exc()
                     row[column] = error_entry(error)
-            for column, entry in time_paired(calls, rounds=3 if options.quick else 9).items():
+            for column, entry in time_paired(calls, rounds=3 if options.quick else 9,
+                                             iters=3 if options.quick else 20).items():
                 cache = caches[column]
                 stored = batch * length * kv_heads * (
                     (cache.head_dim + cache.value_dim) * cache.dtype.itemsize
