@@ -269,6 +269,8 @@ class Suite:
                 self.add(row)
 
     def _device_counts(self):
+        if self.args.sharding_devices:
+            return [n for n in self.args.sharding_devices if n <= len(self.devices)]
         counts, n = [], 1
         while n <= len(self.devices):
             counts.append(n)
@@ -367,6 +369,8 @@ def parse_args(argv):
     parser.add_argument("--strategies", default="ring,all_gather,all_to_all")
     parser.add_argument("--scaling-devices", default="", help="device counts past one, in "
                         "the order to run (default: 2, 4, 8, ...)")
+    parser.add_argument("--sharding-devices", default="", help="batch/head sharding: device "
+                        "counts (default: 1, 2, 4, ... up to the devices there are)")
     parser.add_argument("--max-single-length", type=int, default=262144)
     parser.add_argument("--check-length", type=int, default=65536)
     parser.add_argument("--heads", type=int, default=16)
@@ -401,6 +405,7 @@ def parse_args(argv):
         args.iters, args.repeats = 1, 1
     args.scaling_devices = ([int(x) for x in args.scaling_devices.split(",") if x]
                             or [2 ** i for i in range(1, 10)])
+    args.sharding_devices = [int(x) for x in args.sharding_devices.split(",") if x]
     return args
 
 
