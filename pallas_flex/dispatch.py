@@ -134,8 +134,7 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     q_len = q.shape[1]
     if uses_decode_kernel(q_len, block_mask, options):
         return _choose_decode(q, k, v, block_mask, score_program, options=options,
-                              interpret=interpret, paged=paged or quantized,
-                              with_max=with_max)
+                              interpret=interpret, paged=paged, with_max=with_max)
     if options.forward_kernel == "triton":
         return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
     named = options.forward_kernel == "mosaic"
@@ -207,20 +206,18 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     if choice.kernel == "xla_blockwise":
         return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
                                    out_dtype=out_dtype, with_max=with_max, sinks=sinks)
-    if choice.kernel == "decode":
-        out, lse, *row_max = flex_decode(q, k, v, block_mask, score_program, scale=scale,
-                                         options=options, interpret=interpret,
-                                         out_dtype=out_dtype, with_max=with_max, **paging)
+    if choice.kernel in ("decode", "mosaic_latent_decode"):
+        if choice.kernel == "decode":
+            out, lse, *row_max = flex_decode(
+                q, k, v, block_mask, score_program, scale=scale, options=options,
+                interpret=interpret, out_dtype=out_dtype, with_max=with_max, **paging)
+        else:  # (never with_max: `_choose_decode`)
+            (out, lse), row_max = decode_latent_mosaic.latent_decode(
+                q, k, v, block_mask, scale=scale, interpret=interpret,
+                num_splits=options.decode_num_splits, out_dtype=out_dtype), []
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         return (out, lse, *row_max)
-    if choice.kernel == "mosaic_latent_decode":
-        out, lse = decode_latent_mosaic.latent_decode(
-            q, k, v, block_mask, scale=scale, interpret=interpret,
-            num_splits=options.decode_num_splits, out_dtype=out_dtype)
-        if sinks is not None:
-            out, lse = merge_sinks(out, lse, sinks)
-        return out, lse
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,

@@ -71,8 +71,8 @@ from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
-    issue, load_vector,
-    map_each_element, materialize, reads_index, result, score_parts, split_rows,
+    issue, load_vector, materialize, reads_index, result, run_per_element_under_vmap,
+    score_parts, split_rows,
     split_tile_refs, tile_inputs, to_tile, vector_layout, with_accumulators)
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles)
@@ -797,7 +797,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     dumps = [dump for _, _, dump in entries]
-    run = _vmappable(functools.partial(
+    run = run_per_element_under_vmap(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
         masked_first=masked_first, pair_positions=pair_positions,
         relative_positions=relative,
@@ -898,18 +898,6 @@ def _exact_delta(rows, delta, d_lse):
     (see `_captured_gradients`)."""
     exact = rows[0] if rows.shape[0] == 1 else rows[0] + delta * rows[1]
     return exact if d_lse is None else exact - d_lse
-
-
-def _vmappable(launch):
-    """`launch` batched by running it once per element (`mosaic_tiles.map_each_element`)."""
-
-    @jax.custom_batching.custom_vmap
-    def run(*args):
-        return launch(*args)
-
-    run.def_vmap(lambda axis_size, in_batched, *args:
-                 map_each_element(run, axis_size, in_batched, args))
-    return run
 
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,

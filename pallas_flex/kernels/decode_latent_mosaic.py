@@ -38,12 +38,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.device import multiprocessor_count
-from pallas_flex.kernels.forward_mosaic import named_barrier
+from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     EXACT_FLOAT32_INTEGERS, device_unsupported_reason, mod_unsupported_reason, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, map_each_element, matmul,
-    split_tile_refs, tile_inputs)
+    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, matmul,
+    run_per_element_under_vmap, split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
 
 COMPUTE_WARPGROUPS = 2
@@ -65,8 +65,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_
                        interpret: bool):
     """None if this kernel takes the decode call, else why not (a short phrase)."""
     batch, q_len, q_heads, head_dim = q.shape
-    if not interpret and device_unsupported_reason() is not None:
-        return device_unsupported_reason()
+    if not interpret and (reason := device_unsupported_reason()) is not None:
+        return reason
     if paged:
         return "a paged cache"
     if with_max:
@@ -107,16 +107,6 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_
     return None
 
 
-def _transforms(columns: int, contraction_rows: int | None = None):
-    """A 16-bit tile's shared-memory layout: rows of 8 x swizzle / 2 elements, swizzled
-    by the widest of 128, 64 and 32 bytes that divides a row, and for a tile wgmma
-    contracts along its rows (V: keys), their count too (wgmma's K is a multiple of
-    swizzle / 2: 32 keys take 64 bytes)."""
-    swizzle = next(width for width in (128, 64, 32) if columns * 2 % width == 0
-                   and (contraction_rows is None or contraction_rows * 2 % width == 0))
-    return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
-
-
 def _float32_transforms(columns: int):
     """A float32 tile's shared-memory layout (the score halves, the output tiles)."""
     swizzle = min(128, columns * 4)
@@ -125,8 +115,7 @@ def _float32_transforms(columns: int):
 
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, mask_reads, scale, num_splits,
-            head_blocks, kv_len, tiles_per_block, broadcast_batch, tile_rows, num_stages,
-            interpret):
+            head_blocks, kv_len, tiles_per_block, broadcast_batch, interpret):
     mask_refs, _, (out_ref, lse_ref, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, None, {})
     q_smem, ((k_smem, v_smem), (o_smem, lse_smem)), s_smem, barriers = scratch
@@ -155,10 +144,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         full = full_indices_ref[table + (jnp.minimum(listed, last_listed),)]
         partial = partial_indices_ref[table + (jnp.clip(listed - num_full, 0, last_listed),)]
         block = jnp.where(listed < num_full, full, partial)
-        return (block * tiles_per_block + part) * tile_rows
+        return (block * tiles_per_block + part) * TILE
 
     def slot_of(step):
-        return lax.rem(step, jnp.int32(num_stages))
+        return lax.rem(step, jnp.int32(_STAGES))
 
     warpgroup = lax.axis_index("warpgroup")
 
@@ -178,7 +167,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         plgpu.copy_gmem_to_smem(q_ref.at[batch, 0, heads, pl.ds(half * qk_half, qk_half)],
                                 q_smem.at[half], q_barriers.at[half])
         plgpu.barrier_wait(q_barriers.at[half])
-        tile = (HEADS_PER_PROGRAM, tile_rows)
+        tile = (HEADS_PER_PROGRAM, TILE)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
         running_max = plgpu.layout_cast(
             jnp.full((HEADS_PER_PROGRAM,), -jnp.inf, jnp.float32), row_layout)
@@ -205,7 +194,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             logits = partial + plgpu.load(s_smem.at[other], layout=plgpu.Layout.WGMMA)
             if masked:
                 kv_start = key_start_of(step)
-                kv_position = index_vector(kv_start, tile_rows, 1)
+                kv_position = index_vector(kv_start, TILE, 1)
                 kv_idx = Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                 logits = apply_mask(
                     logits, mask_program, mask_reads, mask_refs,
@@ -273,12 +262,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             slot = slot_of(local)
             barrier = slot * COMPUTE_WARPGROUPS + half
 
-            @pl.when(local >= num_stages)
+            @pl.when(local >= _STAGES)
             def _():
                 plgpu.barrier_wait(consumed.at[barrier])
 
             plgpu.copy_gmem_to_smem(
-                source.at[batch, pl.ds(key_start_of(step), tile_rows), 0,
+                source.at[batch, pl.ds(key_start_of(step), TILE), 0,
                           pl.ds(half * columns, columns)],
                 destination.at[slot, half], ready.at[barrier])
 
@@ -290,11 +279,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         pl.loop(low, high)(functools.partial(each_warp, issue))
         # Observe the last releases, so that every phase is waited on once (the
         # interpreter checks it), by the warp that waited on the earlier ones.
-        pl.loop(jnp.maximum(high - num_stages, low), high)(functools.partial(each_warp, drain))
+        pl.loop(jnp.maximum(high - _STAGES, low), high)(functools.partial(each_warp, drain))
 
 
-def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, tile_rows,
-            num_stages, interpret):
+def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, interpret):
     """The kernel's partial outputs [B, head blocks, splits, 64, Dv] and lse [B, head
     blocks, splits, 64] (float32) for each split of each row's keys."""
     batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
@@ -308,23 +296,23 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, tile_
         pl.run_scoped(
             scoped,
             plgpu.SMEM((halves, HEADS_PER_PROGRAM, qk_half), q.dtype,
-                       transforms=_transforms(qk_half)),
+                       transforms=tile_transforms(qk_half)),
             # The output tiles (and lse) reuse the K/V stages' memory once the walk is over.
             plgpu.RefUnion(
-                (plgpu.SMEM((num_stages, halves, tile_rows, qk_half), q.dtype,
-                            transforms=_transforms(qk_half)),
-                 plgpu.SMEM((num_stages, halves, tile_rows, value_half), q.dtype,
-                            transforms=_transforms(value_half, tile_rows))),
+                (plgpu.SMEM((_STAGES, halves, TILE, qk_half), q.dtype,
+                            transforms=tile_transforms(qk_half)),
+                 plgpu.SMEM((_STAGES, halves, TILE, value_half), q.dtype,
+                            transforms=tile_transforms(value_half, TILE))),
                 (plgpu.SMEM((halves, HEADS_PER_PROGRAM, value_half), jnp.float32,
                             transforms=_float32_transforms(value_half)),
                  plgpu.SMEM((HEADS_PER_PROGRAM,), jnp.float32))),
-            plgpu.SMEM((halves, HEADS_PER_PROGRAM, tile_rows), jnp.float32,
-                       transforms=_float32_transforms(tile_rows)),
+            plgpu.SMEM((halves, HEADS_PER_PROGRAM, TILE), jnp.float32,
+                       transforms=_float32_transforms(TILE)),
             plgpu.Barrier(num_barriers=halves),
-            plgpu.Barrier(num_barriers=num_stages * halves),
-            plgpu.Barrier(num_barriers=num_stages * halves),
-            plgpu.Barrier(num_barriers=num_stages * halves),
-            plgpu.Barrier(num_barriers=num_stages * halves),
+            plgpu.Barrier(num_barriers=_STAGES * halves),
+            plgpu.Barrier(num_barriers=_STAGES * halves),
+            plgpu.Barrier(num_barriers=_STAGES * halves),
+            plgpu.Barrier(num_barriers=_STAGES * halves),
             plgpu.Barrier(num_arrivals=halves),
             plgpu.Barrier(num_arrivals=halves),
             collective_axes="warpgroup",
@@ -346,22 +334,6 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, tile_
     )(q, k, v, *tables, *captured)
 
 
-def _mapped_under_vmap(launch):
-    """`launch` with a batching rule of its own: Pallas would batch the Mosaic GPU kernel
-    by batching its body, which the compiled kernel cannot run; under `jax.vmap` it runs
-    once per element instead (`lax.map`)."""
-
-    @jax.custom_batching.custom_vmap
-    def run(q, k, v, tables, captured):
-        return launch(q, k, v, tables, captured)
-
-    @run.def_vmap
-    def rule(axis_size, in_batched, q, k, v, tables, captured):
-        return map_each_element(run, axis_size, in_batched, (q, k, v, tables, captured))
-
-    return run
-
-
 def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
     """Splits of a row's KV tiles: as many as keep the programs within one wave (at
     most one per SM), at least 1, at most the tiles."""
@@ -371,7 +343,7 @@ def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int =
 
 
 def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
-                  tile_rows: int = TILE, num_stages: int = _STAGES, out_dtype=None):
+                  out_dtype=None):
     """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
     contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
     which calls)."""
@@ -383,7 +355,7 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
     k = pad_axis(k, 1, num_kv_blocks * mask_block)
     v = pad_axis(v, 1, num_kv_blocks * mask_block)
     head_blocks = q_heads // HEADS_PER_PROGRAM
-    tiles_per_block = mask_block // tile_rows
+    tiles_per_block = mask_block // TILE
     num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
                                num_splits)
     if interpret:
@@ -399,12 +371,11 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
         num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
         tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
-        tile_rows=tile_rows, num_stages=num_stages,
         interpret=interpret)
     launch = functools.partial(
         _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
-        tile_rows=tile_rows, num_stages=num_stages, interpret=interpret)
-    partial_out, partial_lse = _mapped_under_vmap(launch)(q, k, v, tables, tuple(captured))
+        interpret=interpret)
+    partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)
     out = out.reshape(batch, 1, q_heads, value_dim).astype(out_dtype or q.dtype)
     return out, lse.reshape(batch, q_heads, 1)

@@ -633,11 +633,14 @@ def fixed_softmax_shift(score_program, dtype, with_max: bool):
     return (low + high) / 2 * online_softmax.LOG2_E
 
 
-def tile_transforms(head_dim: int):
+def tile_transforms(head_dim: int, contraction_rows: int | None = None):
     """The shared-memory layout of a [rows, head_dim] 16-bit tile: rows of 8 x
     swizzle / 2 elements, swizzled by the widest of 128, 64 and 32 bytes that divides a
-    row (wgmma reads the contraction in groups of that width: D 80 in 16s, 96 in 32s)."""
-    swizzle = next(width for width in (128, 64, 32) if head_dim * 2 % width == 0)
+    row (wgmma reads the contraction in groups of that width: D 80 in 16s, 96 in 32s),
+    and for a tile wgmma contracts along its rows (V in p·v), their count too (wgmma's K
+    is a multiple of swizzle / 2: a tile of 32 keys takes 64 bytes)."""
+    swizzle = next(width for width in (128, 64, 32) if head_dim * 2 % width == 0
+                   and (contraction_rows is None or contraction_rows * 2 % width == 0))
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 

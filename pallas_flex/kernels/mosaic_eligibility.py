@@ -304,8 +304,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                     f"that are multiples of {PAGE_ROWS_MULTIPLE})")
     if max(q_len, kv_len) > EXACT_FLOAT32_INTEGERS:  # see `_evaluate`
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
-    if not interpret and device_unsupported_reason() is not None:
-        return device_unsupported_reason()
+    if not interpret and (reason := device_unsupported_reason()) is not None:
+        return reason
     for program in (block_mask.mask_mod, score_program):
         reason = mod_unsupported_reason(program)
         if reason is not None:

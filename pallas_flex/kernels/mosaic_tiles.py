@@ -414,6 +414,20 @@ def map_each_element(run, axis_size, in_batched, args):
     return outs, jax.tree.map(lambda _: True, outs)
 
 
+def run_per_element_under_vmap(launch):
+    """`launch` with a batching rule of its own: Pallas would batch a Mosaic GPU kernel by
+    batching its body, which the compiled kernel cannot run; under `jax.vmap` it runs
+    once per element instead (`map_each_element`)."""
+
+    @jax.custom_batching.custom_vmap
+    def run(*args):
+        return launch(*args)
+
+    run.def_vmap(lambda axis_size, in_batched, *args:
+                 map_each_element(run, axis_size, in_batched, args))
+    return run
+
+
 def reads_index(program, reads, name: str) -> bool:
     """Whether a kernel must build `name`'s index vector for `program`: it reads it
     other than as the index of one of its contiguous `reads`."""
