@@ -4,7 +4,7 @@ DeepSeek's multi-head latent attention decodes with many query heads (128) on on
 head of a wide latent (D 576 for q·kᵀ, Dv 512 for p·v). Per cached token that is
 ~280 kFLOP against 2176 bytes: at the H100's bandwidth the tensor cores must run
 wgmma near their peak, which the Triton decode (`decode.py`, mma.sync on 32-row
-programs) cannot (0.55-0.78 TB/s on the H100; this kernel 1.75-2.34, 2.9-3.8x faster:
+programs) cannot (0.55-0.78 TB/s on the H100; this kernel 1.79-2.37, 2.9-3.9x faster:
 `pallas-flex bench latent`, benchmarks/results/h100/latent.json). Here, after FlashMLA:
 
 * A program owns 64 query heads (the wgmma M) of one batch row and one split of the
@@ -18,7 +18,10 @@ programs) cannot (0.55-0.78 TB/s on the H100; this kernel 1.75-2.34, 2.9-3.8x fa
   [64, 256] float32, 128 registers a thread. No matmul is done twice.
 * The memory warpgroup streams each warpgroup's halves of the K/V tiles (T keys) with
   TMA, `_STAGES` ahead, each of the four copies of a tile from a warp of its own; each
-  compute warpgroup waits for and releases only its own halves.
+  compute warpgroup waits for and releases only its own halves. The two head blocks of
+  a (batch row, split) run as a cluster and load each tile once between them, TMA
+  multicast into both blocks' shared memory; a stage is refilled once the warpgroups of
+  both blocks have released it (cluster barriers).
 * Each program writes its normalized [64, Dv] output in float32 and its lse; the splits
   merge exactly afterwards (`online_softmax.merge_partials`), as in the Triton decode.
 
@@ -57,6 +60,12 @@ HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
 TILE = 32
 _STAGES = 2
 _REGISTERS = (232, 40)
+# Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
+# each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
+# S4096, ms a step, cluster of 2 / none: D 576 0.253 / 0.258, D 512 0.236 / 0.253.
+# What bounds the kernel is its two-stage stream (docs/gpu-notes.md, Decode): the loads
+# alone, compute left out, take 0.236 ms either way (2.41 TB/s).
+_CLUSTER = 2
 # Named barriers (Mosaic GPU takes the low ids): the scores' halves written / read.
 _WRITTEN_BARRIER, _READ_BARRIER = 8, 9
 
@@ -115,7 +124,7 @@ def _float32_transforms(columns: int):
 
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, mask_reads, scale, num_splits,
-            head_blocks, kv_len, tiles_per_block, broadcast_batch, interpret):
+            head_blocks, cluster, kv_len, tiles_per_block, broadcast_batch, interpret):
     mask_refs, _, (out_ref, lse_ref, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, None, {})
     q_smem, ((k_smem, v_smem), (o_smem, lse_smem)), s_smem, barriers = scratch
@@ -123,9 +132,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     qk_half, value_half = q_smem.shape[2], v_smem.shape[3]
     dtype = q_ref.dtype
 
+    # A cluster's blocks are neighbouring head blocks of one (batch row, split).
     program = lax.axis_index("programs")
-    head_block = lax.rem(program, jnp.int32(head_blocks))
-    rest = lax.div(program, jnp.int32(head_blocks))
+    head_clusters = head_blocks // cluster
+    head_block = (lax.rem(program, jnp.int32(head_clusters)) * cluster
+                  + lax.axis_index("cluster"))
+    rest = lax.div(program, jnp.int32(head_clusters))
     split = lax.rem(rest, jnp.int32(num_splits))
     batch = lax.div(rest, jnp.int32(num_splits))
     table = (0 if broadcast_batch else batch, 0, 0)
@@ -266,10 +278,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             def _():
                 plgpu.barrier_wait(consumed.at[barrier])
 
+            # With a cluster, each block copies its share of the tile into every block
+            # of the cluster (multicast), and all the blocks' ready barriers see it whole.
             plgpu.copy_gmem_to_smem(
                 source.at[batch, pl.ds(key_start_of(step), TILE), 0,
                           pl.ds(half * columns, columns)],
-                destination.at[slot, half], ready.at[barrier])
+                destination.at[slot, half], ready.at[barrier],
+                collective_axes="cluster" if cluster > 1 else None)
 
         def drain(step, copy_index):
             consumed = copies[copy_index // 2][3]
@@ -282,12 +297,19 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         pl.loop(jnp.maximum(high - _STAGES, low), high)(functools.partial(each_warp, drain))
 
 
-def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, interpret):
+def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, cluster,
+            interpret):
     """The kernel's partial outputs [B, head blocks, splits, 64, Dv] and lse [B, head
     blocks, splits, 64] (float32) for each split of each row's keys."""
     batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
     value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS
+    # A stage is refilled (in every block of the cluster) once the warpgroups of every
+    # block have released it.
+    if cluster > 1:
+        released = functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",))
+    else:
+        released = plgpu.Barrier
 
     def entry(*refs):
         def scoped(q_smem, union, s_smem, *barriers):
@@ -311,8 +333,8 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, inter
             plgpu.Barrier(num_barriers=halves),
             plgpu.Barrier(num_barriers=_STAGES * halves),
             plgpu.Barrier(num_barriers=_STAGES * halves),
-            plgpu.Barrier(num_barriers=_STAGES * halves),
-            plgpu.Barrier(num_barriers=_STAGES * halves),
+            released(num_barriers=_STAGES * halves),
+            released(num_barriers=_STAGES * halves),
             plgpu.Barrier(num_arrivals=halves),
             plgpu.Barrier(num_arrivals=halves),
             collective_axes="warpgroup",
@@ -325,8 +347,10 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, inter
     return plgpu.kernel(
         entry,
         out_type=out_type,
-        grid=(batch * head_blocks * num_splits,),
+        grid=(batch * head_blocks * num_splits // cluster,),
         grid_names=("programs",),
+        cluster=(cluster,),
+        cluster_names=("cluster",),
         num_threads=COMPUTE_WARPGROUPS + 1,
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -355,6 +379,7 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
     k = pad_axis(k, 1, num_kv_blocks * mask_block)
     v = pad_axis(v, 1, num_kv_blocks * mask_block)
     head_blocks = q_heads // HEADS_PER_PROGRAM
+    cluster = _CLUSTER if head_blocks % _CLUSTER == 0 else 1
     tiles_per_block = mask_block // TILE
     num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
                                num_splits)
@@ -369,12 +394,12 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         block_mask.kv_num_blocks, block_mask.kv_indices))
     kernel = functools.partial(
         _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
-        num_splits=num_splits, head_blocks=head_blocks, kv_len=kv_len,
+        num_splits=num_splits, head_blocks=head_blocks, cluster=cluster, kv_len=kv_len,
         tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
         interpret=interpret)
     launch = functools.partial(
         _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
-        interpret=interpret)
+        cluster=cluster, interpret=interpret)
     partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)
     out = out.reshape(batch, 1, q_heads, value_dim).astype(out_dtype or q.dtype)
