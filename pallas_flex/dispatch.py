@@ -214,7 +214,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
         else:  # (never with_max: `_choose_decode`)
             (out, lse), row_max = decode_latent_mosaic.latent_decode(
                 q, k, v, block_mask, scale=scale, interpret=interpret,
-                num_splits=options.decode_num_splits, out_dtype=out_dtype), []
+                num_splits=options.decode_num_splits, out_dtype=out_dtype,
+                page_table=page_table, lengths=lengths), []
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         return (out, lse, *row_max)

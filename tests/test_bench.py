@@ -222,21 +222,28 @@ def test_quick_runs_the_quantized_suite(tmp_path):
 
 def test_quick_runs_the_latent_suite(tmp_path):
     """`pallas-flex bench latent --quick`: the Mosaic GPU latent decode (in interpret mode
-    on a CPU, narrow heads) against the Triton decode on the same chained steps, each
-    entry with its bytes' TB/s and TFLOP/s, and the Mosaic column's distance from the
-    Triton column's output."""
+    on a CPU, narrow heads) against the Triton decode on the same chained steps, on a
+    contiguous cache and on the same tokens in shuffled pages, each entry with its bytes'
+    TB/s and TFLOP/s, and every other column's distance from the contiguous Triton
+    column's output."""
     assert cli.main(["latent", "--quick", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "cpu" / "latent.json").read_text())
-    assert written["columns"] == ["mosaic", "triton"]
-    assert [row["case"] for row in written["rows"]] == ["tiny_b1_s300"]
+    columns = ["mosaic", "mosaic_paged", "triton", "triton_paged"]
+    assert written["columns"] == columns
+    assert [row["case"] for row in written["rows"]] == ["tiny_b1_s304"]
     for row in written["rows"]:
         params = row["params"]
         assert params["bytes"] == params["batch"] * params["seq_len"] * (128 + 128) * 2
-        for column in ("mosaic", "triton"):
+        assert params["page_size"] == 16
+        for column in columns:
             entry = row[column]
             assert entry["tb_per_s"] == pytest.approx(params["bytes"] / entry["ms"] / 1e9)
             assert entry["tflop_per_s"] == pytest.approx(params["flops"] / entry["ms"] / 1e9)
-        assert 0 <= row["mosaic"]["max_abs_diff_vs_triton"] < 2e-2
+        for column in ("mosaic", "mosaic_paged", "triton_paged"):
+            assert 0 <= row[column]["max_abs_diff_vs_triton"] < 2e-2
+        for column, peer in (("mosaic", "triton"), ("mosaic_paged", "triton_paged")):
+            assert row[column]["speedup_vs_triton"] == pytest.approx(
+                row[peer]["ms"] / row[column]["ms"])
 
 
 def test_quick_runs_the_variants_suite(tmp_path):

@@ -916,24 +916,27 @@ def compile_time(options):
 def latent(options):
     """Latent-attention (MLA) decode as DeepSeek serves it: Hq 128, one KV head, D 576,
     Dv 512, one query per batch row at the end of its cache (a decode offset, so the
-    BlockMask lists every block), on a contiguous cache: the Mosaic GPU kernel
-    (`kernels/decode_latent_mosaic.py`, decode_kernel "mosaic") against the Triton
-    split-KV decode (decode_kernel "triton") on the same inputs, in paired rounds. Each
-    entry: ms per step of `steps` chained steps in one jitted call (a step's output,
-    padded, is the next step's query), the K/V bytes a step reads and their TB/s, the
-    TFLOP/s of its 2 x Hq x (D + Dv) flops per cached token, and the largest |difference|
-    from the Triton column's output. --quick: narrow heads in interpret mode on a CPU."""
+    BlockMask lists every block), on a contiguous cache and on the same tokens in pages
+    of `page_size` rows (FlashMLA's 64; pages shuffled, through `paged_flex_attention`):
+    the Mosaic GPU kernel (`kernels/decode_latent_mosaic.py`, decode_kernel "mosaic")
+    against the Triton split-KV decode (decode_kernel "triton") on the same inputs, in
+    paired rounds. Each entry: ms per step of `steps` chained steps in one jitted call (a
+    step's output, padded, is the next step's query), the K/V bytes a step reads and
+    their TB/s, the TFLOP/s of its 2 x Hq x (D + Dv) flops per cached token, and the
+    largest |difference| from the contiguous Triton column's output. --quick: narrow
+    heads in interpret mode on a CPU, pages of 16."""
     steps = 1 if options.quick else 8
+    page_size = 16 if options.quick else 64
     interpret = options.backend != "pallas"
     backend = "interpret" if interpret else options.backend
     if options.quick:
         q_heads, dim, value_dim = 64, 128, 128
-        shapes = (("tiny_b1_s300", 1, 300),)
+        shapes = (("tiny_b1_s304", 1, 304),)  # 19 pages of 16
     else:
         q_heads, dim, value_dim = 128, 576, 512
         shapes = tuple((f"b{batch}_s{length}", batch, length)
                        for length in (4096, 32768) for batch in (16, 64, 128))
-    columns = ["mosaic", "triton"]
+    columns = ["mosaic", "mosaic_paged", "triton", "triton_paged"]
     scale = 1 / np.sqrt(192.0)
     rows = []
     for name, batch, length in shapes:
@@ -949,41 +952,57 @@ def latent(options):
         flops = 2 * batch * length * q_heads * (dim + value_dim)
         row = {"case": name, "params": {
             "batch": batch, "q_heads": q_heads, "kv_heads": 1, "seq_len": length,
-            "head_dim": dim, "value_dim": value_dim, "steps_per_call": steps,
-            "bytes": stored, "flops": flops}}
+            "head_dim": dim, "value_dim": value_dim, "page_size": page_size,
+            "steps_per_call": steps, "bytes": stored, "flops": flops}}
+        (k_pages, table, owner), (v_pages, _, _) = (
+            _shuffled_pages(x, page_size) for x in (k, v))
+        cache = pf.paged.PagedKVCache(k_pages, v_pages, table,
+                                      jnp.full((batch,), length, jnp.int32), owner)
 
-        def decode_steps(q, k, v, block_mask, kernel):
+        def decode_steps(q, k, v, cache, block_mask, kernel, paged):
             """(the first step's output, the last's)."""
             outs, query = [], q
+            options_ = {"decode_kernel": kernel}
             for _ in range(steps):
-                out = pf.flex_attention(query, k, v, block_mask=block_mask, scale=scale,
-                                        backend=backend,
-                                        kernel_options={"decode_kernel": kernel})
+                if paged:
+                    out = pf.paged.paged_flex_attention(
+                        query, cache, block_mask=block_mask, scale=scale, backend=backend,
+                        kernel_options=options_)
+                else:
+                    out = pf.flex_attention(query, k, v, block_mask=block_mask, scale=scale,
+                                            backend=backend, kernel_options=options_)
                 outs.append(out)
                 query = jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, dim - value_dim)))
             return outs[0], outs[-1]
 
         calls, outs = {}, {}
         for column in columns:
-            call = jax.jit(functools.partial(decode_steps, kernel=column))
+            kernel, _, paged_column = column.partition("_")
+            call = jax.jit(functools.partial(decode_steps, kernel=kernel,
+                                             paged=bool(paged_column)))
+            arguments = (q, None, None, cache, block_mask) if paged_column else (
+                q, k, v, None, block_mask)
             try:
-                outs[column] = jax.block_until_ready(call(q, k, v, block_mask))[0]
-                calls[column] = (call, (q, k, v, block_mask))
+                outs[column] = jax.block_until_ready(call(*arguments))[0]
+                calls[column] = (call, arguments)
             except Exception as error:
                 traceback.print_exc()
                 row[column] = error_entry(error)
         # Interpret mode (--quick) takes seconds a call: one timed call a column.
-        for column, entry in time_paired(calls, rounds=1 if options.quick else 9,
-                                         iters=1 if options.quick else 20).items():
+        for column, entry in time_paired(calls, rounds=1 if options.quick else 7,
+                                         iters=1 if options.quick else 10).items():
             ms = entry["ms"] / steps
             row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
                            "tb_per_s": stored / ms / 1e9, "tflop_per_s": flops / ms / 1e9}
-        if "mosaic" in outs and "triton" in outs:
-            row["mosaic"]["max_abs_diff_vs_triton"] = float(jnp.max(jnp.abs(
-                outs["mosaic"].astype(jnp.float32) - outs["triton"].astype(jnp.float32))))
-            row["mosaic"]["speedup_vs_triton"] = row["triton"]["ms"] / row["mosaic"]["ms"]
+        for column, peer in (("mosaic", "triton"), ("mosaic_paged", "triton_paged"),
+                             ("triton_paged", None)):
+            if column in outs and "triton" in outs:
+                row[column]["max_abs_diff_vs_triton"] = float(jnp.max(jnp.abs(
+                    outs[column].astype(jnp.float32) - outs["triton"].astype(jnp.float32))))
+            if peer is not None and column in calls and peer in calls:
+                row[column]["speedup_vs_triton"] = row[peer]["ms"] / row[column]["ms"]
         rows.append(row)
-        del q, k, v, calls, outs
+        del q, k, v, cache, k_pages, v_pages, calls, outs
     return columns, "ms", rows
 
 

@@ -42,6 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
+from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_eligibility import (
     EXACT_FLOAT32_INTEGERS, device_unsupported_reason, mod_unsupported_reason, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
@@ -58,6 +59,9 @@ HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
 # The copies of a tile issued from one thread instead of four warps: 0.131 / 0.113 at B8
 # S8192, 0.114 / 0.105 at B1 S32768, alike at B64 (docs/gpu-notes.md, Decode).
 TILE = 32
+# Pages smaller than a tile: two copies fill it. (8-row pages would need 4 copies of 8
+# rows, which a cluster's multicast cannot split in two.)
+PAGE_ROWS = 16
 _STAGES = 2
 _REGISTERS = (232, 40)
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
@@ -76,16 +80,18 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, paged: bool, with_
     batch, q_len, q_heads, head_dim = q.shape
     if not interpret and (reason := device_unsupported_reason()) is not None:
         return reason
-    if paged:
-        return "a paged cache"
     if with_max:
         return "the row max asked for"
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtypes {q.dtype}/{k.dtype}/{v.dtype} (it takes 16-bit q, k, v of one dtype)"
     if q_len != 1:
         return f"Sq = {q_len} (it takes one query position)"
-    if k.shape[2] != 1:
-        return f"{k.shape[2]} KV heads (it takes latent attention's one)"
+    kv_heads = k.shape[1 if paged else 2]
+    if kv_heads != 1:
+        return f"{kv_heads} KV heads (it takes latent attention's one)"
+    if paged and k.shape[2] != PAGE_ROWS and k.shape[2] % TILE:
+        return (f"pages of {k.shape[2]} rows (it takes {PAGE_ROWS} or a multiple of "
+                f"{TILE})")
     if q_heads % HEADS_PER_PROGRAM:
         return f"{q_heads} query heads (it takes a multiple of {HEADS_PER_PROGRAM})"
     value_dim = v.shape[3]
@@ -124,12 +130,20 @@ def _float32_transforms(columns: int):
 
 def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref,
             partial_indices_ref, *refs, mask_program, mask_reads, scale, num_splits,
-            head_blocks, cluster, kv_len, tiles_per_block, broadcast_batch, interpret):
+            head_blocks, cluster, kv_len, tiles_per_block, broadcast_batch, page_size,
+            interpret):
+    """page_size: None for a contiguous cache k_ref [B, Skv, 1, D], else k_ref / v_ref are
+    pages [num_pages, 1, page_size, D] read through page_table_ref [B, max_pages] up to
+    lengths_ref [B], with the BlockMask clipped to those lengths
+    (`BlockMask.clip_to_lengths`: only the last listed block may cross a row's length)."""
+    paged = page_size is not None
+    if paged:
+        page_table_ref, lengths_ref, *refs = refs
     mask_refs, _, (out_ref, lse_ref, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, None, {})
     q_smem, ((k_smem, v_smem), (o_smem, lse_smem)), s_smem, barriers = scratch
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, written, read) = barriers
-    qk_half, value_half = q_smem.shape[2], v_smem.shape[3]
+    qk_half, value_half = q_smem.shape[2], v_smem.shape[2]
     dtype = q_ref.dtype
 
     # A cluster's blocks are neighbouring head blocks of one (batch row, split).
@@ -143,10 +157,19 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     table = (0 if broadcast_batch else batch, 0, 0)
     num_full_tiles = full_num_ref[table] * tiles_per_block
     num_tiles = num_full_tiles + partial_num_ref[table] * tiles_per_block
+    last_listed = full_indices_ref.shape[-1] - 1
+    kv_length = kv_len
+    if paged:
+        kv_length = jnp.minimum(lengths_ref[batch], kv_len)
+        # The tiles of the last listed block at or past the row's length are left out.
+        num_partial = partial_num_ref[table]
+        last_block = partial_indices_ref[table + (jnp.clip(num_partial - 1, 0, last_listed),)]
+        tiles_below = lax.div(kv_length + (TILE - 1), jnp.int32(TILE))
+        past = jnp.clip((last_block + 1) * tiles_per_block - tiles_below, 0, tiles_per_block)
+        num_tiles = num_tiles - jnp.where(num_partial > 0, past, 0)
     per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     low = jnp.minimum(split * per_split, num_tiles)
     high = jnp.minimum(num_tiles, low + per_split)
-    last_listed = full_indices_ref.shape[-1] - 1
 
     def key_start_of(tile):
         """The first key of listed tile `tile` (full blocks' tiles first)."""
@@ -190,12 +213,30 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         logit_scale = scale * online_softmax.LOG2_E
         other = 1 - half
 
+        def zero_values_past_length(slot, kv_start):
+            """Zeroes the V rows at or past the row's length in both halves of a stage
+            ([2 T, Dv / 2]: half w's T rows, then the other's, the same keys). Their
+            weights are 0, but a page reused from an earlier request holds whatever it
+            held, and 0 * NaN is NaN in p·v. Each warpgroup has waited for its own half
+            only: they meet before (both halves landed) and after (both written; the
+            same zeros, so neither waits for the other's stores to its half)."""
+            rendezvous(_WRITTEN_BARRIER, written)
+            rows = v_smem.at[slot]
+            values = plgpu.load(rows, layout=plgpu.Layout.WGMMA) if not interpret else rows[...]
+            key = kv_start + lax.rem(
+                plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
+                if not interpret else lax.broadcasted_iota(jnp.int32, values.shape, 0),
+                jnp.int32(TILE))
+            rows[...] = jnp.where(key < kv_length, values, jnp.zeros_like(values))
+            plgpu.commit_smem()  # before the wgmma reads the tile
+            rendezvous(_READ_BARRIER, read)
+
         def visit(step, carry, masked):
             accumulator, running_max, running_sum = carry
             local = step - low
             slot = slot_of(local)
             plgpu.barrier_wait(k_barriers.at[slot * COMPUTE_WARPGROUPS + half])
-            partial = matmul(q_smem.at[half], k_smem.at[slot, half], shape=tile,
+            partial = matmul(q_smem.at[half], k_smem.at[slot, pl.ds(half * TILE, TILE)], shape=tile,
                              interpret=interpret, transpose_b=True)
             plgpu.barrier_arrive(k_consumed.at[slot * COMPUTE_WARPGROUPS + half])
             # The other half may still read this tile's last contents.
@@ -211,7 +252,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 logits = apply_mask(
                     logits, mask_program, mask_reads, mask_refs,
                     (batch, jnp.int32(0), jnp.int32(0), kv_idx),
-                    extra_keep=Vector(kv_position.value < kv_len, 1), tile=tile, q_axis=0,
+                    extra_keep=Vector(kv_position.value < kv_length, 1), tile=tile, q_axis=0,
                     q_start=0, kv_start=kv_start, interpret=interpret)
             new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
             safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
@@ -220,7 +261,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
             running_sum = running_sum * correction + p.sum(axis=1)
             plgpu.barrier_wait(v_barriers.at[slot * COMPUTE_WARPGROUPS + half])
-            accumulator = matmul(p.astype(dtype), v_smem.at[slot, half],
+            if paged and masked:
+                # Before p·v reads them: the tile's rows at or past the row's length.
+                pl.when(key_start_of(step) + TILE > kv_length)(
+                    functools.partial(zero_values_past_length, slot, key_start_of(step)))
+            accumulator = matmul(p.astype(dtype), v_smem.at[slot, pl.ds(half * TILE, TILE)],
                                  shape=accumulator.shape, interpret=interpret,
                                  accumulator=accumulator)
             plgpu.barrier_arrive(v_consumed.at[slot * COMPUTE_WARPGROUPS + half])
@@ -261,6 +306,23 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         copies = ((k_ref, k_smem, k_barriers, k_consumed, qk_half),
                   (v_ref, v_smem, v_barriers, v_consumed, value_half))
 
+        def tile_sources(source, key_start):
+            """[(stage rows, [rows, D] view of the cache)] filling a tile of T keys: one
+            copy, or one per page of pages smaller than a tile. Page-table entries are
+            clamped into the pool (`kv_tiles.in_pool`): rows past a length read some
+            page, which the compute warpgroups mask."""
+            if not paged:
+                return [(slice(None), source.at[batch, pl.ds(key_start, TILE), 0])]
+            page_of = page_table_row(page_table_ref, batch)
+            first_page = lax.div(key_start, jnp.int32(page_size))
+            if page_size >= TILE:
+                page = in_pool(page_of(first_page), source.shape[0])
+                return [(slice(None), source.at[page, 0, pl.ds(
+                    lax.rem(key_start, jnp.int32(page_size)), TILE)])]
+            return [(pl.ds(index * page_size, page_size),
+                     source.at[in_pool(page_of(first_page + index), source.shape[0]), 0])
+                    for index in range(TILE // page_size)]
+
         def each_warp(body, step):
             def per_warp(warp):
                 for copy_index in range(4):
@@ -280,11 +342,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
             # With a cluster, each block copies its share of the tile into every block
             # of the cluster (multicast), and all the blocks' ready barriers see it whole.
-            plgpu.copy_gmem_to_smem(
-                source.at[batch, pl.ds(key_start_of(step), TILE), 0,
-                          pl.ds(half * columns, columns)],
-                destination.at[slot, half], ready.at[barrier],
-                collective_axes="cluster" if cluster > 1 else None)
+            stage = destination.at[slot, pl.ds(half * TILE, TILE)]
+            for rows, view in tile_sources(source, key_start_of(step)):
+                plgpu.copy_gmem_to_smem(
+                    view.at[:, pl.ds(half * columns, columns)], stage.at[rows],
+                    ready.at[barrier], collective_axes="cluster" if cluster > 1 else None)
 
         def drain(step, copy_index):
             consumed = copies[copy_index // 2][3]
@@ -297,10 +359,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         pl.loop(jnp.maximum(high - _STAGES, low), high)(functools.partial(each_warp, drain))
 
 
-def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, cluster,
-            interpret):
+def _launch(q, k, v, tables, paging, captured, *, kernel, num_splits, head_blocks, cluster,
+            page_size, interpret):
     """The kernel's partial outputs [B, head blocks, splits, 64, Dv] and lse [B, head
-    blocks, splits, 64] (float32) for each split of each row's keys."""
+    blocks, splits, 64] (float32) for each split of each row's keys. paging: () or a
+    paged cache's (page_table, lengths)."""
+    # TMA copies filling a tile's half: one, or one per page of pages under a tile.
+    copies = TILE // page_size if page_size is not None and page_size < TILE else 1
     batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
     value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS
@@ -321,9 +386,10 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, clust
                        transforms=tile_transforms(qk_half)),
             # The output tiles (and lse) reuse the K/V stages' memory once the walk is over.
             plgpu.RefUnion(
-                (plgpu.SMEM((_STAGES, halves, TILE, qk_half), q.dtype,
+                # A stage: half 0's T keys, then half 1's (the same keys).
+                (plgpu.SMEM((_STAGES, halves * TILE, qk_half), q.dtype,
                             transforms=tile_transforms(qk_half)),
-                 plgpu.SMEM((_STAGES, halves, TILE, value_half), q.dtype,
+                 plgpu.SMEM((_STAGES, halves * TILE, value_half), q.dtype,
                             transforms=tile_transforms(value_half, TILE))),
                 (plgpu.SMEM((halves, HEADS_PER_PROGRAM, value_half), jnp.float32,
                             transforms=_float32_transforms(value_half)),
@@ -331,8 +397,8 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, clust
             plgpu.SMEM((halves, HEADS_PER_PROGRAM, TILE), jnp.float32,
                        transforms=_float32_transforms(TILE)),
             plgpu.Barrier(num_barriers=halves),
-            plgpu.Barrier(num_barriers=_STAGES * halves),
-            plgpu.Barrier(num_barriers=_STAGES * halves),
+            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies),
+            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies),
             released(num_barriers=_STAGES * halves),
             released(num_barriers=_STAGES * halves),
             plgpu.Barrier(num_arrivals=halves),
@@ -355,7 +421,7 @@ def _launch(q, k, v, tables, captured, *, kernel, num_splits, head_blocks, clust
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, *tables, *captured)
+    )(q, k, v, *tables, *paging, *captured)
 
 
 def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int = 0) -> int:
@@ -367,17 +433,24 @@ def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int =
 
 
 def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
-                  out_dtype=None):
+                  out_dtype=None, page_table=None, lengths=None):
     """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
-    contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv] (`unsupported_reason` says
-    which calls)."""
+    contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv], or with page_table [B,
+    max_pages] and lengths [B] on pages k [num_pages, 1, page_size, D] (v likewise) with
+    the BlockMask clipped to the lengths (`BlockMask.clip_to_lengths`, as the paged
+    calls do). `unsupported_reason` says which calls."""
     batch, _, q_heads, head_dim = q.shape
     value_dim = v.shape[3]
     kv_len = block_mask.shape[3]
     mask_block = block_mask.block_size[1]
     num_kv_blocks = block_mask.num_blocks[1]
-    k = pad_axis(k, 1, num_kv_blocks * mask_block)
-    v = pad_axis(v, 1, num_kv_blocks * mask_block)
+    page_size, paging = None, ()
+    if page_table is not None:
+        page_size = k.shape[2]
+        paging = (page_table.astype(jnp.int32), lengths.astype(jnp.int32))
+    else:
+        k = pad_axis(k, 1, num_kv_blocks * mask_block)
+        v = pad_axis(v, 1, num_kv_blocks * mask_block)
     head_blocks = q_heads // HEADS_PER_PROGRAM
     cluster = _CLUSTER if head_blocks % _CLUSTER == 0 else 1
     tiles_per_block = mask_block // TILE
@@ -396,11 +469,12 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
         num_splits=num_splits, head_blocks=head_blocks, cluster=cluster, kv_len=kv_len,
         tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
-        interpret=interpret)
+        page_size=page_size, interpret=interpret)
     launch = functools.partial(
         _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
-        cluster=cluster, interpret=interpret)
-    partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, tuple(captured))
+        cluster=cluster, page_size=page_size, interpret=interpret)
+    partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, paging,
+                                                                  tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)
     out = out.reshape(batch, 1, q_heads, value_dim).astype(out_dtype or q.dtype)
     return out, lse.reshape(batch, q_heads, 1)

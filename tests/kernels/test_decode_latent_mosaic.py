@@ -93,6 +93,87 @@ def test_deepseek_shape_on_gpu_matches_float64_and_the_triton_decode():
                                np.asarray(triton_out.astype(jnp.float32)), atol=2e-2)
 
 
+# Paged: (lengths, page size, Hq, D, Dv, dtype, mask). A tile of 32 keys from two pages of
+# 16 (a cluster of two head blocks), or from one page; a row's length inside a tile; an
+# empty row.
+PAGED_CASES = {
+    "page16_causal_clustered": ([300, 77], 16, 128, 128, 256, jnp.bfloat16, "causal"),
+    "page64_empty_row": ([0, 200], 64, 64, 128, 128, jnp.float16, None),
+    "page32_sliding": ([150, 33], 32, 64, 128, 128, jnp.bfloat16, "sliding"),
+}
+
+
+@pytest.mark.parametrize("case,backend", [
+    (case, "interpret") for case in PAGED_CASES if case != "page32_sliding"] + [
+    pytest.param(case, "pallas", marks=pytest.mark.gpu) for case in PAGED_CASES])
+def test_paged_matches_float64(case, backend):
+    """The whole paged_flex_attention (BlockMask clipped to the lengths, pages shuffled
+    between the rows) on this kernel, against float64 over the gathered cache."""
+    from tests.paged.test_flex_attention import check_paged_against_golden
+
+    lengths, page_size, q_heads, dim, value_dim, dtype, mask_name = PAGED_CASES[case]
+    check_paged_against_golden(lengths, page_size, 1, q_heads, 1, dim, value_dim, dtype,
+                               mask_name, None, MOSAIC, backend, window=40)
+
+
+@pytest.mark.parametrize("page_size,stale,backend", [
+    (16, np.nan, "interpret"),
+    pytest.param(16, np.inf, "pallas", marks=pytest.mark.gpu),
+    pytest.param(64, np.nan, "pallas", marks=pytest.mark.gpu)])
+def test_paged_never_reads_stale_slots_past_a_length(page_size, stale, backend):
+    """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
+    is the one of a clean cache, bit for bit."""
+    from tests.kernels.test_forward_mosaic import _poisoned_past_lengths
+    from tests.paged.test_flex_attention import _filled_cache
+
+    lengths = [200, 77]  # neither a whole number of 32-key tiles
+    cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-256 // page_size),
+                          kv_heads=1, dim=128, value_dim=128, dtype=jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 128, 128)).astype(jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, cache.lengths - 1)
+
+    def run(cache):
+        return pf.paged.paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
+                                             return_lse=True, kernel_options=MOSAIC)
+
+    clean_out, clean_lse = run(cache)
+    out, lse = run(_poisoned_past_lengths(cache, stale))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
+
+
+@pytest.mark.gpu
+def test_deepseek_shape_on_pages_of_64_matches_the_triton_decode():
+    """Hq 128, D 576, Dv 512 on pages of 64 (FlashMLA's), chosen automatically, against
+    the Triton decode on the same cache and float64 over the gathered one."""
+    from tests.paged.test_flex_attention import _filled_cache
+    from pallas_flex.paged.cache import gather_contiguous
+
+    cache = _filled_cache([1000, 517], page_size=64, max_pages=16, kv_heads=1, dim=576,
+                          value_dim=512, dtype=jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(4), (2, 1, 128, 576)).astype(jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, cache.lengths - 1)
+    scale = 1 / np.sqrt(192.0)
+
+    def run(options):
+        return pf.paged.paged_flex_attention(q, cache, mask_mod=mask_mod, scale=scale,
+                                             return_lse=True, kernel_options=options)
+
+    (out, lse), (triton_out, triton_lse) = run({}), run({"decode_kernel": "triton"})
+    k, v = gather_contiguous(cache)
+    lengths = cache.lengths
+
+    def in_cache(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & mask_mod(b, h, q_idx, kv_idx)
+
+    expected_out, _ = golden(q, k, v, mask_mod=in_cache, scale=scale)
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod=in_cache, scale=scale)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(triton_lse), atol=1e-3)
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
+                               np.asarray(triton_out.astype(jnp.float32)), atol=2e-2)
+
+
 def _reason(q_shape=(2, 1, 128, 576), k_shape=(2, 512, 1, 576), v_shape=(2, 512, 1, 512),
             dtype=jnp.bfloat16, mask_mod=pf.noop_mask, score_mod=None, paged=False,
             with_max=False):
@@ -108,7 +189,15 @@ def _reason(q_shape=(2, 1, 128, 576), k_shape=(2, 512, 1, 576), v_shape=(2, 512,
 
 def test_unsupported_calls_say_why():
     assert _reason() is None
-    assert "paged" in _reason(paged=True)
+    pages = dict(paged=True, k_shape=(9, 1, 64, 576), v_shape=(9, 1, 64, 512))
+    assert _reason(**pages) is None
+    assert _reason(**dict(pages, k_shape=(9, 1, 16, 576), v_shape=(9, 1, 16, 512))) is None
+    assert "pages of 8 rows" in _reason(**dict(pages, k_shape=(9, 1, 8, 576),
+                                                v_shape=(9, 1, 8, 512)))
+    assert "pages of 48 rows" in _reason(**dict(pages, k_shape=(9, 1, 48, 576),
+                                                 v_shape=(9, 1, 48, 512)))
+    assert "KV heads" in _reason(**dict(pages, k_shape=(9, 2, 64, 576),
+                                        v_shape=(9, 2, 64, 512)))
     assert "row max" in _reason(with_max=True)
     assert "Sq = 2" in _reason(q_shape=(2, 2, 128, 576))
     assert "KV heads" in _reason(k_shape=(2, 512, 2, 576), v_shape=(2, 512, 2, 512))
