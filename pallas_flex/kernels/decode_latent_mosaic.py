@@ -335,6 +335,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             local = step - low
             slot = slot_of(local)
             barrier = slot * COMPUTE_WARPGROUPS + half
+            # The table reads (BlockMask, page table) before the wait, which hides them.
+            sources = tile_sources(source, key_start_of(step))
 
             @pl.when(local >= _STAGES)
             def _():
@@ -343,7 +345,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             # With a cluster, each block copies its share of the tile into every block
             # of the cluster (multicast), and all the blocks' ready barriers see it whole.
             stage = destination.at[slot, pl.ds(half * TILE, TILE)]
-            for rows, view in tile_sources(source, key_start_of(step)):
+            for rows, view in sources:
                 plgpu.copy_gmem_to_smem(
                     view.at[:, pl.ds(half * columns, columns)], stage.at[rows],
                     ready.at[barrier], collective_axes="cluster" if cluster > 1 else None)
