@@ -8,7 +8,7 @@ order the rules are tried:
 | rule                                                           | kernel          |
 |----------------------------------------------------------------|-----------------|
 | backend "xla"                                                  | xla_blockwise   |
-| Sq <= decode_max_q_len and one BlockMask query block: latent attention (one query, one KV head, D 128-640, Dv 128-512) that the Mosaic GPU latent decode takes (`decode_latent_mosaic.unsupported_reason`), decode_kernel "auto" (not under backend "interpret") or "mosaic" | mosaic_latent_decode |
+| Sq <= decode_max_q_len and one BlockMask query block: latent attention (one query, one KV head, D 128-640, Dv 128-512, contiguous or paged) that the Mosaic GPU latent decode takes (`decode_latent_mosaic.unsupported_reason`), decode_kernel "auto" (not under backend "interpret") or "mosaic" | mosaic_latent_decode |
 | Sq <= decode_max_q_len and one BlockMask query block            | decode          |
 | forward_kernel "triton"                                         | triton_forward  |
 | backend "interpret", forward_kernel "auto"                      | triton_forward  |

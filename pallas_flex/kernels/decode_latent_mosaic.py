@@ -4,12 +4,12 @@ DeepSeek's multi-head latent attention decodes with many query heads (128) on on
 head of a wide latent (D 576 for q·kᵀ, Dv 512 for p·v). Per cached token that is
 ~280 kFLOP against 2176 bytes: at the H100's bandwidth the tensor cores must run
 wgmma near their peak, which the Triton decode (`decode.py`, mma.sync on 32-row
-programs) cannot (0.55-0.78 TB/s on the H100; this kernel 1.79-2.37, 2.9-3.9x faster:
-`pallas-flex bench latent`, benchmarks/results/h100/latent.json). Here, after FlashMLA:
+programs) cannot (0.54-0.79 TB/s on the H100; this kernel 1.76-2.51, 2.9-4.1x faster,
+and on pages of 64 1.24-1.61 TB/s, 2.2-2.7x the paged Triton decode: `pallas-flex bench
+latent`, benchmarks/results/h100/latent.json). Here, after FlashMLA:
 
 * A program owns 64 query heads (the wgmma M) of one batch row and one split of the
-  keys the BlockMask row lists; the head blocks of one (batch row, split) are
-  neighbouring programs, so the second reads the keys from L2.
+  keys the BlockMask row lists.
 * Its two compute warpgroups share the work without sharing an accumulator: warpgroup
   w computes the partial scores Q[:, half w] · K[:, half w]ᵀ over its half of the 576
   columns, the two halves are added through shared memory (a [64, T] float32 tile
@@ -27,6 +27,14 @@ programs) cannot (0.55-0.78 TB/s on the H100; this kernel 1.79-2.37, 2.9-3.9x fa
 
 Masks run on partial tiles as in the other kernels (rows are heads here, so the mask
 may not read h, nor captured arrays at q_idx: `unsupported_reason`).
+
+Paged caches (pages [num_pages, 1, page_size, D] through a page table, as
+`paged_flex_attention` passes them, its BlockMask clipped to the row lengths): a tile
+comes from one page (pages of a multiple of T rows) or two (pages of 16); the tiles
+past a row's length are left out, the one that crosses it is masked there and its V
+rows past the length are zeroed before p·v (a reused page holds whatever it held, and
+0 * NaN is NaN). Pages of 64 run 1.4-1.65x slower than a contiguous cache (H100,
+`bench latent`); what costs it is not known yet (docs/gpu-notes.md, Decode).
 """
 
 from __future__ import annotations
