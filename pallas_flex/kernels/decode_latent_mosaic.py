@@ -71,6 +71,10 @@ TILE = 32
 # rows, which a cluster's multicast cannot split in two.)
 PAGE_ROWS = 16
 _STAGES = 2
+# Tiles ahead of the copy being issued that the memory warpgroup prefetches into L2
+# (0: none). Not measured yet on the H100 (docs/gpu-notes.md, Decode): the stream is
+# bound by the latency of its two stages, which a prefetch would shorten.
+_PREFETCH_AHEAD = 0
 _REGISTERS = (232, 40)
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
 # each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
@@ -331,6 +335,19 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                      source.at[in_pool(page_of(first_page + index), source.shape[0]), 0])
                     for index in range(TILE // page_size)]
 
+        def prefetch(source, step, first_column, columns):
+            """Warms L2 with the columns of tile `step` (a TMA prefetch, no shared memory:
+            TMA boxes hold at most 256 elements a dimension, so wider halves go in two
+            pieces), where the split has that tile."""
+            pieces = 1 if columns <= 256 else 2
+            width = columns // pieces
+            for _, view in tile_sources(source, key_start_of(jnp.minimum(step, high - 1))):
+                for piece in range(pieces):
+                    plgpu.async_prefetch(
+                        view.at[:, pl.ds(first_column + piece * width, width)],
+                        predicate=step < high,
+                        collective_axes="cluster" if cluster > 1 else None)
+
         def each_warp(body, step):
             def per_warp(warp):
                 for copy_index in range(4):
@@ -345,6 +362,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             barrier = slot * COMPUTE_WARPGROUPS + half
             # The table reads (BlockMask, page table) before the wait, which hides them.
             sources = tile_sources(source, key_start_of(step))
+            if _PREFETCH_AHEAD and not interpret:
+                prefetch(source, step + _PREFETCH_AHEAD, half * columns, columns)
 
             @pl.when(local >= _STAGES)
             def _():

@@ -123,24 +123,14 @@ def test_paged_matches_float64(case, backend):
 def test_paged_never_reads_stale_slots_past_a_length(page_size, stale, backend):
     """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
     is the one of a clean cache, bit for bit."""
-    from tests.kernels.test_forward_mosaic import _poisoned_past_lengths
-    from tests.paged.test_flex_attention import _filled_cache
+    from tests.paged.test_flex_attention import _filled_cache, check_stale_slots_never_read
 
     lengths = [200, 77]  # neither a whole number of 32-key tiles
     cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-256 // page_size),
                           kv_heads=1, dim=128, value_dim=128, dtype=jnp.bfloat16)
     q = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 128, 128)).astype(jnp.bfloat16)
     mask_mod = masks.offset(masks.causal_mask, cache.lengths - 1)
-
-    def run(cache):
-        return pf.paged.paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
-                                             return_lse=True, kernel_options=MOSAIC)
-
-    clean_out, clean_lse = run(cache)
-    out, lse = run(_poisoned_past_lengths(cache, stale))
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
+    check_stale_slots_never_read(q, cache, mask_mod, stale, MOSAIC, backend)
 
 
 @pytest.mark.gpu

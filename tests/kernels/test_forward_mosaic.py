@@ -6,8 +6,6 @@ own code: TMA copies, barriers, the memory and compute warpgroups, the block wal
 the mods). On the GPU (marker `gpu`) the same cases run the compiled kernel.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -490,20 +488,6 @@ def test_paged_page_sizes_it_does_not_take_are_refused():
     assert "page size 48" in reason
 
 
-def _poisoned_past_lengths(cache, value):
-    """The cache with every page slot that no row's length covers set to `value` (stale
-    memory of earlier requests, unused pages included)."""
-    page_size = cache.page_size
-    written = np.zeros(cache.k_pages.shape[0] * page_size, bool)
-    table, lengths = np.asarray(cache.page_table), np.asarray(cache.lengths)
-    for row, length in enumerate(lengths):
-        for position in range(length):
-            written[table[row, position // page_size] * page_size + position % page_size] = True
-    stale = ~written.reshape(-1, 1, page_size, 1)
-    return dataclasses.replace(cache, k_pages=jnp.where(stale, value, cache.k_pages),
-                               v_pages=jnp.where(stale, value, cache.v_pages))
-
-
 def _stale_cases():
     """On the GPU every page size x stale value; in interpret mode each page size (a TMA
     copy per page, 128 rows of one page) once, NaN at one and inf at the other."""
@@ -520,23 +504,14 @@ def _stale_cases():
 def test_paged_prefill_never_reads_stale_slots_past_a_length(page_size, stale, backend):
     """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
     is the one of a clean cache, bit for bit."""
-    from tests.paged.test_flex_attention import _filled_cache
+    from tests.paged.test_flex_attention import _filled_cache, check_stale_slots_never_read
 
     lengths = [200, 77]  # neither a whole number of 128-row tiles
     cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-256 // page_size),
                           kv_heads=2, dim=64, value_dim=64, dtype=jnp.bfloat16)
     q = jax.random.normal(jax.random.PRNGKey(3), (2, 64, 4, 64)).astype(jnp.bfloat16)
     mask_mod = masks.offset(masks.causal_mask, jnp.maximum(cache.lengths - 64, 0))
-
-    def run(cache):
-        return pf.paged.paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
-                                             return_lse=True, kernel_options=MOSAIC)
-
-    clean_out, clean_lse = run(cache)
-    out, lse = run(_poisoned_past_lengths(cache, stale))
-    assert np.isfinite(np.asarray(out, np.float32)).all()
-    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
-    np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
+    check_stale_slots_never_read(q, cache, mask_mod, stale, MOSAIC, backend)
 
 
 @pytest.mark.gpu

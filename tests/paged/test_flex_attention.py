@@ -3,6 +3,8 @@ contiguous logical K/V (float64 golden values)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,35 @@ def _filled_cache(lengths, *, page_size, max_pages, kv_heads, dim, value_dim, dt
             cache = cache.assign(b, filled[b], k, v)
             filled[b] += chunk
     return cache
+
+
+def _poisoned_past_lengths(cache, value):
+    """The cache with every page slot that no row's length covers set to `value` (stale
+    memory of earlier requests, unused pages included)."""
+    page_size = cache.page_size
+    written = np.zeros(cache.k_pages.shape[0] * page_size, bool)
+    table, lengths = np.asarray(cache.page_table), np.asarray(cache.lengths)
+    for row, length in enumerate(lengths):
+        for position in range(length):
+            written[table[row, position // page_size] * page_size + position % page_size] = True
+    stale = ~written.reshape(-1, 1, page_size, 1)
+    return dataclasses.replace(cache, k_pages=jnp.where(stale, value, cache.k_pages),
+                               v_pages=jnp.where(stale, value, cache.v_pages))
+
+
+def check_stale_slots_never_read(q, cache, mask_mod, stale, kernel_options, backend):
+    """paged_flex_attention with every slot past the rows' lengths (a reused page's old
+    contents) holding `stale` (NaN / inf) gives the clean cache's output and lse, bit for
+    bit."""
+    def run(cache):
+        return paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
+                                    return_lse=True, kernel_options=kernel_options)
+
+    clean_out, clean_lse = run(cache)
+    out, lse = run(_poisoned_past_lengths(cache, stale))
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(clean_out, np.float32))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))
 
 
 # (lengths, page_size, Sq, Hq, Hkv, D, Dv, dtype, mask, score, kernel_options)
