@@ -224,6 +224,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             jnp.full((HEADS_PER_PROGRAM, value_half), 0.0, jnp.float32), plgpu.Layout.WGMMA)
         logit_scale = scale * online_softmax.LOG2_E
         other = 1 - half
+        own_rows = pl.ds(half * TILE, TILE)  # this half's T keys in a stage
 
         def zero_values_past_length(slot, kv_start):
             """Zeroes the V rows at or past the row's length in both halves of a stage
@@ -248,7 +249,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             local = step - low
             slot = slot_of(local)
             plgpu.barrier_wait(k_barriers.at[slot * COMPUTE_WARPGROUPS + half])
-            partial = matmul(q_smem.at[half], k_smem.at[slot, pl.ds(half * TILE, TILE)], shape=tile,
+            partial = matmul(q_smem.at[half], k_smem.at[slot, own_rows], shape=tile,
                              interpret=interpret, transpose_b=True)
             plgpu.barrier_arrive(k_consumed.at[slot * COMPUTE_WARPGROUPS + half])
             # The other half may still read this tile's last contents.
@@ -275,9 +276,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.barrier_wait(v_barriers.at[slot * COMPUTE_WARPGROUPS + half])
             if paged and masked:
                 # Before p·v reads them: the tile's rows at or past the row's length.
-                pl.when(key_start_of(step) + TILE > kv_length)(
-                    functools.partial(zero_values_past_length, slot, key_start_of(step)))
-            accumulator = matmul(p.astype(dtype), v_smem.at[slot, pl.ds(half * TILE, TILE)],
+                pl.when(kv_start + TILE > kv_length)(
+                    functools.partial(zero_values_past_length, slot, kv_start))
+            accumulator = matmul(p.astype(dtype), v_smem.at[slot, own_rows],
                                  shape=accumulator.shape, interpret=interpret,
                                  accumulator=accumulator)
             plgpu.barrier_arrive(v_consumed.at[slot * COMPUTE_WARPGROUPS + half])
