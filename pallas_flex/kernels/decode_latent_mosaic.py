@@ -71,10 +71,6 @@ TILE = 32
 # rows, which a cluster's multicast cannot split in two.)
 PAGE_ROWS = 16
 _STAGES = 2
-# Tiles ahead of the copy being issued that the memory warpgroup prefetches into L2
-# (0: none). Not measured yet on the H100 (docs/gpu-notes.md, Decode): the stream is
-# bound by the latency of its two stages, which a prefetch would shorten.
-_PREFETCH_AHEAD = 0
 _REGISTERS = (232, 40)
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
 # each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
@@ -336,19 +332,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                      source.at[in_pool(page_of(first_page + index), source.shape[0]), 0])
                     for index in range(TILE // page_size)]
 
-        def prefetch(source, step, first_column, columns):
-            """Warms L2 with the columns of tile `step` (a TMA prefetch, no shared memory:
-            TMA boxes hold at most 256 elements a dimension, so wider halves go in two
-            pieces), where the split has that tile."""
-            pieces = 1 if columns <= 256 else 2
-            width = columns // pieces
-            for _, view in tile_sources(source, key_start_of(jnp.minimum(step, high - 1))):
-                for piece in range(pieces):
-                    plgpu.async_prefetch(
-                        view.at[:, pl.ds(first_column + piece * width, width)],
-                        predicate=step < high,
-                        collective_axes="cluster" if cluster > 1 else None)
-
         def each_warp(body, step):
             def per_warp(warp):
                 for copy_index in range(4):
@@ -363,8 +346,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             barrier = slot * COMPUTE_WARPGROUPS + half
             # The table reads (BlockMask, page table) before the wait, which hides them.
             sources = tile_sources(source, key_start_of(step))
-            if _PREFETCH_AHEAD and not interpret:
-                prefetch(source, step + _PREFETCH_AHEAD, half * columns, columns)
 
             @pl.when(local >= _STAGES)
             def _():
@@ -395,7 +376,7 @@ def _launch(q, k, v, tables, paging, captured, *, kernel, num_splits, head_block
     blocks, splits, 64] (float32) for each split of each row's keys. paging: () or a
     paged cache's (page_table, lengths)."""
     # TMA copies filling a tile's half: one, or one per page of pages under a tile.
-    copies = TILE // page_size if page_size is not None and page_size < TILE else 1
+    copies_per_half = TILE // page_size if page_size is not None and page_size < TILE else 1
     batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
     value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS
@@ -427,8 +408,8 @@ def _launch(q, k, v, tables, paging, captured, *, kernel, num_splits, head_block
             plgpu.SMEM((halves, HEADS_PER_PROGRAM, TILE), jnp.float32,
                        transforms=_float32_transforms(TILE)),
             plgpu.Barrier(num_barriers=halves),
-            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies),
-            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies),
+            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies_per_half),
+            plgpu.Barrier(num_barriers=_STAGES * halves, num_arrivals=copies_per_half),
             released(num_barriers=_STAGES * halves),
             released(num_barriers=_STAGES * halves),
             plgpu.Barrier(num_arrivals=halves),

@@ -123,14 +123,12 @@ def test_paged_matches_float64(case, backend):
 def test_paged_never_reads_stale_slots_past_a_length(page_size, stale, backend):
     """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
     is the one of a clean cache, bit for bit."""
-    from tests.paged.test_flex_attention import _filled_cache, check_stale_slots_never_read
+    from tests.paged.test_flex_attention import check_stale_slots_never_read
 
-    lengths = [100, 45]  # neither a whole number of 32-key tiles
-    cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-128 // page_size),
-                          kv_heads=1, dim=128, value_dim=128, dtype=jnp.bfloat16)
-    q = jax.random.normal(jax.random.PRNGKey(3), (2, 1, 64, 128)).astype(jnp.bfloat16)
-    mask_mod = masks.offset(masks.causal_mask, cache.lengths - 1)
-    check_stale_slots_never_read(q, cache, mask_mod, stale, MOSAIC, backend)
+    # Lengths neither a whole number of 32-key tiles.
+    check_stale_slots_never_read([100, 45], page_size=page_size, kv_len=128, q_len=1,
+                                 q_heads=64, kv_heads=1, dim=128, stale=stale,
+                                 kernel_options=MOSAIC, backend=backend)
 
 
 @pytest.mark.gpu

@@ -504,14 +504,12 @@ def _stale_cases():
 def test_paged_prefill_never_reads_stale_slots_past_a_length(page_size, stale, backend):
     """Slots past a row's length (a reused page's old contents) hold NaN / inf: the output
     is the one of a clean cache, bit for bit."""
-    from tests.paged.test_flex_attention import _filled_cache, check_stale_slots_never_read
+    from tests.paged.test_flex_attention import check_stale_slots_never_read
 
-    lengths = [200, 77]  # neither a whole number of 128-row tiles
-    cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-256 // page_size),
-                          kv_heads=2, dim=64, value_dim=64, dtype=jnp.bfloat16)
-    q = jax.random.normal(jax.random.PRNGKey(3), (2, 64, 4, 64)).astype(jnp.bfloat16)
-    mask_mod = masks.offset(masks.causal_mask, jnp.maximum(cache.lengths - 64, 0))
-    check_stale_slots_never_read(q, cache, mask_mod, stale, MOSAIC, backend)
+    # Lengths neither a whole number of 128-row tiles.
+    check_stale_slots_never_read([200, 77], page_size=page_size, kv_len=256, q_len=64,
+                                 q_heads=4, kv_heads=2, dim=64, stale=stale,
+                                 kernel_options=MOSAIC, backend=backend)
 
 
 @pytest.mark.gpu

@@ -56,10 +56,18 @@ def _poisoned_past_lengths(cache, value):
                                v_pages=jnp.where(stale, value, cache.v_pages))
 
 
-def check_stale_slots_never_read(q, cache, mask_mod, stale, kernel_options, backend):
-    """paged_flex_attention with every slot past the rows' lengths (a reused page's old
-    contents) holding `stale` (NaN / inf) gives the clean cache's output and lse, bit for
-    bit."""
+def check_stale_slots_never_read(lengths, *, page_size, kv_len, q_len, q_heads, kv_heads,
+                                 dim, stale, kernel_options, backend):
+    """paged_flex_attention over a bfloat16 cache of `lengths` random tokens (logical
+    length kv_len), its queries the rows' last q_len positions under a causal mask, with
+    every slot past the lengths (a reused page's old contents) holding `stale` (NaN /
+    inf): the clean cache's output and lse, bit for bit."""
+    cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-kv_len // page_size),
+                          kv_heads=kv_heads, dim=dim, value_dim=dim, dtype=jnp.bfloat16)
+    q = jax.random.normal(jax.random.PRNGKey(3), (len(lengths), q_len, q_heads, dim)).astype(
+        jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, jnp.maximum(cache.lengths - q_len, 0))
+
     def run(cache):
         return paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
                                     return_lse=True, kernel_options=kernel_options)
