@@ -4,9 +4,8 @@ DeepSeek's multi-head latent attention decodes with many query heads (128) on on
 head of a wide latent (D 576 for q·kᵀ, Dv 512 for p·v). Per cached token that is
 ~280 kFLOP against 2176 bytes: at the H100's bandwidth the tensor cores must run
 wgmma near their peak, which the Triton decode (`decode.py`, mma.sync on 32-row
-programs) cannot (0.54-0.79 TB/s on the H100; this kernel 1.76-2.51, 2.9-4.1x faster,
-and on pages of 64 1.24-1.61 TB/s, 2.2-2.7x the paged Triton decode: `pallas-flex bench
-latent`, benchmarks/results/h100/latent.json). Here, after FlashMLA:
+programs) cannot (0.54-0.79 TB/s on the H100; this kernel 1.76-2.51, 2.9-4.1x faster:
+`pallas-flex bench latent`, benchmarks/results/h100/latent.json). Here, after FlashMLA:
 
 * A program owns 64 query heads (the wgmma M) of one batch row and one split of the
   keys the BlockMask row lists.
@@ -33,8 +32,8 @@ Paged caches (pages [num_pages, 1, page_size, D] through a page table, as
 comes from one page (pages of a multiple of T rows) or two (pages of 16); the tiles
 past a row's length are left out, the one that crosses it is masked there and its V
 rows past the length are zeroed before p·v (a reused page holds whatever it held, and
-0 * NaN is NaN). Pages of 64 run 1.4-1.65x slower than a contiguous cache (H100,
-`bench latent`); what costs it is not known yet (docs/gpu-notes.md, Decode).
+0 * NaN is NaN), a [64, 64] column piece at a time (`_ZEROED_COLUMNS`): pages of 64 run
+as fast as a contiguous cache (docs/gpu-notes.md, Decode).
 """
 
 from __future__ import annotations
@@ -71,6 +70,15 @@ TILE = 32
 # rows, which a cluster's multicast cannot split in two.)
 PAGE_ROWS = 16
 _STAGES = 2
+# Columns of a stage's V rows zeroed at a time past a row's length (paged caches): the
+# whole [64, 256] tile at once (its values and key indices, 192 registers beside the
+# 128 of the accumulator) spilled 252 B and made every paged call 1.5x slower than a
+# contiguous one, even where no tile crosses a length; in [64, 64] pieces it spills 12 B
+# and paged runs as fast as contiguous (H100, pages of 64, ms a step, paged / contiguous,
+# whole tile in brackets: B64 S4096 0.252 / 0.247 (0.368), B16 S32768 0.469 / 0.474
+# (0.702)). Neither pages in order (TLB) nor page-table reads a tile ahead nor TMA
+# prefetches into L2 2-6 tiles ahead changed it (docs/gpu-notes.md, Decode).
+_ZEROED_COLUMNS = 64
 _REGISTERS = (232, 40)
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
 # each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
@@ -230,13 +238,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             only: they meet before (both halves landed) and after (both written; the
             same zeros, so neither waits for the other's stores to its half)."""
             rendezvous(_WRITTEN_BARRIER, written)
-            rows = v_smem.at[slot]
-            values = plgpu.load(rows, layout=plgpu.Layout.WGMMA) if not interpret else rows[...]
-            key = kv_start + lax.rem(
-                plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
-                if not interpret else lax.broadcasted_iota(jnp.int32, values.shape, 0),
-                jnp.int32(TILE))
-            rows[...] = jnp.where(key < kv_length, values, jnp.zeros_like(values))
+            for column in range(0, v_smem.shape[2], _ZEROED_COLUMNS):
+                rows = v_smem.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)]
+                values = (plgpu.load(rows, layout=plgpu.Layout.WGMMA) if not interpret
+                          else rows[...])
+                key = kv_start + lax.rem(
+                    plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
+                    if not interpret else lax.broadcasted_iota(jnp.int32, values.shape, 0),
+                    jnp.int32(TILE))
+                rows[...] = jnp.where(key < kv_length, values, jnp.zeros_like(values))
             plgpu.commit_smem()  # before the wgmma reads the tile
             rendezvous(_READ_BARRIER, read)
 
