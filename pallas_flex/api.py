@@ -101,6 +101,29 @@ def _validate_inputs(q, k, v):
                          "for grouped-query attention")
 
 
+def values_in_keys(k, v, value_dim):
+    """The values of a call that passes `v=None, value_dim=Dv`: k's first Dv columns (a
+    latent cache, DeepSeek's MLA: one array for both), as the slice k[..., :Dv], which
+    the latent decode leaves unused (it reads them from k in place) and the other kernels
+    take. (v, in_keys): v as given and False when value_dim is None."""
+    if value_dim is None:
+        if v is None:
+            raise ValueError("v is None: pass value_dim=Dv to take the values from k's "
+                             "first Dv columns (a latent cache), or pass v")
+        return v, False
+    if v is not None:
+        raise ValueError("value_dim takes the values from k's first value_dim columns: "
+                         "pass v=None with it")
+    if not hasattr(k, "shape") or len(k.shape) != 4:
+        raise ValueError(f"k must be a 4-D array [B, S, H, D], got shape "
+                         f"{getattr(k, 'shape', type(k).__name__)}")
+    if (isinstance(value_dim, bool) or not isinstance(value_dim, (int, np.integer))
+            or not 1 <= value_dim <= k.shape[3]):
+        raise ValueError(f"value_dim must be an int from 1 to k's head dim ({k.shape[3]}), "
+                         f"got {value_dim!r}")
+    return k[..., :int(value_dim)], True
+
+
 def validate_block_mask(block_mask, q, k):
     if not isinstance(block_mask, BlockMask):
         raise ValueError(f"block_mask must be a pallas_flex.BlockMask, got "
@@ -379,7 +402,7 @@ def call_results(out, lse, row_max, return_lse, return_aux):
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                    return_lse=False, backend=None, kernel_options=None, sinks=None,
-                   return_aux=None, k_scales=None, v_scales=None):
+                   return_aux=None, k_scales=None, v_scales=None, value_dim=None):
     """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
@@ -406,6 +429,11 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         float32 per-token scales [B, Skv, Hkv] (`pallas_flex.paged.quantize.quantize`);
         q stays float. Decode runs the split-KV kernel on the 8-bit values, other calls
         a dequantized copy; inference only (`pallas_flex/quantized_kv.py`).
+      value_dim: with v=None, the values are k's first value_dim columns: a latent
+        cache (DeepSeek's MLA: one [B, S, 1, 576] array, values its first 512 columns).
+        The latent decode reads them from k in place; passing v=k[..., :512] instead
+        makes XLA copy that slice of the cache at every call. Differentiable (the
+        values' gradient joins k's).
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
       (out, AuxOutput) with return_aux.
@@ -413,9 +441,14 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     Example:
       >>> bm = pf.create_block_mask(pf.masks.causal_mask, None, None, 1024, 1024)
       >>> out = pf.flex_attention(q, k, v, block_mask=bm)
+      >>> out = pf.flex_attention(q_latent, latent, None, value_dim=512)  # MLA decode
     """
     from pallas_flex import quantized_kv  # it builds on this module
 
+    v, in_keys = values_in_keys(k, v, value_dim)
+    if in_keys and (k_scales is not None or v_scales is not None):
+        raise ValueError("value_dim (values in the keys) does not take a quantized cache "
+                         "(k_scales, v_scales)")
     if quantized_kv.is_quantized_call(k, v, k_scales, v_scales):
         return quantized_kv.flex_attention(
             q, k, v, k_scales, v_scales, score_mod, block_mask, scale=scale,
@@ -424,6 +457,9 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
     with_max = check_aux(return_aux, return_lse)
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)
+    if in_keys:
+        backend, scale, options = config
+        config = (backend, scale, options.replace(values_in_keys=True))
     out, lse, *row_max = _attention(q, k, v, block_mask, score_program,
                                     check_sinks(sinks, q.shape[2]), config=config,
                                     with_max=with_max)
@@ -495,14 +531,15 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
               return_lse=False, backend=None, kernel_options=None, context_parallel=None,
-              sinks=None, return_aux=None, k_scales=None, v_scales=None):
+              sinks=None, return_aux=None, k_scales=None, v_scales=None, value_dim=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
 
-    sinks, return_aux, k_scales, v_scales: as in `flex_attention`.
+    sinks, return_aux, k_scales, v_scales, value_dim: as in `flex_attention` (value_dim
+    with v=None: the values are k's first value_dim columns, a latent cache).
 
     context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
     q, k, v the shards of a sequence split over that mesh axis: runs
@@ -512,6 +549,18 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
       >>> out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
       ...                    score_mod=pf.masks.alibi(num_heads))
     """
+    if value_dim is not None or v is None:
+        if context_parallel is not None:
+            raise ValueError("value_dim (values in the keys) does not take "
+                             "context_parallel: pass v")
+        values, _ = values_in_keys(k, v, value_dim)
+        block_mask = _attention_block_mask(q, k, values, mask_mod, block_mask,
+                                           kernel_options)
+        return flex_attention(q, k, None, score_mod, block_mask, scale=scale,
+                              return_lse=return_lse, backend=backend,
+                              kernel_options=kernel_options, sinks=sinks,
+                              return_aux=return_aux, k_scales=k_scales, v_scales=v_scales,
+                              value_dim=value_dim)
     if context_parallel is not None:
         from pallas_flex import context_parallel as parallel  # it builds on this module
 

@@ -212,10 +212,13 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
                 q, k, v, block_mask, score_program, scale=scale, options=options,
                 interpret=interpret, out_dtype=out_dtype, with_max=with_max, **paging)
         else:  # (never with_max: `_choose_decode`)
+            # Values that are k's first Dv columns are read from k in place: v, their
+            # slice, is then left unused (and XLA drops it).
             (out, lse), row_max = decode_latent_mosaic.latent_decode(
-                q, k, v, block_mask, scale=scale, interpret=interpret,
-                num_splits=options.decode_num_splits, out_dtype=out_dtype,
-                page_table=page_table, lengths=lengths), []
+                q, k, k if options.values_in_keys else v, block_mask, scale=scale,
+                interpret=interpret, num_splits=options.decode_num_splits,
+                out_dtype=out_dtype, page_table=page_table, lengths=lengths,
+                value_dim=v.shape[3]), []
         if sinks is not None:
             out, lse = merge_sinks(out, lse, sinks)
         return (out, lse, *row_max)

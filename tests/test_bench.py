@@ -223,12 +223,13 @@ def test_quick_runs_the_quantized_suite(tmp_path):
 def test_quick_runs_the_latent_suite(tmp_path):
     """`pallas-flex bench latent --quick`: the Mosaic GPU latent decode (in interpret mode
     on a CPU, narrow heads) against the Triton decode on the same chained steps, on a
-    contiguous cache and on the same tokens in shuffled pages, each entry with its bytes'
-    TB/s and TFLOP/s, and every other column's distance from the contiguous Triton
-    column's output."""
+    contiguous cache, on the same tokens in shuffled pages and on one latent array whose
+    first Dv columns are the values (`value_dim`), each entry with its bytes' TB/s and
+    TFLOP/s, and every other column's distance from the contiguous Triton column's
+    output."""
     assert cli.main(["latent", "--quick", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "cpu" / "latent.json").read_text())
-    columns = ["mosaic", "mosaic_paged", "triton", "triton_paged"]
+    columns = ["mosaic", "mosaic_paged", "mosaic_latent", "triton", "triton_paged"]
     assert written["columns"] == columns
     assert [row["case"] for row in written["rows"]] == ["tiny_b1_s176"]
     for row in written["rows"]:
@@ -237,9 +238,11 @@ def test_quick_runs_the_latent_suite(tmp_path):
         assert params["page_size"] == 16
         for column in columns:
             entry = row[column]
-            assert entry["tb_per_s"] == pytest.approx(params["bytes"] / entry["ms"] / 1e9)
+            # The latent array holds D columns a token (the values among them).
+            read = params["bytes"] // 2 if column == "mosaic_latent" else params["bytes"]
+            assert entry["tb_per_s"] == pytest.approx(read / entry["ms"] / 1e9)
             assert entry["tflop_per_s"] == pytest.approx(params["flops"] / entry["ms"] / 1e9)
-        for column in ("mosaic", "mosaic_paged", "triton_paged"):
+        for column in ("mosaic", "mosaic_paged", "mosaic_latent", "triton_paged"):
             assert 0 <= row[column]["max_abs_diff_vs_triton"] < 2e-2
         for column, peer in (("mosaic", "triton"), ("mosaic_paged", "triton_paged")):
             assert row[column]["speedup_vs_triton"] == pytest.approx(

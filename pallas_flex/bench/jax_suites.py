@@ -919,8 +919,10 @@ def latent(options):
     BlockMask lists every block), on a contiguous cache and on the same tokens in pages
     of `page_size` rows (FlashMLA's 64; pages shuffled, through `paged_flex_attention`):
     the Mosaic GPU kernel (`kernels/decode_latent_mosaic.py`, decode_kernel "mosaic")
-    against the Triton split-KV decode (decode_kernel "triton") on the same inputs, in
-    paired rounds. Each entry: ms per step of `steps` chained steps in one jitted call (a
+    against the Triton split-KV decode (decode_kernel "triton") on the same inputs, and
+    on one latent array whose first Dv columns are the values (mosaic_latent: DeepSeek's
+    cache, `value_dim`, read in place; its TB/s counts that array's bytes), in paired
+    rounds. Each entry: ms per step of `steps` chained steps in one jitted call (a
     step's output, padded, is the next step's query), the K/V bytes a step reads and
     their TB/s, the TFLOP/s of its 2 x Hq x (D + Dv) flops per cached token, and the
     largest |difference| from the contiguous Triton column's output. --quick: narrow
@@ -936,7 +938,7 @@ def latent(options):
         q_heads, dim, value_dim = 128, 576, 512
         shapes = tuple((f"b{batch}_s{length}", batch, length)
                        for length in (4096, 32768) for batch in (16, 64, 128))
-    columns = ["mosaic", "mosaic_paged", "triton", "triton_paged"]
+    columns = ["mosaic", "mosaic_paged", "mosaic_latent", "triton", "triton_paged"]
     scale = 1 / np.sqrt(192.0)
     rows = []
     for name, batch, length in shapes:
@@ -945,6 +947,9 @@ def latent(options):
         q = jax.random.normal(keys[0], (batch, 1, q_heads, dim), jnp.bfloat16)
         k = jax.random.normal(keys[1], (batch, length, 1, dim), jnp.bfloat16)
         v = jax.random.normal(keys[2], (batch, length, 1, value_dim), jnp.bfloat16)
+        # As in DeepSeek's cache, the keys' first Dv columns are the values: one latent
+        # array [B, S, 1, D] holds both (the mosaic_latent column passes it alone).
+        k = latent = k.at[..., :value_dim].set(v)
         positions = jnp.full((batch,), length - 1, jnp.int32)
         block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask, positions),
                                           batch, None, 1, length)
@@ -959,12 +964,17 @@ def latent(options):
         cache = pf.paged.PagedKVCache(k_pages, v_pages, table,
                                       jnp.full((batch,), length, jnp.int32), owner)
 
-        def decode_steps(q, k, v, cache, block_mask, kernel, paged):
-            """(the first step's output, the last's)."""
+        def decode_steps(q, k, v, cache, block_mask, kernel, paged, latent=False):
+            """(the first step's output, the last's). latent: the values are k's first
+            Dv columns (one latent array, `value_dim`), read in place."""
             outs, query = [], q
             options_ = {"decode_kernel": kernel}
             for _ in range(steps):
-                if paged:
+                if latent:
+                    out = pf.flex_attention(query, k, None, block_mask=block_mask,
+                                            scale=scale, backend=backend,
+                                            kernel_options=options_, value_dim=value_dim)
+                elif paged:
                     out = pf.paged.paged_flex_attention(
                         query, cache, block_mask=block_mask, scale=scale, backend=backend,
                         kernel_options=options_)
@@ -975,13 +985,16 @@ def latent(options):
                 query = jnp.pad(out, ((0, 0), (0, 0), (0, 0), (0, dim - value_dim)))
             return outs[0], outs[-1]
 
+        latent_bytes = batch * length * dim * 2
         calls, outs = {}, {}
         for column in columns:
-            kernel, _, paged_column = column.partition("_")
+            kernel, _, layout = column.partition("_")
             call = jax.jit(functools.partial(decode_steps, kernel=kernel,
-                                             paged=bool(paged_column)))
-            arguments = (q, None, None, cache, block_mask) if paged_column else (
-                q, k, v, None, block_mask)
+                                             paged=layout == "paged",
+                                             latent=layout == "latent"))
+            arguments = ((q, None, None, cache, block_mask) if layout == "paged" else
+                         (q, latent, None, None, block_mask) if layout == "latent" else
+                         (q, k, v, None, block_mask))
             try:
                 outs[column] = jax.block_until_ready(call(*arguments))[0]
                 calls[column] = (call, arguments)
@@ -992,8 +1005,9 @@ def latent(options):
         for column, entry in time_paired(calls, rounds=1 if options.quick else 7,
                                          iters=1 if options.quick else 10).items():
             ms = entry["ms"] / steps
+            read = latent_bytes if column == "mosaic_latent" else stored
             row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
-                           "tb_per_s": stored / ms / 1e9, "tflop_per_s": flops / ms / 1e9}
+                           "tb_per_s": read / ms / 1e9, "tflop_per_s": flops / ms / 1e9}
         for column in outs.keys() - {"triton"} if "triton" in outs else ():
             row[column]["max_abs_diff_vs_triton"] = float(jnp.max(jnp.abs(
                 outs[column].astype(jnp.float32) - outs["triton"].astype(jnp.float32))))
@@ -1002,7 +1016,7 @@ def latent(options):
             if column in calls and peer in calls:
                 row[column]["speedup_vs_triton"] = row[peer]["ms"] / row[column]["ms"]
         rows.append(row)
-        del q, k, v, cache, k_pages, v_pages, calls, outs
+        del q, k, v, latent, cache, k_pages, v_pages, calls, outs
     return columns, "ms", rows
 
 

@@ -142,6 +142,10 @@ class KernelOptions:
     # The shared-memory budget the call was planned for (kernels/device.py): part of the
     # options, so a new PALLAS_FLEX_SHARED_MEMORY_KIB is a new jit cache key.
     shared_memory_budget: int = 0
+    # The values are k's first Dv columns (`flex_attention(q, k, None, value_dim=Dv)`, a
+    # latent cache): the latent decode reads them from k in place; the other kernels take
+    # the [..., :Dv] slice.
+    values_in_keys: bool = False
 
     def replace(self, **changes) -> "KernelOptions":
         return dataclasses.replace(self, **changes)
@@ -238,6 +242,10 @@ def default_forward_options(head_dim: int, dtype=None) -> KernelOptions:
     return options
 
 
+# Fields the call sets, not the user.
+_INTERNAL_FIELDS = frozenset({"given", "shared_memory_budget", "values_in_keys"})
+
+
 def resolve_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
     """Merges user `kernel_options` (dict or KernelOptions) over the defaults for `dtype`
     (None: 16-bit) and `head_dim`, recording the shared-memory budget the call is
@@ -255,7 +263,7 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
     if not isinstance(kernel_options, dict):
         raise ValueError(f"kernel_options must be a dict or KernelOptions, got "
                          f"{type(kernel_options).__name__}")
-    known = {field.name for field in dataclasses.fields(KernelOptions)} - {"given", "shared_memory_budget"}
+    known = {field.name for field in dataclasses.fields(KernelOptions)} - _INTERNAL_FIELDS
     unknown = set(kernel_options) - known
     if unknown:
         raise ValueError(f"kernel_options has unknown keys {sorted(unknown)}; "

@@ -381,13 +381,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
 
 def _launch(q, k, v, tables, paging, captured, *, kernel, num_splits, head_blocks, cluster,
-            page_size, interpret):
+            page_size, value_dim, interpret):
     """The kernel's partial outputs [B, head blocks, splits, 64, Dv] and lse [B, head
-    blocks, splits, 64] (float32) for each split of each row's keys. paging: () or a
-    paged cache's (page_table, lengths)."""
+    blocks, splits, 64] (float32) for each split of each row's keys, Dv = value_dim (v's
+    first columns). paging: () or a paged cache's (page_table, lengths)."""
     # TMA copies filling a tile's half: one, or one per page of pages under a tile.
     copies_per_half = TILE // page_size if page_size is not None and page_size < TILE else 1
-    batch, qk_half, value_dim = q.shape[0], q.shape[3] // 2, v.shape[3]
+    batch, qk_half = q.shape[0], q.shape[3] // 2
     value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS
     # A stage is refilled (in every block of the cluster) once the warpgroups of every
@@ -454,14 +454,17 @@ def choose_splits(batch: int, head_blocks: int, num_tiles: int, requested: int =
 
 
 def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_splits: int = 0,
-                  out_dtype=None, page_table=None, lengths=None):
+                  out_dtype=None, page_table=None, lengths=None, value_dim=None):
     """out [B, 1, Hq, Dv] (q's dtype) and lse [B, Hq, 1] float32 of decode attention on a
     contiguous cache k [B, Skv, 1, D], v [B, Skv, 1, Dv], or with page_table [B,
     max_pages] and lengths [B] on pages k [num_pages, 1, page_size, D] (v likewise) with
     the BlockMask clipped to the lengths (`BlockMask.clip_to_lengths`, as the paged
-    calls do). `unsupported_reason` says which calls."""
+    calls do). value_dim: None (all of v's columns), or the values are v's first
+    value_dim columns, read in place: v may be k itself, a latent cache whose first Dv
+    columns are the values (DeepSeek's), with no [.., :Dv] copy. `unsupported_reason`
+    (given the values' shape) says which calls."""
     batch, _, q_heads, head_dim = q.shape
-    value_dim = v.shape[3]
+    value_dim = v.shape[3] if value_dim is None else value_dim
     kv_len = block_mask.shape[3]
     mask_block = block_mask.block_size[1]
     num_kv_blocks = block_mask.num_blocks[1]
@@ -470,8 +473,9 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         page_size = k.shape[2]
         paging = (page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     else:
+        values_in_keys = v is k
         k = pad_axis(k, 1, num_kv_blocks * mask_block)
-        v = pad_axis(v, 1, num_kv_blocks * mask_block)
+        v = k if values_in_keys else pad_axis(v, 1, num_kv_blocks * mask_block)
     head_blocks = q_heads // HEADS_PER_PROGRAM
     cluster = _CLUSTER if head_blocks % _CLUSTER == 0 else 1
     tiles_per_block = mask_block // TILE
@@ -493,7 +497,7 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
         page_size=page_size, interpret=interpret)
     launch = functools.partial(
         _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
-        cluster=cluster, page_size=page_size, interpret=interpret)
+        cluster=cluster, page_size=page_size, value_dim=value_dim, interpret=interpret)
     partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, paging,
                                                                   tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)

@@ -1,0 +1,127 @@
+"""Values taken from the keys: `flex_attention(q, k, None, value_dim=Dv)` (a latent cache,
+DeepSeek's MLA: one array whose first Dv columns are the values).
+
+The latent decode reads them from k in place (no k[..., :Dv] copy); every other kernel,
+and the backward, takes the slice. Results and gradients equal those of passing the
+slice as v, on each backend, against float64.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_flex as pf
+from pallas_flex import masks
+from pallas_flex.kernels import decode_latent_mosaic
+from tests.conftest import assert_close_to_golden, golden, random_qkv
+
+MOSAIC = {"decode_kernel": "mosaic"}
+
+
+def _decode_inputs(dtype=jnp.bfloat16, kv_len=300, dim=256, value_dim=128, q_heads=64):
+    q, k, _ = random_qkv(3, 2, 1, kv_len, q_heads, 1, dim, value_dim, dtype)
+    offsets = jnp.array([kv_len - 1, 150], jnp.int32)
+    return q, k, masks.offset(masks.causal_mask, offsets)
+
+
+@pytest.mark.parametrize("backend,options", [("interpret", MOSAIC), ("xla", None),
+                                             ("reference", None)])
+def test_decode_matches_float64_on_the_keys_first_columns(backend, options):
+    q, k, mask_mod = _decode_inputs()
+    out, lse = pf.attention(q, k, None, value_dim=128, mask_mod=mask_mod, return_lse=True,
+                            backend=backend, kernel_options=options)
+    v = k[..., :128]
+    expected_out, expected_lse = golden(q, k, v, mask_mod=mask_mod)
+    assert out.shape == (2, 1, 64, 128) and out.dtype == q.dtype
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod=mask_mod)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), expected_lse, atol=2e-3,
+                               rtol=1e-4)
+
+
+def test_the_latent_decode_reads_the_values_from_k_in_place(monkeypatch):
+    """The Mosaic latent decode gets k itself as the values' array with Dv, not the slice
+    (which XLA then drops, nothing else using it)."""
+    seen = []
+    run = decode_latent_mosaic.latent_decode
+
+    def spy(q, k, v, block_mask, **kwargs):
+        seen.append((v is k, kwargs["value_dim"], v.shape[3]))
+        return run(q, k, v, block_mask, **kwargs)
+    monkeypatch.setattr(decode_latent_mosaic, "latent_decode", spy)
+    q, k, mask_mod = _decode_inputs(dim=128, value_dim=128, kv_len=128)
+    in_keys = pf.attention(q, k, None, value_dim=128, mask_mod=mask_mod,
+                           backend="interpret", kernel_options=MOSAIC)
+    sliced = pf.attention(q, k, k[..., :128], mask_mod=mask_mod, backend="interpret",
+                          kernel_options=MOSAIC)
+    assert seen == [(True, 128, 128), (False, 128, 128)]
+    np.testing.assert_array_equal(np.asarray(in_keys.astype(jnp.float32)),
+                                  np.asarray(sliced.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_gradients_join_k(q_len):
+    """d/dk of a call with the values in the keys: the keys' gradient plus the values'
+    in k's first Dv columns, as with v = k[..., :Dv]."""
+    q, k, _ = random_qkv(5, 1, q_len, 96, 4, 2, 32, 16, jnp.float32)
+    weights = jax.random.normal(jax.random.PRNGKey(1), (1, q_len, 4, 16))
+
+    def loss(q, k, in_keys):
+        v = None if in_keys else k[..., :16]
+        out = pf.attention(q, k, v, value_dim=16 if in_keys else None,
+                           mask_mod=masks.causal_mask if q_len > 1 else None, backend="xla")
+        return jnp.sum(out * weights)
+    grads = jax.grad(loss, argnums=(0, 1))(q, k, True)
+    expected = jax.grad(loss, argnums=(0, 1))(q, k, False)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-5)
+    assert float(jnp.abs(grads[1][..., :16]).max()) > 0  # the values' part is there
+
+
+@pytest.mark.parametrize("v,value_dim,match", [
+    (None, None, "pass value_dim"),
+    ("slice", 16, "pass v=None"),
+    (None, 0, "value_dim must be an int from 1"),
+    (None, 33, "value_dim must be an int from 1"),
+    (None, 16.0, "value_dim must be an int from 1"),
+    (None, True, "value_dim must be an int from 1"),
+])
+def test_bad_value_dim_is_a_value_error(v, value_dim, match):
+    q, k, _ = random_qkv(5, 1, 1, 64, 4, 1, 32, 16, jnp.float32)
+    v = k[..., :16] if v == "slice" else v
+    with pytest.raises(ValueError, match=match):
+        pf.flex_attention(q, k, v, value_dim=value_dim, backend="xla")
+    with pytest.raises(ValueError, match=match):
+        pf.attention(q, k, v, value_dim=value_dim, backend="xla")
+
+
+def test_values_in_keys_refuse_a_quantized_cache_and_context_parallel():
+    q, k, _ = random_qkv(5, 1, 1, 64, 4, 1, 32, 16, jnp.float32)
+    scales = jnp.ones((1, 64, 1), jnp.float32)
+    with pytest.raises(ValueError, match="quantized cache"):
+        pf.flex_attention(q, k, None, value_dim=16, k_scales=scales, v_scales=scales)
+    with pytest.raises(ValueError, match="context_parallel"):
+        pf.attention(q, k, None, value_dim=16,
+                     context_parallel=pf.ContextParallel(axis_name="x"))
+
+
+def test_value_dim_is_not_a_kernel_option():
+    q, k, v = random_qkv(5, 1, 1, 64, 4, 1, 32, 16, jnp.float32)
+    with pytest.raises(ValueError, match="unknown keys.*values_in_keys"):
+        pf.flex_attention(q, k, v, backend="xla", kernel_options={"values_in_keys": True})
+
+
+@pytest.mark.gpu
+def test_deepseek_latent_cache_on_gpu_matches_float64_and_the_slice():
+    """Hq 128, one latent array [B, S, 1, 576] with the values its first 512 columns, on
+    the Mosaic latent decode (chosen automatically on Hopper): against float64, and
+    against the same call given the slice as v."""
+    q, latent, _ = random_qkv(13, 2, 1, 1000, 128, 1, 576, 512, jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, jnp.array([999, 517], jnp.int32))
+    out = pf.attention(q, latent, None, value_dim=512, mask_mod=mask_mod, backend="pallas")
+    sliced = pf.attention(q, latent, latent[..., :512], mask_mod=mask_mod, backend="pallas")
+    v = latent[..., :512]
+    expected, _ = golden(q, latent, v, mask_mod=mask_mod)
+    assert_close_to_golden(out, expected, q, latent, v, mask_mod=mask_mod)
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                  np.asarray(sliced.astype(jnp.float32)))
