@@ -125,3 +125,67 @@ def test_deepseek_latent_cache_on_gpu_matches_float64_and_the_slice():
     assert_close_to_golden(out, expected, q, latent, v, mask_mod=mask_mod)
     np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
                                   np.asarray(sliced.astype(jnp.float32)))
+
+
+# -- paged: a latent cache (`PagedKVCache.create(latent=True)`) -----------------------------
+
+@pytest.mark.parametrize("backend,options,page_size", [
+    ("interpret", MOSAIC, 16), ("interpret", MOSAIC, 64), ("xla", None, 16),
+    pytest.param("pallas", None, 64, marks=pytest.mark.gpu)])
+def test_latent_paged_cache_matches_float64(backend, options, page_size):
+    """paged_flex_attention over a latent cache (key pages only): the latent decode on
+    pages of 16 (two a tile) and 64, and the gathered XLA path, against float64 over the
+    gathered keys and their first Dv columns."""
+    from tests.paged.test_flex_attention import check_paged_against_golden
+
+    check_paged_against_golden([150, 61], page_size, 1, 64, 1, 256, 128, jnp.bfloat16,
+                               "causal", None, options, backend, latent=True)
+
+
+def test_the_latent_decode_reads_a_latent_cache_in_place(monkeypatch):
+    from tests.paged.test_flex_attention import _filled_cache
+
+    seen = []
+    run = decode_latent_mosaic.latent_decode
+
+    def spy(q, k, v, block_mask, **kwargs):
+        seen.append((v is k, kwargs["value_dim"]))
+        return run(q, k, v, block_mask, **kwargs)
+    monkeypatch.setattr(decode_latent_mosaic, "latent_decode", spy)
+    cache = _filled_cache([70, 33], page_size=32, max_pages=3, kv_heads=1, dim=128,
+                          value_dim=128, dtype=jnp.bfloat16, latent=True)
+    q = jax.random.normal(jax.random.PRNGKey(2), (2, 1, 64, 128)).astype(jnp.bfloat16)
+    pf.paged.paged_flex_attention(q, cache, backend="interpret", kernel_options=MOSAIC)
+    assert seen == [(True, 128)]
+
+
+def test_latent_cache_stores_keys_once_and_gathers_the_values_from_them():
+    cache = pf.paged.PagedKVCache.create(num_pages=4, page_size=8, max_batch=1,
+                                         max_pages_per_seq=2, kv_heads=1, head_dim=6,
+                                         value_dim=4, latent=True, dtype=jnp.float32)
+    assert cache.v_pages is None and cache.latent and cache.value_dim == 4
+    k = jnp.arange(10 * 6, dtype=jnp.float32).reshape(10, 1, 6)
+    cache = cache.reserve(0, 10).assign(0, 0, k)
+    keys, values = pf.paged.gather_contiguous(cache)
+    np.testing.assert_array_equal(np.asarray(keys[0, :10]), np.asarray(k))
+    np.testing.assert_array_equal(np.asarray(values[0, :10]), np.asarray(k[..., :4]))
+    assert values.shape == (1, 16, 1, 4)
+    batch = cache.assign_batch(jnp.array([10]), k[None, :2])  # v None as well
+    assert int(batch.lengths[0]) == 12
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda: pf.paged.PagedKVCache.create(2, 8, 1, 2, 1, 4, value_dim=6, latent=True),
+     "value_dim \\(6\\) must be at most head_dim"),
+    (lambda: pf.paged.PagedKVCache.create(2, 8, 1, 2, 1, 4, latent=True, dtype=jnp.int8),
+     "latent cache takes 16- or 32-bit"),
+    (lambda: pf.paged.PagedKVCache.create(2, 8, 1, 2, 1, 4, latent=True).reserve(0, 2)
+     .assign(0, 0, jnp.zeros((2, 1, 4), jnp.bfloat16), jnp.zeros((2, 1, 4), jnp.bfloat16)),
+     "pass v=None"),
+    (lambda: pf.paged.PagedKVCache.create(2, 8, 1, 2, 1, 4).reserve(0, 2)
+     .assign(0, 0, jnp.zeros((2, 1, 4), jnp.bfloat16)),
+     "only a latent cache"),
+])
+def test_latent_cache_errors(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()

@@ -921,8 +921,8 @@ def latent(options):
     the Mosaic GPU kernel (`kernels/decode_latent_mosaic.py`, decode_kernel "mosaic")
     against the Triton split-KV decode (decode_kernel "triton") on the same inputs, and
     on one latent array whose first Dv columns are the values (mosaic_latent: DeepSeek's
-    cache, `value_dim`, read in place; its TB/s counts that array's bytes), in paired
-    rounds. Each entry: ms per step of `steps` chained steps in one jitted call (a
+    cache, `value_dim`, read in place; mosaic_latent_paged: the same in pages, a latent
+    `PagedKVCache`; their TB/s count that array's bytes), in paired rounds. Each entry: ms per step of `steps` chained steps in one jitted call (a
     step's output, padded, is the next step's query), the K/V bytes a step reads and
     their TB/s, the TFLOP/s of its 2 x Hq x (D + Dv) flops per cached token, and the
     largest |difference| from the contiguous Triton column's output. --quick: narrow
@@ -938,7 +938,8 @@ def latent(options):
         q_heads, dim, value_dim = 128, 576, 512
         shapes = tuple((f"b{batch}_s{length}", batch, length)
                        for length in (4096, 32768) for batch in (16, 64, 128))
-    columns = ["mosaic", "mosaic_paged", "mosaic_latent", "triton", "triton_paged"]
+    columns = ["mosaic", "mosaic_paged", "mosaic_latent", "mosaic_latent_paged", "triton",
+               "triton_paged"]
     scale = 1 / np.sqrt(192.0)
     rows = []
     for name, batch, length in shapes:
@@ -963,6 +964,10 @@ def latent(options):
             _shuffled_pages(x, page_size) for x in (k, v))
         cache = pf.paged.PagedKVCache(k_pages, v_pages, table,
                                       jnp.full((batch,), length, jnp.int32), owner)
+        # The same pages as one latent cache (key pages only, the values their first Dv
+        # columns).
+        latent_cache = pf.paged.PagedKVCache(k_pages, None, table, cache.lengths, owner,
+                                             latent_value_dim=value_dim)
 
         def decode_steps(q, k, v, cache, block_mask, kernel, paged, latent=False):
             """(the first step's output, the last's). latent: the values are k's first
@@ -990,9 +995,11 @@ def latent(options):
         for column in columns:
             kernel, _, layout = column.partition("_")
             call = jax.jit(functools.partial(decode_steps, kernel=kernel,
-                                             paged=layout == "paged",
+                                             paged=layout.endswith("paged"),
                                              latent=layout == "latent"))
             arguments = ((q, None, None, cache, block_mask) if layout == "paged" else
+                         (q, None, None, latent_cache, block_mask)
+                         if layout == "latent_paged" else
                          (q, latent, None, None, block_mask) if layout == "latent" else
                          (q, k, v, None, block_mask))
             try:
@@ -1005,7 +1012,7 @@ def latent(options):
         for column, entry in time_paired(calls, rounds=1 if options.quick else 7,
                                          iters=1 if options.quick else 10).items():
             ms = entry["ms"] / steps
-            read = latent_bytes if column == "mosaic_latent" else stored
+            read = latent_bytes if "latent" in column else stored
             row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
                            "tb_per_s": read / ms / 1e9, "tflop_per_s": flops / ms / 1e9}
         for column in outs.keys() - {"triton"} if "triton" in outs else ():
@@ -1016,7 +1023,7 @@ def latent(options):
             if column in calls and peer in calls:
                 row[column]["speedup_vs_triton"] = row[peer]["ms"] / row[column]["ms"]
         rows.append(row)
-        del q, k, v, latent, cache, k_pages, v_pages, calls, outs
+        del q, k, v, latent, cache, latent_cache, k_pages, v_pages, calls, outs
     return columns, "ms", rows
 
 

@@ -37,14 +37,14 @@ def _ceil_div(a, b):
     jax.tree_util.register_dataclass,
     data_fields=["k_pages", "v_pages", "page_table", "lengths", "page_owner", "k_scales",
                  "v_scales"],
-    meta_fields=[])
+    meta_fields=["latent_value_dim"])
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
     """Keys and values in pages, addressed through a per-row page table.
 
     Fields (all arrays; pytree leaves):
       k_pages    [num_pages, Hkv, page_size, D]   key pages
-      v_pages    [num_pages, Hkv, page_size, Dv]  value pages
+      v_pages    [num_pages, Hkv, page_size, Dv]  value pages; None in a latent cache
       page_table int32 [max_batch, max_pages_per_seq]: the physical pages of each row in
                  logical order, -1 = none. A row's pages always fill a prefix of its
                  table row, so logical position `p` of row `b` lives in page
@@ -54,6 +54,10 @@ class PagedKVCache:
       k_scales, v_scales  float32 [num_pages, Hkv, page_size], for int8 / float8_e4m3fn
                  pages (`create(dtype=jnp.int8)`): one scale per stored token and head
                  (`pallas_flex.paged.quantize`); None for 16/32-bit pages.
+      latent_value_dim  (static) 0, or Dv for a latent cache (`create(latent=True)`,
+                 DeepSeek's MLA): the values are the key pages' first Dv columns, stored
+                 once; `assign` takes k alone, and the latent decode reads the values
+                 from the key pages in place.
 
     Methods return a new cache; under `jax.jit(..., donate_argnums=...)` the page
     updates are scatters done in place.
@@ -67,20 +71,23 @@ class PagedKVCache:
     """
 
     k_pages: jax.Array
-    v_pages: jax.Array
+    v_pages: jax.Array | None
     page_table: jax.Array
     lengths: jax.Array
     page_owner: jax.Array
     k_scales: jax.Array | None = None
     v_scales: jax.Array | None = None
+    latent_value_dim: int = 0
 
     @classmethod
     def create(cls, num_pages: int, page_size: int, max_batch: int, max_pages_per_seq: int,
                kv_heads: int, head_dim: int, value_dim: int | None = None,
-               dtype=jnp.bfloat16) -> "PagedKVCache":
+               dtype=jnp.bfloat16, latent: bool = False) -> "PagedKVCache":
         """An empty cache: zero pages, all free; every row empty. dtype: the pages'
         (float32, bfloat16, float16), or int8 / float8_e4m3fn for a quantized cache
-        (tokens written in 16 or 32 bits are quantized per token and head)."""
+        (tokens written in 16 or 32 bits are quantized per token and head). latent: the
+        values are the keys' first value_dim columns (DeepSeek's MLA cache, e.g.
+        head_dim 576, value_dim 512): key pages only."""
         value_dim = head_dim if value_dim is None else value_dim
         for name, value in (("num_pages", num_pages), ("page_size", page_size),
                             ("max_batch", max_batch), ("max_pages_per_seq", max_pages_per_seq),
@@ -91,15 +98,23 @@ class PagedKVCache:
         if jnp.dtype(dtype) not in device.SUPPORTED_DTYPES and not is_quantized(dtype):
             raise ValueError(f"dtype must be float32, bfloat16, float16, int8 or "
                              f"float8_e4m3fn, got {jnp.dtype(dtype)}")
+        if latent and value_dim > head_dim:
+            raise ValueError(f"a latent cache's values are its keys' first value_dim "
+                             f"columns: value_dim ({value_dim}) must be at most head_dim "
+                             f"({head_dim})")
+        if latent and is_quantized(dtype):
+            raise ValueError("a latent cache takes 16- or 32-bit pages, not "
+                             f"{jnp.dtype(dtype)}")
         scales = (jnp.ones((num_pages, kv_heads, page_size), jnp.float32)
                   if is_quantized(dtype) else None)
         return cls(
             k_pages=jnp.zeros((num_pages, kv_heads, page_size, head_dim), dtype),
-            v_pages=jnp.zeros((num_pages, kv_heads, page_size, value_dim), dtype),
+            v_pages=(None if latent else
+                     jnp.zeros((num_pages, kv_heads, page_size, value_dim), dtype)),
             page_table=jnp.full((max_batch, max_pages_per_seq), -1, jnp.int32),
             lengths=jnp.zeros((max_batch,), jnp.int32),
             page_owner=jnp.full((num_pages,), -1, jnp.int32),
-            k_scales=scales, v_scales=scales)
+            k_scales=scales, v_scales=scales, latent_value_dim=value_dim if latent else 0)
 
     # -- configuration, from the shapes ---------------------------------------------------
 
@@ -121,7 +136,17 @@ class PagedKVCache:
 
     @property
     def value_dim(self) -> int:
-        return self.v_pages.shape[3]
+        return self.latent_value_dim or self.v_pages.shape[3]
+
+    @property
+    def latent(self) -> bool:
+        """Whether the values are the key pages' first `value_dim` columns."""
+        return bool(self.latent_value_dim)
+
+    def value_pages(self):
+        """[num_pages, Hkv, page_size, Dv]: v_pages, or a latent cache's key pages' first
+        Dv columns (a slice: a copy wherever it is used)."""
+        return self.k_pages[..., :self.latent_value_dim] if self.latent else self.v_pages
 
     @property
     def dtype(self):
@@ -224,11 +249,21 @@ class PagedKVCache:
     # -- writing tokens -----------------------------------------------------------------
 
     def _check_tokens(self, k, v, leading: tuple[int, ...]):
-        """Shapes [*leading, S, Hkv, D] / [..., Dv] and the cache's dtype; returns S."""
+        """Shapes [*leading, S, Hkv, D] / [..., Dv] and the cache's dtype; returns S. A
+        latent cache takes k alone (v None: its values are k's first Dv columns)."""
         rank = len(leading) + 3
+        if self.latent:
+            if v is not None:
+                raise ValueError("a latent cache stores its values as the keys' first "
+                                 f"{self.value_dim} columns: pass v=None")
+            v = k
+        elif v is None:
+            raise ValueError("v is None: only a latent cache (create(latent=True)) takes "
+                             "k alone")
         for name, x, dim, dim_name, pages in (
                 ("k", k, self.head_dim, "D", self.k_pages),
-                ("v", v, self.value_dim, "Dv", self.v_pages)):
+                ("v", v, self.head_dim if self.latent else self.value_dim, "Dv",
+                 self.k_pages if self.latent else self.v_pages)):
             if not hasattr(x, "shape") or len(x.shape) != rank:
                 layout = ", ".join(["B"] * len(leading) + ["S", "Hkv", dim_name])
                 raise ValueError(f"{name} must be a {rank}-D array [{layout}], got shape "
@@ -248,14 +283,15 @@ class PagedKVCache:
                              f"got {k.shape[len(leading)]} and {v.shape[len(leading)]}")
         return k.shape[len(leading)]
 
-    def assign(self, batch_idx, input_pos, k, v) -> "PagedKVCache":
+    def assign(self, batch_idx, input_pos, k, v=None) -> "PagedKVCache":
         """Writes `S` new tokens at positions `input_pos .. input_pos + S - 1` of a row.
 
         Args:
           batch_idx, input_pos: ints or int32 scalars (traced or not). `input_pos` may
             rewrite stored positions but must not leave a gap: `input_pos <=
             lengths[batch_idx]`, and `input_pos + S` must fit in the row's reserved pages.
-          k: [S, Hkv, D]; v: [S, Hkv, Dv], in the cache's dtype.
+          k: [S, Hkv, D]; v: [S, Hkv, Dv], in the cache's dtype (a latent cache: v None,
+            the values being k's first Dv columns).
         Returns:
           The cache with the tokens scattered into their pages (one scatter each for k
           and v) and `lengths[batch_idx] = max(lengths[batch_idx], input_pos + S)`.
@@ -271,12 +307,13 @@ class PagedKVCache:
                            xp.sum(table[row] >= 0) * self.page_size)
         return _assign(self, batch_idx, input_pos, k, v)
 
-    def assign_batch(self, input_pos, k, v, num_tokens=None) -> "PagedKVCache":
+    def assign_batch(self, input_pos, k, v=None, num_tokens=None) -> "PagedKVCache":
         """`assign` for every row at once (one scatter each for k and v).
 
         Args:
           input_pos: int32 [max_batch], where each row's new tokens start.
-          k: [max_batch, S, Hkv, D]; v: [max_batch, S, Hkv, Dv], in the cache's dtype.
+          k: [max_batch, S, Hkv, D]; v: [max_batch, S, Hkv, Dv], in the cache's dtype
+            (a latent cache: v None).
           num_tokens: int32 [max_batch] in [0, S], how many of its S tokens row b writes
             (the first ones; the rest are padding); None = all S. Rows with 0 tokens
             (e.g. free slots during a decode step) are left untouched and unchecked.
@@ -424,6 +461,8 @@ def _write(cache, page, offset, k, v):
     """The cache's page (and scale) arrays with k, v written; a quantized cache quantizes
     them per token and head first."""
     # Indices (page, :, offset) put the token axes first: updates are [..., S, Hkv, D].
+    if cache.latent:
+        return dict(k_pages=cache.k_pages.at[page, :, offset].set(k, mode="drop"))
     if not cache.quantized:
         return dict(k_pages=cache.k_pages.at[page, :, offset].set(k, mode="drop"),
                     v_pages=cache.v_pages.at[page, :, offset].set(v, mode="drop"))
@@ -483,4 +522,7 @@ def _gather_contiguous(cache: PagedKVCache) -> tuple[jax.Array, jax.Array]:
             cache.max_batch, cache.max_seq_len, pages.shape[1], pages.shape[3])
         return jnp.where(stored[:, :, None, None], rows, jnp.zeros((), pages.dtype))
 
-    return gather(cache.k_pages, cache.k_scales), gather(cache.v_pages, cache.v_scales)
+    keys = gather(cache.k_pages, cache.k_scales)
+    if cache.latent:
+        return keys, keys[..., :cache.value_dim]
+    return keys, gather(cache.v_pages, cache.v_scales)

@@ -144,7 +144,9 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
         float32, the kernels applying the per-token scales); Hq a multiple of the cache's
         KV heads.
       cache: the `PagedKVCache`; its logical length is `cache.max_seq_len`, and
-        positions >= `cache.lengths[b]` are masked.
+        positions >= `cache.lengths[b]` are masked. A latent cache's values (its key
+        pages' first Dv columns) are read from the key pages in place by the latent
+        decode; the other kernels take that slice of the pages (a copy).
       mask_mod / block_mask: the mask over (q_idx in [0, Sq), logical kv_idx in
         [0, max_seq_len)); for decoding, shift queries to their absolute positions with
         `pallas_flex.masks.offset(mask_mod, positions)`. Pass one or neither.
@@ -194,9 +196,12 @@ def paged_flex_attention(q, cache, *, mask_mod=None, score_mod=None, block_mask=
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
         scales = (cache.k_scales, cache.v_scales) if cache.quantized else None
+        if cache.latent:  # the latent decode reads the values from the key pages
+            options = options.replace(values_in_keys=True)
         out, lse, *row_max = _paged_attention_jit(
-            q, cache.k_pages, cache.v_pages, cache.page_table, cache.lengths, block_mask,
-            score_program, sinks, scales, config=(backend, scale, options, with_max))
+            q, cache.k_pages, cache.value_pages(), cache.page_table, cache.lengths,
+            block_mask, score_program, sinks, scales,
+            config=(backend, scale, options, with_max))
     else:
         out, lse, *row_max = _gathered_reference(q, cache, block_mask, score_program, sinks,
                                                  scale=scale, with_max=with_max)

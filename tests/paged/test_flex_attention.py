@@ -19,14 +19,16 @@ from tests.conftest import assert_close_to_golden, golden
 PAGED_BACKENDS = ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)]
 
 
-def _filled_cache(lengths, *, page_size, max_pages, kv_heads, dim, value_dim, dtype, seed=0):
+def _filled_cache(lengths, *, page_size, max_pages, kv_heads, dim, value_dim, dtype, seed=0,
+                  latent=False):
     """A cache whose rows hold random tokens; rows reserved in an interleaved order so
-    that pages of different rows alternate in memory."""
+    that pages of different rows alternate in memory. latent: a latent cache (the values
+    are the keys' first value_dim columns)."""
     batch = len(lengths)
     cache = PagedKVCache.create(num_pages=batch * max_pages + 2, page_size=page_size,
                                 max_batch=batch, max_pages_per_seq=max_pages,
                                 kv_heads=kv_heads, head_dim=dim, value_dim=value_dim,
-                                dtype=dtype)
+                                dtype=dtype, latent=latent)
     rng = np.random.default_rng(seed)
     filled = [0] * batch
     while any(f < n for f, n in zip(filled, lengths)):
@@ -37,7 +39,7 @@ def _filled_cache(lengths, *, page_size, max_pages, kv_heads, dim, value_dim, dt
             cache = cache.reserve(b, filled[b] + chunk)
             k = jnp.asarray(rng.normal(size=(chunk, kv_heads, dim)), dtype)
             v = jnp.asarray(rng.normal(size=(chunk, kv_heads, value_dim)), dtype)
-            cache = cache.assign(b, filled[b], k, v)
+            cache = cache.assign(b, filled[b], k, None if latent else v)
             filled[b] += chunk
     return cache
 
@@ -96,14 +98,16 @@ CASES = {
 
 def check_paged_against_golden(lengths, page_size, q_len, q_heads, kv_heads, dim, value_dim,
                                dtype, mask_name, score_name, kernel_options, backend, *,
-                               window=12):
+                               window=12, latent=False):
     """paged_flex_attention over a cache holding `lengths` random tokens per row, the
     queries being each row's last q_len tokens (mask "causal" or "sliding" (`window`),
     offset to those positions; score "alibi" or "softcap"), against the golden attention
-    over the gathered contiguous K/V: outputs, lse, and zeros for an empty row."""
+    over the gathered contiguous K/V: outputs, lse, and zeros for an empty row. latent:
+    on a latent cache (values = the keys' first value_dim columns)."""
     max_pages = -(-max(lengths) // page_size) + 1
     cache = _filled_cache(lengths, page_size=page_size, max_pages=max_pages,
-                          kv_heads=kv_heads, dim=dim, value_dim=value_dim, dtype=dtype)
+                          kv_heads=kv_heads, dim=dim, value_dim=value_dim, dtype=dtype,
+                          latent=latent)
     batch = len(lengths)
     q = jax.random.normal(jax.random.PRNGKey(1), (batch, q_len, q_heads, dim)).astype(dtype)
     # The queries are the last q_len tokens of each row (absolute positions).
