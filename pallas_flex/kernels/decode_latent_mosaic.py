@@ -250,20 +250,17 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.commit_smem()  # before the wgmma reads the tile
             rendezvous(_READ_BARRIER, read)
 
-        def visit(step, carry, masked):
-            accumulator, running_max, running_sum = carry
+        def scores(partial, step, masked):
+            """The tile's logits: this half's partial scores plus the other half's
+            (through shared memory), masked on partial tiles; (logits, kv_start)."""
             local = step - low
-            slot = slot_of(local)
-            plgpu.barrier_wait(k_barriers.at[slot * COMPUTE_WARPGROUPS + half])
-            partial = matmul(q_smem.at[half], k_smem.at[slot, own_rows], shape=tile,
-                             interpret=interpret, transpose_b=True)
-            plgpu.barrier_arrive(k_consumed.at[slot * COMPUTE_WARPGROUPS + half])
             # The other half may still read this tile's last contents.
             pl.when(local > 0)(lambda: rendezvous(_READ_BARRIER, read))
             s_smem.at[half][...] = partial
             rendezvous(_WRITTEN_BARRIER, written)
             # a + b == b + a: both warpgroups hold the same sums, bit for bit.
             logits = partial + plgpu.load(s_smem.at[other], layout=plgpu.Layout.WGMMA)
+            kv_start = None
             if masked:
                 kv_start = key_start_of(step)
                 kv_position = index_vector(kv_start, TILE, 1)
@@ -273,22 +270,57 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     (batch, jnp.int32(0), jnp.int32(0), kv_idx),
                     extra_keep=Vector(kv_position.value < kv_length, 1), tile=tile, q_axis=0,
                     q_start=0, kv_start=kv_start, interpret=interpret)
+            return logits, kv_start
+
+        def softmax(logits, running_max, running_sum):
+            """(p, the accumulator's correction, new max, new sum) of a tile's logits."""
             new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
             safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
             correction = jnp.exp2(running_max - safe_max)
             p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
-            accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
-            running_sum = running_sum * correction + p.sum(axis=1)
+            return p, correction, new_max, running_sum * correction + p.sum(axis=1)
+
+        def values_ready(step, masked, kv_start):
+            """Waits for the tile's V half; zeroes a paged tile's rows past the length."""
+            slot = slot_of(step - low)
             plgpu.barrier_wait(v_barriers.at[slot * COMPUTE_WARPGROUPS + half])
             if paged and masked:
                 # Before p·v reads them: the tile's rows at or past the row's length.
                 pl.when(kv_start + TILE > kv_length)(
                     functools.partial(zero_values_past_length, slot, kv_start))
-            accumulator = matmul(p.astype(dtype), v_smem.at[slot, own_rows],
+            return v_smem.at[slot, own_rows]
+
+        def release(barriers, step):
+            plgpu.barrier_arrive(barriers.at[slot_of(step - low) * COMPUTE_WARPGROUPS + half])
+
+        def keys_of(step):
+            slot = slot_of(step - low)
+            plgpu.barrier_wait(k_barriers.at[slot * COMPUTE_WARPGROUPS + half])
+            return k_smem.at[slot, own_rows]
+
+        def after_scores(partial, step, carry, masked):
+            """The tile's softmax and p·v from this half's partial scores; the new carry."""
+            accumulator, running_max, running_sum = carry
+            logits, kv_start = scores(partial, step, masked)
+            p, correction, running_max, running_sum = softmax(logits, running_max,
+                                                              running_sum)
+            accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
+            accumulator = matmul(p.astype(dtype), values_ready(step, masked, kv_start),
                                  shape=accumulator.shape, interpret=interpret,
                                  accumulator=accumulator)
-            plgpu.barrier_arrive(v_consumed.at[slot * COMPUTE_WARPGROUPS + half])
-            return accumulator, new_max, running_sum
+            release(v_consumed, step)
+            return accumulator, running_max, running_sum
+
+        def visit(step, carry, masked):
+            """One tile: q·kᵀ, the exchange, the softmax, p·v, each waited for in turn.
+            Walking two tiles at a time with both q·kᵀ issued first (the second's under
+            the first's exchange and softmax) was slower: 3-7 % at every shape of
+            `bench latent` (H200), ptxas spilling 344-356 B beside the second tile's
+            in-flight accumulator (12 B one tile at a time; docs/gpu-notes.md, Decode)."""
+            partial = matmul(q_smem.at[half], keys_of(step), shape=tile,
+                             interpret=interpret, transpose_b=True)
+            release(k_consumed, step)
+            return after_scores(partial, step, carry, masked)
 
         carry = (accumulator, running_max, running_sum)
         middle = jnp.clip(num_full_tiles, low, high)
@@ -479,9 +511,10 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
     head_blocks = q_heads // HEADS_PER_PROGRAM
     cluster = _CLUSTER if head_blocks % _CLUSTER == 0 else 1
     tiles_per_block = mask_block // TILE
+    requested_splits = num_splits
     num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
                                num_splits)
-    if interpret:
+    if interpret and not requested_splits:  # one wave's splits would crawl there
         num_splits = min(num_splits, 2)
     mask_program = block_mask.mask_mod
     mask_reads = tile_reads(mask_program)

@@ -238,3 +238,20 @@ def test_vmap_runs_the_kernel_once_per_element():
     for index in range(2):
         np.testing.assert_array_equal(np.asarray(batched[index].astype(jnp.float32)),
                                       np.asarray(decode(qs[index]).astype(jnp.float32)))
+
+
+def test_uneven_splits_match_float64():
+    """Splits of a row's tiles in uneven shares (600 keys: 16 full tiles, then the 4 of a
+    ragged block, in 3 splits of 7, 7 and 6 tiles, so that a split starts and ends inside
+    a block and one holds full and partial tiles; a decode offset per row), merged as
+    each split's partial softmax: close to float64 (interpret mode otherwise runs 2
+    splits of whole blocks)."""
+    q, k, v = random_qkv(11, 2, 1, 600, 64, 1, 128, 128, jnp.bfloat16)
+    mask_mod = masks.offset(masks.causal_mask, jnp.array([599, 300], jnp.int32))
+    block_mask = pf.create_block_mask(mask_mod, 2, None, 1, 600)
+    out, lse = decode_latent_mosaic.latent_decode(q, k, v, block_mask, scale=128 ** -0.5,
+                                                  interpret=True, num_splits=3)
+    expected_out, expected_lse = golden(q, k, v, mask_mod=mask_mod)
+    assert_close_to_golden(out, expected_out, q, k, v, mask_mod=mask_mod)
+    np.testing.assert_allclose(np.asarray(lse, np.float64), expected_lse, atol=2e-3,
+                               rtol=1e-4)
