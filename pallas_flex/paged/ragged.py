@@ -29,6 +29,7 @@ from pallas_flex.sinks import check_sinks, merge_sinks
 from pallas_flex.api import resolve_backend
 from pallas_flex.kernels import device, online_softmax
 from pallas_flex.kernels import ragged_paged as ragged_kernel
+from pallas_flex.kernels import rotate_blocks as rotate_kernel
 from pallas_flex.paged.quantize import dequantize, is_quantized, quantize
 from pallas_flex.paged._validation import (
     as_index_scalar, as_index_vector, checking_arrays, first_true, is_traced, require)
@@ -575,10 +576,17 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
     if rotation is not None:  # (a') before the new tokens land in rotated blocks
-        key_cache, key_scales = _rotate_blocks(
-            key_cache, *rotation, key_scales=None if cache_scales is None else cache_scales[0])
-        if cache_scales is not None:  # dequantized, rotated, quantized again
-            cache_scales = (key_scales, cache_scales[1])
+        if (backend in ("pallas", "interpret") and cache_scales is None
+                and rotate_kernel.supported(key_cache)):
+            # The listed blocks read and written once, by a kernel of their own.
+            key_cache = rotate_kernel.rotate_blocks(key_cache, *rotation,
+                                                    interpret=backend == "interpret")
+        else:
+            key_cache, key_scales = _rotate_blocks(
+                key_cache, *rotation,
+                key_scales=None if cache_scales is None else cache_scales[0])
+            if cache_scales is not None:  # dequantized, rotated, quantized again
+                cache_scales = (key_scales, cache_scales[1])
     value_dim = value_cache.shape[3]
     num_tokens = query.shape[0]
     q_heads = query.shape[1] // head_dim
