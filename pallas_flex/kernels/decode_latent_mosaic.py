@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels import decode_latent_stage_mosaic, online_softmax
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
@@ -80,6 +80,10 @@ _STAGES = 2
 # prefetches into L2 2-6 tiles ahead changed it (docs/gpu-notes.md, Decode).
 _ZEROED_COLUMNS = 64
 _REGISTERS = (232, 40)
+# Latent calls whose values are the keys' first columns (v is k) run
+# `decode_latent_stage_mosaic` (one stage of 64-key latent tiles serving q·kᵀ and p·v)
+# where it takes them. Off until measured on a GPU.
+VALUES_FROM_KEY_STAGE = False
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
 # each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
 # S4096, ms a step, cluster of 2 / none: D 576 0.253 / 0.258, D 512 0.236 / 0.253.
@@ -500,17 +504,22 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
     kv_len = block_mask.shape[3]
     mask_block = block_mask.block_size[1]
     num_kv_blocks = block_mask.num_blocks[1]
+    values_in_keys = v is k
     page_size, paging = None, ()
     if page_table is not None:
         page_size = k.shape[2]
         paging = (page_table.astype(jnp.int32), lengths.astype(jnp.int32))
     else:
-        values_in_keys = v is k
         k = pad_axis(k, 1, num_kv_blocks * mask_block)
         v = k if values_in_keys else pad_axis(v, 1, num_kv_blocks * mask_block)
     head_blocks = q_heads // HEADS_PER_PROGRAM
-    cluster = _CLUSTER if head_blocks % _CLUSTER == 0 else 1
-    tiles_per_block = mask_block // TILE
+    # The values read from the key tiles (`decode_latent_stage_mosaic`), where asked.
+    from_key_stage = (values_in_keys and VALUES_FROM_KEY_STAGE
+                      and decode_latent_stage_mosaic.unsupported_reason(
+                          head_dim, value_dim, page_size, mask_block) is None)
+    cluster = _CLUSTER if head_blocks % _CLUSTER == 0 and not from_key_stage else 1
+    tiles_per_block = mask_block // (decode_latent_stage_mosaic.TILE if from_key_stage
+                                     else TILE)
     requested_splits = num_splits
     num_splits = choose_splits(batch, head_blocks, num_kv_blocks * tiles_per_block,
                                num_splits)
@@ -523,14 +532,22 @@ def latent_decode(q, k, v, block_mask, *, scale: float, interpret: bool, num_spl
     tables = tuple(t.astype(jnp.int32) for t in (
         block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
         block_mask.kv_num_blocks, block_mask.kv_indices))
-    kernel = functools.partial(
-        _kernel, mask_program=mask_program, mask_reads=mask_reads, scale=scale,
-        num_splits=num_splits, head_blocks=head_blocks, cluster=cluster, kv_len=kv_len,
-        tiles_per_block=tiles_per_block, broadcast_batch=tables[0].shape[0] == 1,
-        page_size=page_size, interpret=interpret)
-    launch = functools.partial(
-        _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
-        cluster=cluster, page_size=page_size, value_dim=value_dim, interpret=interpret)
+    settings = dict(mask_program=mask_program, mask_reads=mask_reads, scale=scale,
+                    kv_len=kv_len, tiles_per_block=tiles_per_block,
+                    broadcast_batch=tables[0].shape[0] == 1, page_size=page_size)
+    if from_key_stage:
+        def launch(q, k, v, tables, paging, captured):
+            del v  # k's first value_dim columns
+            return decode_latent_stage_mosaic.launch(
+                q, k, tables, paging, captured, kernel_settings=settings,
+                num_splits=num_splits, head_blocks=head_blocks, value_dim=value_dim,
+                interpret=interpret)
+    else:
+        kernel = functools.partial(_kernel, num_splits=num_splits, head_blocks=head_blocks,
+                                   cluster=cluster, interpret=interpret, **settings)
+        launch = functools.partial(
+            _launch, kernel=kernel, num_splits=num_splits, head_blocks=head_blocks,
+            cluster=cluster, page_size=page_size, value_dim=value_dim, interpret=interpret)
     partial_out, partial_lse = run_per_element_under_vmap(launch)(q, k, v, tables, paging,
                                                                   tuple(captured))
     out, lse = online_softmax.merge_partials(partial_out, partial_lse, axis=2)

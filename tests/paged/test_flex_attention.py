@@ -54,18 +54,21 @@ def _poisoned_past_lengths(cache, value):
         for position in range(length):
             written[table[row, position // page_size] * page_size + position % page_size] = True
     stale = ~written.reshape(-1, 1, page_size, 1)
-    return dataclasses.replace(cache, k_pages=jnp.where(stale, value, cache.k_pages),
-                               v_pages=jnp.where(stale, value, cache.v_pages))
+    return dataclasses.replace(
+        cache, k_pages=jnp.where(stale, value, cache.k_pages),
+        v_pages=None if cache.v_pages is None else jnp.where(stale, value, cache.v_pages))
 
 
 def check_stale_slots_never_read(lengths, *, page_size, kv_len, q_len, q_heads, kv_heads,
-                                 dim, stale, kernel_options, backend):
+                                 dim, stale, kernel_options, backend, latent=False):
     """paged_flex_attention over a bfloat16 cache of `lengths` random tokens (logical
     length kv_len), its queries the rows' last q_len positions under a causal mask, with
     every slot past the lengths (a reused page's old contents) holding `stale` (NaN /
-    inf): the clean cache's output and lse, bit for bit."""
+    inf): the clean cache's output and lse, bit for bit. latent: a latent cache (the
+    values are the keys, Dv = D)."""
     cache = _filled_cache(lengths, page_size=page_size, max_pages=-(-kv_len // page_size),
-                          kv_heads=kv_heads, dim=dim, value_dim=dim, dtype=jnp.bfloat16)
+                          kv_heads=kv_heads, dim=dim, value_dim=dim, dtype=jnp.bfloat16,
+                          latent=latent)
     q = jax.random.normal(jax.random.PRNGKey(3), (len(lengths), q_len, q_heads, dim)).astype(
         jnp.bfloat16)
     mask_mod = masks.offset(masks.causal_mask, jnp.maximum(cache.lengths - q_len, 0))
