@@ -21,15 +21,19 @@ from pallas_flex.kernels import relative_reads
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
-from tests.kernels.test_forward_mosaic import (HEAD_DIM_CASES, SHAPES, SLICED, SUPPORTED, _mods,
-                                              heads_of, layout_id)
+from tests.kernels.test_forward_mosaic import (HEAD_DIM_CASES, SHAPES, SLICED, SUPPORTED,
+                                              _check_forward, _mods, heads_of, layout_id)
 from tests.test_backward import _assert_gradient_close, _cotangent, _golden_gradients
 
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
 
 def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5, batch=2,
-                     options=None):
+                     options=None, check_forward=False):
+    """The Mosaic backward's dq, dk, dv against the float64 golden gradients; with
+    check_forward, also the Mosaic forward's output and lse (the primal outputs of the
+    same jax.vjp, the lse an aux output: no cotangent) against the float64 golden, as
+    tests/kernels/test_forward_mosaic.py's `_check` does."""
     q_heads, kv_heads = heads_of(layout, backend)
     q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
     mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
@@ -37,9 +41,12 @@ def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5
 
     def ours(q, k, v):
         return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
-                            kernel_options={**MOSAIC, **(options or {})})
+                            return_lse=True, kernel_options={**MOSAIC, **(options or {})})
 
-    grads = jax.vjp(ours, q, k, v)[1](d_out)
+    out, pullback, lse = jax.vjp(ours, q, k, v, has_aux=True)
+    if check_forward:
+        _check_forward(out, lse, q, k, v, mask_mod, score_mod)
+    grads = pullback(d_out)
     expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
     _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
                            q, k, v)
@@ -75,12 +82,16 @@ READS_B = {"prefix_lm_per_batch"}
                          list(_cases(SUPPORTED, backend="interpret"))
                          + list(_cases(SLICED, 1, backend="interpret")))
 def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
-    """One batch row unless the variant reads b: the interpreter runs the programs one
+    """The Mosaic forward's output and lse and the Mosaic backward's gradients against
+    the float64 golden (the forward gallery's interpret cases: every variant of
+    SUPPORTED at its dtype, layout and head dim, as tests/kernels/test_forward_mosaic.py
+    names them). One batch row unless the variant reads b: the interpreter runs the programs one
     after another, and the kernels' batch offsets are the same code for every mod (batch
     2 runs in prefix_lm_per_batch here, in the head-dim, T5, captured-array and
     interpret-mode forward gallery cases, and on the GPU)."""
     batch = 2 if variant in READS_B else 1
-    _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch)
+    _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch,
+                     check_forward=True)
 
 
 @pytest.mark.gpu
