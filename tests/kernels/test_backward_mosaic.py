@@ -81,7 +81,7 @@ READS_B = {"prefix_lm_per_batch"}
 @pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
                          list(_cases(SUPPORTED, backend="interpret"))
                          + list(_cases(SLICED, 1, backend="interpret")))
-def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
+def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim, monkeypatch):
     """The Mosaic forward's output and lse and the Mosaic backward's gradients against
     the float64 golden (the forward gallery's interpret cases: every variant of
     SUPPORTED at its dtype, layout and head dim, as tests/kernels/test_forward_mosaic.py
@@ -89,9 +89,17 @@ def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
     after another, and the kernels' batch offsets are the same code for every mod (batch
     2 runs in prefix_lm_per_batch here, in the head-dim, T5, captured-array and
     interpret-mode forward gallery cases, and on the GPU)."""
+    from pallas_flex.kernels import backward_mosaic
+    fused_launches = []
+    launch = backward_mosaic._launch_fused
+    monkeypatch.setattr(backward_mosaic, "_launch_fused",
+                        lambda *args, **kwargs: fused_launches.append(1) or launch(*args, **kwargs))
     batch = 2 if variant in READS_B else 1
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch,
                      check_forward=True)
+    # dQ fused into the dK/dV kernel at D 64 (no captured-array gradient here, not
+    # deterministic), two kernels otherwise (test_fused_dq_rule).
+    assert bool(fused_launches) == (dim == 64)
 
 
 @pytest.mark.gpu
@@ -114,11 +122,13 @@ BACKWARD_HEAD_DIM_CASES = [c for c in HEAD_DIM_CASES if c[0] in (80, 96)]
     for index in (0, 3)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in BACKWARD_HEAD_DIM_CASES])
 def test_head_dims_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend):
-    """The Mosaic backward at D 80 and 96 against the float64 golden gradients. One batch
-    row in interpret mode, as in the gallery (no mod here reads b; the kernels' batch
+    """The Mosaic backward at D 80 and 96 against the float64 golden gradients, and the
+    Mosaic forward's output and lse from the same jax.vjp against the float64 golden (in
+    interpret mode the D 80 case is the forward's own D 80 case,
+    tests/kernels/test_forward_mosaic.py). One batch row in interpret mode, as in the gallery (no mod here reads b; the kernels' batch
     offsets are the same code at every head dim); two on the GPU."""
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend,
-                     batch=1 if backend == "interpret" else 2)
+                     batch=1 if backend == "interpret" else 2, check_forward=True)
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -408,7 +418,10 @@ def test_fused_dq_rule():
         assert not fuses_dq(dim, (), False)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+# The fused path (deterministic False, the default) runs and is asserted in every D 64
+# case of test_gallery_in_interpret_mode: GQA and MQA, ragged lengths, Sq != Skv, causal
+# masks' partial blocks (sliding_window at 200 x 130, alibi_causal at 17 x 250).
+@pytest.mark.parametrize("deterministic", [True])
 def test_fused_dq_in_interpret_mode(deterministic, monkeypatch):
     """At D 64 the dK/dV kernel computes dQ too (interpret mode: partial sums per key
     tile, summed outside), unless `backward_deterministic`; both agree with the float64

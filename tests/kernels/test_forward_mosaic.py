@@ -628,9 +628,12 @@ HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
 
 
 # The interpreter does not model shared-memory layouts (what these head dims change):
-# one case a head dim on the CPU, every case on the GPU.
+# one case a head dim on the CPU, every case on the GPU. D 80's (case 0, at 200 x 200)
+# runs in tests/kernels/test_backward_mosaic.py's test_head_dims_80_and_96, whose
+# jax.vjp's forward output and lse are checked against the float64 golden as here (one
+# batch row; batch 2 runs at D 96, 192 and 256 here).
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
-    ("interpret",) + HEAD_DIM_CASES[index] for index in (0, 4, 6, 8)
+    ("interpret",) + HEAD_DIM_CASES[index] for index in (4, 6, 8)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
 def test_head_dims_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
     """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
