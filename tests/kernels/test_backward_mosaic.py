@@ -362,15 +362,19 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
         out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
                                 sinks=sinks, return_lse=True, backend=backend,
                                 kernel_options=options)
-        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse)
+        finite_lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(finite_lse * d_lse), (
+            out, lse)
 
     def grad(backend, options, *args):
-        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
-                                argnums=range(5)))(*args)
+        """The gradients, and out and lse (aux: the forward the gradients came from)."""
+        grads, outputs = jax.jit(jax.grad(functools.partial(
+            loss, backend=backend, options=options), argnums=range(5), has_aux=True))(*args)
+        return grads, outputs
 
-    ours = grad(backend, MOSAIC, q, k, v, slopes, sinks)
-    want = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes, sinks)
+    ours, (out, lse) = grad(backend, MOSAIC, q, k, v, slopes, sinks)
+    want, _ = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes,
+                   sinks)
     for name, got, expected in zip(("dq", "dk", "dv", "d_slopes", "d_sinks"), ours, want):
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         # The sinks' gradient takes its rows' delta from the 16-bit output
@@ -378,10 +382,8 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
         tolerance = 1e-4 if name == "d_slopes" else 2e-2
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
-    # The same backward from statistics handed in (as context parallelism's ring does).
-    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
-                            sinks=sinks, return_lse=True, backend=backend,
-                            kernel_options=MOSAIC)
+    # The same backward from statistics handed in (as context parallelism's ring does),
+    # out and lse those of the forward above.
     block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
     d_lse_kernel = jnp.where(jnp.isneginf(lse), 0.0, d_lse)
     *_, (d_slopes,) = attention_backward(
