@@ -21,15 +21,19 @@ from pallas_flex.kernels import relative_reads
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
-from tests.kernels.test_forward_mosaic import (HEAD_DIM_CASES, SHAPES, SLICED, SUPPORTED, _mods,
-                                              heads_of, layout_id)
+from tests.kernels.test_forward_mosaic import (HEAD_DIM_CASES, SHAPES, SLICED, SUPPORTED,
+                                              _check_forward, _mods, heads_of, layout_id)
 from tests.test_backward import _assert_gradient_close, _cotangent, _golden_gradients
 
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
 
 def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5, batch=2,
-                     options=None):
+                     options=None, check_forward=False):
+    """The Mosaic backward's dq, dk, dv against the float64 golden gradients; with
+    check_forward, also the Mosaic forward's output and lse (the primal outputs of the
+    same jax.vjp, the lse an aux output: no cotangent) against the float64 golden, as
+    tests/kernels/test_forward_mosaic.py's `_check` does."""
     q_heads, kv_heads = heads_of(layout, backend)
     q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
     mask_mod, score_mod = _mods(variant, batch, q_heads, q_len, kv_len)
@@ -37,9 +41,12 @@ def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5
 
     def ours(q, k, v):
         return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
-                            kernel_options={**MOSAIC, **(options or {})})
+                            return_lse=True, kernel_options={**MOSAIC, **(options or {})})
 
-    grads = jax.vjp(ours, q, k, v)[1](d_out)
+    out, pullback, lse = jax.vjp(ours, q, k, v, has_aux=True)
+    if check_forward:
+        _check_forward(out, lse, q, k, v, mask_mod, score_mod)
+    grads = pullback(d_out)
     expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
     _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
                            q, k, v)
@@ -74,13 +81,25 @@ READS_B = {"prefix_lm_per_batch"}
 @pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
                          list(_cases(SUPPORTED, backend="interpret"))
                          + list(_cases(SLICED, 1, backend="interpret")))
-def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim):
-    """One batch row unless the variant reads b: the interpreter runs the programs one
+def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim, monkeypatch):
+    """The Mosaic forward's output and lse and the Mosaic backward's gradients against
+    the float64 golden (the forward gallery's interpret cases: every variant of
+    SUPPORTED at its dtype, layout and head dim, as tests/kernels/test_forward_mosaic.py
+    names them). One batch row unless the variant reads b: the interpreter runs the programs one
     after another, and the kernels' batch offsets are the same code for every mod (batch
     2 runs in prefix_lm_per_batch here, in the head-dim, T5, captured-array and
     interpret-mode forward gallery cases, and on the GPU)."""
+    from pallas_flex.kernels import backward_mosaic
+    fused_launches = []
+    launch = backward_mosaic._launch_fused
+    monkeypatch.setattr(backward_mosaic, "_launch_fused",
+                        lambda *args, **kwargs: fused_launches.append(1) or launch(*args, **kwargs))
     batch = 2 if variant in READS_B else 1
-    _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch)
+    _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch,
+                     check_forward=True)
+    # dQ fused into the dK/dV kernel at D 64 (no captured-array gradient here, not
+    # deterministic), two kernels otherwise (test_fused_dq_rule).
+    assert bool(fused_launches) == (dim == 64)
 
 
 @pytest.mark.gpu
@@ -103,11 +122,13 @@ BACKWARD_HEAD_DIM_CASES = [c for c in HEAD_DIM_CASES if c[0] in (80, 96)]
     for index in (0, 3)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in BACKWARD_HEAD_DIM_CASES])
 def test_head_dims_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend):
-    """The Mosaic backward at D 80 and 96 against the float64 golden gradients. One batch
-    row in interpret mode, as in the gallery (no mod here reads b; the kernels' batch
+    """The Mosaic backward at D 80 and 96 against the float64 golden gradients, and the
+    Mosaic forward's output and lse from the same jax.vjp against the float64 golden (in
+    interpret mode the D 80 case is the forward's own D 80 case,
+    tests/kernels/test_forward_mosaic.py). One batch row in interpret mode, as in the gallery (no mod here reads b; the kernels' batch
     offsets are the same code at every head dim); two on the GPU."""
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend,
-                     batch=1 if backend == "interpret" else 2)
+                     batch=1 if backend == "interpret" else 2, check_forward=True)
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -341,15 +362,19 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
         out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
                                 sinks=sinks, return_lse=True, backend=backend,
                                 kernel_options=options)
-        lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
-        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse)
+        finite_lse = jnp.where(jnp.isneginf(lse), 0.0, lse)
+        return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(finite_lse * d_lse), (
+            out, lse)
 
     def grad(backend, options, *args):
-        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
-                                argnums=range(5)))(*args)
+        """The gradients, and out and lse (aux: the forward the gradients came from)."""
+        grads, outputs = jax.jit(jax.grad(functools.partial(
+            loss, backend=backend, options=options), argnums=range(5), has_aux=True))(*args)
+        return grads, outputs
 
-    ours = grad(backend, MOSAIC, q, k, v, slopes, sinks)
-    want = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes, sinks)
+    ours, (out, lse) = grad(backend, MOSAIC, q, k, v, slopes, sinks)
+    want, _ = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes,
+                   sinks)
     for name, got, expected in zip(("dq", "dk", "dv", "d_slopes", "d_sinks"), ours, want):
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         # The sinks' gradient takes its rows' delta from the 16-bit output
@@ -357,10 +382,8 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
         tolerance = 1e-4 if name == "d_slopes" else 2e-2
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
-    # The same backward from statistics handed in (as context parallelism's ring does).
-    out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod_of(slopes),
-                            sinks=sinks, return_lse=True, backend=backend,
-                            kernel_options=MOSAIC)
+    # The same backward from statistics handed in (as context parallelism's ring does),
+    # out and lse those of the forward above.
     block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
     d_lse_kernel = jnp.where(jnp.isneginf(lse), 0.0, d_lse)
     *_, (d_slopes,) = attention_backward(
@@ -397,7 +420,10 @@ def test_fused_dq_rule():
         assert not fuses_dq(dim, (), False)
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
+# The fused path (deterministic False, the default) runs and is asserted in every D 64
+# case of test_gallery_in_interpret_mode: GQA and MQA, ragged lengths, Sq != Skv, causal
+# masks' partial blocks (sliding_window at 200 x 130, alibi_causal at 17 x 250).
+@pytest.mark.parametrize("deterministic", [True])
 def test_fused_dq_in_interpret_mode(deterministic, monkeypatch):
     """At D 64 the dK/dV kernel computes dQ too (interpret mode: partial sums per key
     tile, summed outside), unless `backward_deterministic`; both agree with the float64
