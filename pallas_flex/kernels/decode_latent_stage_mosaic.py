@@ -55,9 +55,10 @@ TILE = 64
 _STAGES = 2
 # Shared memory a program may take (bytes): the H100's and H200's 227 KiB.
 _SHARED_MEMORY = 232448
-# Registers a thread: the scores warpgroup (output half [64, Dv / 2] float32, the score
-# tile, P), the values warpgroup (its output half), the memory warpgroup.
-_REGISTERS = (232, 232, 40)
+# Registers a thread (setmaxnreg; at most 512 for the three): the scores warpgroup (its
+# output half [64, Dv / 2] float32: 128, the [64, 64] score tile: 32, P, the row
+# vectors), the values warpgroup (its output half), the memory warpgroup.
+_REGISTERS = (240, 232, 40)
 _ZEROED_COLUMNS = 64
 
 
