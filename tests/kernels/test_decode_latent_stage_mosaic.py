@@ -111,3 +111,15 @@ def test_deepseek_shape_on_gpu_matches_float64_and_the_split_column_kernel(key_s
     sliced = pf.attention(q, latent, v, mask_mod=mask_mod, backend="pallas")
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
                                np.asarray(sliced.astype(jnp.float32)), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_deepseek_shape_on_latent_pages_on_gpu(key_stage, page_size):
+    """DeepSeek's shape on a latent PagedKVCache of pages of 64 (FlashMLA's) and 16 (four
+    a tile), lengths crossing a tile, against float64; stale NaN slots never read."""
+    from tests.paged.test_flex_attention import check_paged_against_golden
+
+    check_paged_against_golden([1000, 517], page_size, 1, 128, 1, 576, 512, jnp.bfloat16,
+                               "causal", None, MOSAIC, "pallas", latent=True)
+    assert key_stage and set(key_stage) == {512}
