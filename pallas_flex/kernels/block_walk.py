@@ -1,4 +1,5 @@
-"""The loop every kernel shares: visit the tiles of one BlockMask row (or column)."""
+"""The loop every kernel shares: visit the tiles of one BlockMask row (or column); and the
+share of a row's listed tiles one split-KV program of the latent decodes walks."""
 
 from __future__ import annotations
 
@@ -70,3 +71,41 @@ def walk_listed_tile_range(indices_ref, table_index, start, stop, *, mask_block:
     _, state = lax.fori_loop(start, stop, visit_tile,
                              (tile_start(block_of(first_step), first_step), state))
     return state
+
+
+def split_walk(tables, lengths_ref, *, batch, split, num_splits, tile, tiles_per_block,
+               kv_len, broadcast_batch):
+    """The tiles of `tile` keys one program walks: (low, high, middle, kv_length,
+    key_start_of): split `split` of batch row `batch`'s listed tiles (full blocks' first)
+    is [low, high), its full tiles those below `middle`; kv_length the row's length
+    (lengths_ref [B] of a paged cache, whose BlockMask was clipped to it: only the last
+    listed block may cross it, and its tiles at or past it are left out) or kv_len;
+    key_start_of(t) the first key of listed tile t. tables: the BlockMask's full and
+    partial counts and indices."""
+    full_num_ref, full_indices_ref, partial_num_ref, partial_indices_ref = tables
+    table = (0 if broadcast_batch else batch, 0, 0)
+    num_full_tiles = full_num_ref[table] * tiles_per_block
+    num_tiles = num_full_tiles + partial_num_ref[table] * tiles_per_block
+    last_listed = full_indices_ref.shape[-1] - 1
+    kv_length = kv_len
+    if lengths_ref is not None:
+        kv_length = jnp.minimum(lengths_ref[batch], kv_len)
+        num_partial = partial_num_ref[table]
+        last_block = partial_indices_ref[table + (jnp.clip(num_partial - 1, 0, last_listed),)]
+        tiles_below = lax.div(kv_length + (tile - 1), jnp.int32(tile))
+        past = jnp.clip((last_block + 1) * tiles_per_block - tiles_below, 0, tiles_per_block)
+        num_tiles = num_tiles - jnp.where(num_partial > 0, past, 0)
+    per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
+    low = jnp.minimum(split * per_split, num_tiles)
+    high = jnp.minimum(num_tiles, low + per_split)
+
+    def key_start_of(listed_tile):
+        listed = lax.div(listed_tile, jnp.int32(tiles_per_block))
+        part = lax.rem(listed_tile, jnp.int32(tiles_per_block))
+        num_full = full_num_ref[table]
+        full = full_indices_ref[table + (jnp.minimum(listed, last_listed),)]
+        partial = partial_indices_ref[table + (jnp.clip(listed - num_full, 0, last_listed),)]
+        block = jnp.where(listed < num_full, full, partial)
+        return (block * tiles_per_block + part) * tile
+
+    return low, high, jnp.clip(num_full_tiles, low, high), kv_length, key_start_of

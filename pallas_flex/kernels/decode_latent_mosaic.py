@@ -47,6 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import decode_latent_stage_mosaic, online_softmax
+from pallas_flex.kernels.block_walk import split_walk
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
@@ -174,32 +175,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     rest = lax.div(program, jnp.int32(head_clusters))
     split = lax.rem(rest, jnp.int32(num_splits))
     batch = lax.div(rest, jnp.int32(num_splits))
-    table = (0 if broadcast_batch else batch, 0, 0)
-    num_full_tiles = full_num_ref[table] * tiles_per_block
-    num_tiles = num_full_tiles + partial_num_ref[table] * tiles_per_block
-    last_listed = full_indices_ref.shape[-1] - 1
-    kv_length = kv_len
-    if paged:
-        kv_length = jnp.minimum(lengths_ref[batch], kv_len)
-        # The tiles of the last listed block at or past the row's length are left out.
-        num_partial = partial_num_ref[table]
-        last_block = partial_indices_ref[table + (jnp.clip(num_partial - 1, 0, last_listed),)]
-        tiles_below = lax.div(kv_length + (TILE - 1), jnp.int32(TILE))
-        past = jnp.clip((last_block + 1) * tiles_per_block - tiles_below, 0, tiles_per_block)
-        num_tiles = num_tiles - jnp.where(num_partial > 0, past, 0)
-    per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
-    low = jnp.minimum(split * per_split, num_tiles)
-    high = jnp.minimum(num_tiles, low + per_split)
-
-    def key_start_of(tile):
-        """The first key of listed tile `tile` (full blocks' tiles first)."""
-        listed, part = lax.div(tile, jnp.int32(tiles_per_block)), lax.rem(
-            tile, jnp.int32(tiles_per_block))
-        num_full = full_num_ref[table]
-        full = full_indices_ref[table + (jnp.minimum(listed, last_listed),)]
-        partial = partial_indices_ref[table + (jnp.clip(listed - num_full, 0, last_listed),)]
-        block = jnp.where(listed < num_full, full, partial)
-        return (block * tiles_per_block + part) * TILE
+    low, high, middle, kv_length, key_start_of = split_walk(
+        (full_num_ref, full_indices_ref, partial_num_ref, partial_indices_ref),
+        lengths_ref if paged else None, batch=batch, split=split, num_splits=num_splits,
+        tile=TILE, tiles_per_block=tiles_per_block, kv_len=kv_len,
+        broadcast_batch=broadcast_batch)
 
     def slot_of(step):
         return lax.rem(step, jnp.int32(_STAGES))
@@ -327,7 +307,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             return after_scores(partial, step, carry, masked)
 
         carry = (accumulator, running_max, running_sum)
-        middle = jnp.clip(num_full_tiles, low, high)
         carry = lax.fori_loop(low, middle, functools.partial(visit, masked=False), carry)
         carry = lax.fori_loop(middle, high, functools.partial(visit, masked=True), carry)
         accumulator, running_max, running_sum = carry
