@@ -85,10 +85,11 @@ def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim, m
     """The Mosaic forward's output and lse and the Mosaic backward's gradients against
     the float64 golden (the forward gallery's interpret cases: every variant of
     SUPPORTED at its dtype, layout and head dim, as tests/kernels/test_forward_mosaic.py
-    names them). One batch row unless the variant reads b: the interpreter runs the programs one
-    after another, and the kernels' batch offsets are the same code for every mod (batch
-    2 runs in prefix_lm_per_batch here, in the head-dim, T5, captured-array and
-    interpret-mode forward gallery cases, and on the GPU)."""
+    names them). One batch row unless the variant reads b: the interpreter runs the
+    programs one after another, and the kernels' batch offsets are the same code for
+    every mod (batch 2 runs in prefix_lm_per_batch here, in the T5 and captured-array
+    tests, in the forward's slice-read, head-dim, paged, items-per-program, vmap and
+    soft-cap tests, and on the GPU)."""
     from pallas_flex.kernels import backward_mosaic
     fused_launches = []
     launch = backward_mosaic._launch_fused
@@ -125,8 +126,9 @@ def test_head_dims_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend
     """The Mosaic backward at D 80 and 96 against the float64 golden gradients, and the
     Mosaic forward's output and lse from the same jax.vjp against the float64 golden (in
     interpret mode the D 80 case is the forward's own D 80 case,
-    tests/kernels/test_forward_mosaic.py). One batch row in interpret mode, as in the gallery (no mod here reads b; the kernels' batch
-    offsets are the same code at every head dim); two on the GPU."""
+    tests/kernels/test_forward_mosaic.py). One batch row in interpret mode, as in the
+    gallery (no mod here reads b; the kernels' batch offsets are the same code at every
+    head dim); two on the GPU."""
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend,
                      batch=1 if backend == "interpret" else 2, check_forward=True)
 
