@@ -229,7 +229,11 @@ def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized):
     got = compiled(split)
     _assert_matches(got[0], want[0], atol=1e-6)
     _assert_matches(got[1], want[1], atol=1e-5)  # scores: partial sums added across heads
-    _assert_matches(got[2:], want[2:], atol=0)
+    # The caches: bit for bit where XLA rotates the listed blocks; the Pallas rotation
+    # kernel (`kernels/rotate_blocks.py`, 16/32-bit caches on the Pallas backends) runs
+    # with one head a device instead of two a program, its float32 products fused into
+    # multiply-adds differently: within 2 units in the last place.
+    _assert_matches(got[2:], want[2:], atol=0 if backend == "xla" else 2.5e-7)
     assert tuple(got[0].sharding.spec) == (None, "model"), got[0].sharding
     assert tuple(got[2].sharding.spec)[:2] == (None, "model"), got[2].sharding
     assert _gathered_inputs(compiled.as_text()) == []
