@@ -50,12 +50,12 @@ from pallas_flex.kernels import decode_latent_stage_mosaic, online_softmax
 from pallas_flex.kernels.block_walk import split_walk
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
-from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_eligibility import (
     EXACT_FLOAT32_INTEGERS, device_unsupported_reason, mod_unsupported_reason, tile_reads)
+from pallas_flex.kernels.latent_tiles import (
+    mask_partial_tile, normalizers, softmax_step, tile_sources, zero_rows_past_length)
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, matmul,
-    run_per_element_under_vmap, split_tile_refs, tile_inputs)
+    ROWS_PER_WARPGROUP, matmul, run_per_element_under_vmap, split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
 
 COMPUTE_WARPGROUPS = 2
@@ -79,7 +79,7 @@ _STAGES = 2
 # whole tile in brackets: B64 S4096 0.252 / 0.247 (0.368), B16 S32768 0.469 / 0.474
 # (0.702)). Neither pages in order (TLB) nor page-table reads a tile ahead nor TMA
 # prefetches into L2 2-6 tiles ahead changed it (docs/gpu-notes.md, Decode).
-_ZEROED_COLUMNS = 64
+_ZEROED_COLUMNS = 64  # `latent_tiles.zero_rows_past_length` pieces
 _REGISTERS = (232, 40)
 # Latent calls whose values are the keys' first columns (v is k) run
 # `decode_latent_stage_mosaic` (one stage of 64-key latent tiles serving q·kᵀ and p·v)
@@ -223,14 +223,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             same zeros, so neither waits for the other's stores to its half)."""
             rendezvous(_WRITTEN_BARRIER, written)
             for column in range(0, v_smem.shape[2], _ZEROED_COLUMNS):
-                rows = v_smem.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)]
-                values = (plgpu.load(rows, layout=plgpu.Layout.WGMMA) if not interpret
-                          else rows[...])
-                key = kv_start + lax.rem(
-                    plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
-                    if not interpret else lax.broadcasted_iota(jnp.int32, values.shape, 0),
-                    jnp.int32(TILE))
-                rows[...] = jnp.where(key < kv_length, values, jnp.zeros_like(values))
+                zero_rows_past_length(v_smem.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)],
+                                      kv_start, kv_length, period=TILE, interpret=interpret)
             plgpu.commit_smem()  # before the wgmma reads the tile
             rendezvous(_READ_BARRIER, read)
 
@@ -247,22 +241,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             kv_start = None
             if masked:
                 kv_start = key_start_of(step)
-                kv_position = index_vector(kv_start, TILE, 1)
-                kv_idx = Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
-                logits = apply_mask(
-                    logits, mask_program, mask_reads, mask_refs,
-                    (batch, jnp.int32(0), jnp.int32(0), kv_idx),
-                    extra_keep=Vector(kv_position.value < kv_length, 1), tile=tile, q_axis=0,
-                    q_start=0, kv_start=kv_start, interpret=interpret)
+                logits = mask_partial_tile(
+                    logits, kv_start, mask_program=mask_program, mask_reads=mask_reads,
+                    mask_refs=mask_refs, batch=batch, kv_len=kv_len, kv_length=kv_length,
+                    interpret=interpret)
             return logits, kv_start
-
-        def softmax(logits, running_max, running_sum):
-            """(p, the accumulator's correction, new max, new sum) of a tile's logits."""
-            new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
-            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            correction = jnp.exp2(running_max - safe_max)
-            p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
-            return p, correction, new_max, running_sum * correction + p.sum(axis=1)
 
         def values_ready(step, masked, kv_start):
             """Waits for the tile's V half; zeroes a paged tile's rows past the length."""
@@ -286,8 +269,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             """The tile's softmax and p·v from this half's partial scores; the new carry."""
             accumulator, running_max, running_sum = carry
             logits, kv_start = scores(partial, step, masked)
-            p, correction, running_max, running_sum = softmax(logits, running_max,
-                                                              running_sum)
+            p, correction, running_max, running_sum = softmax_step(
+                logits, running_max, running_sum, logit_scale)
             accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape, [0])
             accumulator = matmul(p.astype(dtype), values_ready(step, masked, kv_start),
                                  shape=accumulator.shape, interpret=interpret,
@@ -312,11 +295,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         accumulator, running_max, running_sum = carry
         # Both halves are done with the K/V stages, which the output tiles reuse.
         rendezvous(_READ_BARRIER, read)
-        has_mass = running_sum > 0.0
-        inverse_sum = 1.0 / jnp.where(has_mass, running_sum, 1.0)
+        inverse_sum, lse = normalizers(running_max, running_sum)
         out = accumulator * lax.broadcast_in_dim(inverse_sum, accumulator.shape, [0])
-        safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
-        lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
         o_smem.at[half][...] = out
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
@@ -325,7 +305,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         @pl.when(half == 0)
         def _():
-            lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
+            lse_smem[...] = lse
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head_block, split])
 
@@ -340,23 +320,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         copies = ((k_ref, k_smem, k_barriers, k_consumed, qk_half),
                   (v_ref, v_smem, v_barriers, v_consumed, value_half))
 
-        def tile_sources(source, key_start):
-            """[(stage rows, [rows, D] view of the cache)] filling a tile of T keys: one
-            copy, or one per page of pages smaller than a tile. Page-table entries are
-            clamped into the pool (`kv_tiles.in_pool`): rows past a length read some
-            page, which the compute warpgroups mask."""
-            if not paged:
-                return [(slice(None), source.at[batch, pl.ds(key_start, TILE), 0])]
-            page_of = page_table_row(page_table_ref, batch)
-            first_page = lax.div(key_start, jnp.int32(page_size))
-            if page_size >= TILE:
-                page = in_pool(page_of(first_page), source.shape[0])
-                return [(slice(None), source.at[page, 0, pl.ds(
-                    lax.rem(key_start, jnp.int32(page_size)), TILE)])]
-            return [(pl.ds(index * page_size, page_size),
-                     source.at[in_pool(page_of(first_page + index), source.shape[0]), 0])
-                    for index in range(TILE // page_size)]
-
         def each_warp(body, step):
             def per_warp(warp):
                 for copy_index in range(4):
@@ -370,7 +333,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             slot = slot_of(local)
             barrier = slot * COMPUTE_WARPGROUPS + half
             # The table reads (BlockMask, page table) before the wait, which hides them.
-            sources = tile_sources(source, key_start_of(step))
+            sources = tile_sources(source, page_table_ref if paged else None, batch,
+                                   key_start_of(step), tile=TILE, page_size=page_size)
 
             @pl.when(local >= _STAGES)
             def _():

@@ -47,9 +47,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import split_walk
 from pallas_flex.kernels.forward_mosaic import tile_transforms
-from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
-from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Vector, apply_mask, index_vector, matmul, split_tile_refs)
+from pallas_flex.kernels.latent_tiles import (
+    mask_partial_tile, normalizers, softmax_step, tile_sources, zero_rows_past_length)
+from pallas_flex.kernels.mosaic_tiles import ROWS_PER_WARPGROUP, matmul, split_tile_refs
 
 HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
 TILE = 64
@@ -167,14 +167,9 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
             page holds whatever it held, and 0 * NaN is NaN), before either p·v."""
             for stage in stage_chunks[:2]:
                 for column in range(0, half, _ZEROED_COLUMNS):
-                    rows = stage.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)]
-                    values = (plgpu.load(rows, layout=plgpu.Layout.WGMMA) if not interpret
-                              else rows[...])
-                    key = kv_start + (
-                        plgpu.broadcasted_iota(jnp.int32, values.shape, 0,
-                                               layout=plgpu.Layout.WGMMA)
-                        if not interpret else lax.broadcasted_iota(jnp.int32, values.shape, 0))
-                    rows[...] = jnp.where(key < kv_length, values, jnp.zeros_like(values))
+                    zero_rows_past_length(stage.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)],
+                                          kv_start, kv_length, period=TILE,
+                                          interpret=interpret)
             plgpu.commit_smem()  # before the wgmmas read them
 
         def visit(step, carry, masked):
@@ -185,18 +180,12 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
             kv_start = None
             if masked:
                 kv_start = key_start_of(step)
-                kv_position = index_vector(kv_start, TILE, 1)
-                kv_idx = Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
-                logits = apply_mask(
-                    logits, mask_program, mask_reads, mask_refs,
-                    (batch, jnp.int32(0), jnp.int32(0), kv_idx),
-                    extra_keep=Vector(kv_position.value < kv_length, 1), tile=tile, q_axis=0,
-                    q_start=0, kv_start=kv_start, interpret=interpret)
-            new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
-            safe_max = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-            correction = jnp.exp2(running_max - safe_max)
-            p = jnp.exp2(logits * logit_scale - lax.broadcast_in_dim(safe_max, tile, [0]))
-            running_sum = running_sum * correction + p.sum(axis=1)
+                logits = mask_partial_tile(
+                    logits, kv_start, mask_program=mask_program, mask_reads=mask_reads,
+                    mask_refs=mask_refs, batch=batch, kv_len=kv_len, kv_length=kv_length,
+                    interpret=interpret)
+            p, correction, running_max, running_sum = softmax_step(
+                logits, running_max, running_sum, logit_scale)
             p = p.astype(dtype)
             if paged and masked:
                 pl.when(kv_start + TILE > kv_length)(
@@ -211,7 +200,7 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
             accumulator = matmul(p, stage_chunks[0].at[slot], shape=accumulator.shape,
                                  interpret=interpret, accumulator=accumulator)
             plgpu.barrier_arrive(consumed.at[slot])
-            return accumulator, new_max, running_sum
+            return accumulator, running_max, running_sum
 
         carry = (plgpu.layout_cast(jnp.full((HEADS_PER_PROGRAM, half), 0.0, jnp.float32),
                                    plgpu.Layout.WGMMA),
@@ -222,17 +211,14 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
         carry = lax.fori_loop(low, middle, functools.partial(visit, masked=False), carry)
         accumulator, running_max, running_sum = lax.fori_loop(
             middle, high, functools.partial(visit, masked=True), carry)
-        has_mass = running_sum > 0.0
-        inverse_sum = 1.0 / jnp.where(has_mass, running_sum, 1.0)
+        inverse_sum, lse = normalizers(running_max, running_sum)
         # Warpgroup 1 has run its last p·v (the stages are free for the output tiles).
         pl.when(high > low)(lambda: plgpu.barrier_wait(p_free))
         vectors.at[1][...] = inverse_sum
         plgpu.commit_smem()
         plgpu.barrier_arrive(p_ready)
         output(accumulator, inverse_sum, 0)
-        safe_max = jnp.where(running_max == -jnp.inf, 0.0, running_max)
-        lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
-        lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
+        lse_smem[...] = lse
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[batch, head_block, split])
         plgpu.wait_smem_to_gmem(0)
@@ -274,25 +260,13 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
         pieces = TILE // page_size if paged and page_size < TILE else 1
         copies = [(chunk, piece) for chunk in range(len(widths)) for piece in range(pieces)]
 
-        def sources(key_start):
-            """[(stage rows, [rows, D] view of the cache)] filling a tile."""
-            if not paged:
-                return [(slice(None), k_ref.at[batch, pl.ds(key_start, TILE), 0])]
-            page_of = page_table_row(page_table_ref, batch)
-            first_page = lax.div(key_start, jnp.int32(page_size))
-            if page_size >= TILE:
-                page = in_pool(page_of(first_page), k_ref.shape[0])
-                return [(slice(None), k_ref.at[page, 0, pl.ds(
-                    lax.rem(key_start, jnp.int32(page_size)), TILE)])]
-            return [(pl.ds(index * page_size, page_size),
-                     k_ref.at[in_pool(page_of(first_page + index), k_ref.shape[0]), 0])
-                    for index in range(pieces)]
-
         def per_warp(warp):
             @pl.loop(low, high)
             def _(step):
                 slot = slot_of(step)
-                views = sources(key_start_of(step))  # before the wait, which hides them
+                # The table reads before the wait, which hides them.
+                views = tile_sources(k_ref, page_table_ref if paged else None, batch,
+                                     key_start_of(step), tile=TILE, page_size=page_size)
 
                 @pl.when(step - low >= _STAGES)
                 def _():
