@@ -32,8 +32,8 @@ Paged caches (pages [num_pages, 1, page_size, D] through a page table, as
 comes from one page (pages of a multiple of T rows) or two (pages of 16); the tiles
 past a row's length are left out, the one that crosses it is masked there and its V
 rows past the length are zeroed before p·v (a reused page holds whatever it held, and
-0 * NaN is NaN), a [64, 64] column piece at a time (`_ZEROED_COLUMNS`): pages of 64 run
-as fast as a contiguous cache (docs/gpu-notes.md, Decode).
+0 * NaN is NaN), a [64, 64] column piece at a time (`latent_tiles.ZEROED_COLUMNS`):
+pages of 64 run as fast as a contiguous cache (docs/gpu-notes.md, Decode).
 """
 
 from __future__ import annotations
@@ -71,15 +71,6 @@ TILE = 32
 # rows, which a cluster's multicast cannot split in two.)
 PAGE_ROWS = 16
 _STAGES = 2
-# Columns of a stage's V rows zeroed at a time past a row's length (paged caches): the
-# whole [64, 256] tile at once (its values and key indices, 192 registers beside the
-# 128 of the accumulator) spilled 252 B and made every paged call 1.5x slower than a
-# contiguous one, even where no tile crosses a length; in [64, 64] pieces it spills 12 B
-# and paged runs as fast as contiguous (H100, pages of 64, ms a step, paged / contiguous,
-# whole tile in brackets: B64 S4096 0.252 / 0.247 (0.368), B16 S32768 0.469 / 0.474
-# (0.702)). Neither pages in order (TLB) nor page-table reads a tile ahead nor TMA
-# prefetches into L2 2-6 tiles ahead changed it (docs/gpu-notes.md, Decode).
-_ZEROED_COLUMNS = 64  # `latent_tiles.zero_rows_past_length` pieces
 _REGISTERS = (232, 40)
 # Latent calls whose values are the keys' first columns (v is k) run
 # `decode_latent_stage_mosaic` (one stage of 64-key latent tiles serving q·kᵀ and p·v)
@@ -222,9 +213,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             only: they meet before (both halves landed) and after (both written; the
             same zeros, so neither waits for the other's stores to its half)."""
             rendezvous(_WRITTEN_BARRIER, written)
-            for column in range(0, v_smem.shape[2], _ZEROED_COLUMNS):
-                zero_rows_past_length(v_smem.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)],
-                                      kv_start, kv_length, period=TILE, interpret=interpret)
+            zero_rows_past_length(v_smem.at[slot], kv_start, kv_length, period=TILE,
+                                  interpret=interpret)
             plgpu.commit_smem()  # before the wgmma reads the tile
             rendezvous(_READ_BARRIER, read)
 

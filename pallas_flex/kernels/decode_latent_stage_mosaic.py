@@ -60,7 +60,6 @@ _SHARED_MEMORY = 232448
 # output half [64, Dv / 2] float32: 128, the [64, 64] score tile: 32, P, the row
 # vectors), the values warpgroup (its output half), the memory warpgroup.
 _REGISTERS = (240, 232, 40)
-_ZEROED_COLUMNS = 64
 
 
 def chunk_widths(head_dim: int, value_dim: int):
@@ -166,10 +165,8 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
             """The value chunks' rows at or past the row's length set to 0 (a reused
             page holds whatever it held, and 0 * NaN is NaN), before either p·v."""
             for stage in stage_chunks[:2]:
-                for column in range(0, half, _ZEROED_COLUMNS):
-                    zero_rows_past_length(stage.at[slot, :, pl.ds(column, _ZEROED_COLUMNS)],
-                                          kv_start, kv_length, period=TILE,
-                                          interpret=interpret)
+                zero_rows_past_length(stage.at[slot], kv_start, kv_length, period=TILE,
+                                      interpret=interpret)
             plgpu.commit_smem()  # before the wgmmas read them
 
         def visit(step, carry, masked):

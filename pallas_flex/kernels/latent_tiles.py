@@ -72,22 +72,36 @@ def normalizers(running_max, running_sum):
     return inverse_sum, jnp.where(has_mass, lse, -jnp.inf)
 
 
-def zero_rows_past_length(rows, first_key, kv_length, *, period: int, interpret: bool):
-    """Sets the rows of a shared-memory value piece rows [n, columns] whose key is at or
+# Columns of a value tile zeroed at a time past a row's length (paged caches). In the
+# split-column kernel the whole [64, 256] half tile at once (its values and key indices,
+# 192 registers beside the 128 of the accumulator) spilled 252 B and made every paged
+# call 1.5x slower than a contiguous one, even where no tile crosses a length; in
+# [64, 64] pieces it spills 12 B and paged runs as fast as contiguous (H100, pages of 64,
+# ms a step, paged / contiguous, whole tile in brackets: B64 S4096 0.252 / 0.247
+# (0.368), B16 S32768 0.469 / 0.474 (0.702)). Neither pages in order (TLB) nor page-table
+# reads a tile ahead nor TMA prefetches into L2 2-6 tiles ahead changed it
+# (docs/gpu-notes.md, Decode).
+ZEROED_COLUMNS = 64
+
+
+def zero_rows_past_length(values, first_key, kv_length, *, period: int, interpret: bool):
+    """Sets the rows of a shared-memory value tile values [n, columns] whose key is at or
     past kv_length to 0 (a reused page holds whatever it held, and 0 * NaN is NaN in
     p·v): row r holds key first_key + r % period (a stage of two halves of the same keys
-    repeats them). Loaded in the wgmma layout, so a piece of [64, 64] keeps its registers
-    few (a whole [64, 256] piece spilled; `decode_latent_mosaic._ZEROED_COLUMNS`)."""
-    if interpret:
-        values = rows[...]
-        row = lax.broadcasted_iota(jnp.int32, values.shape, 0)
-    else:
-        values = plgpu.load(rows, layout=plgpu.Layout.WGMMA)
-        row = plgpu.broadcasted_iota(jnp.int32, values.shape, 0, layout=plgpu.Layout.WGMMA)
-    if period != values.shape[0]:
-        row = lax.rem(row, jnp.int32(period))
-    rows[...] = jnp.where(first_key + row < kv_length, values, jnp.zeros_like(values))
+    repeats them). A [n, ZEROED_COLUMNS] piece at a time, loaded in the wgmma layout."""
+    for column in range(0, values.shape[1], ZEROED_COLUMNS):
+        rows = values.at[:, pl.ds(column, ZEROED_COLUMNS)]
+        if interpret:
+            piece = rows[...]
+            row = lax.broadcasted_iota(jnp.int32, piece.shape, 0)
+        else:
+            piece = plgpu.load(rows, layout=plgpu.Layout.WGMMA)
+            row = plgpu.broadcasted_iota(jnp.int32, piece.shape, 0,
+                                         layout=plgpu.Layout.WGMMA)
+        if period != piece.shape[0]:
+            row = lax.rem(row, jnp.int32(period))
+        rows[...] = jnp.where(first_key + row < kv_length, piece, jnp.zeros_like(piece))
 
 
-__all__ = ["mask_partial_tile", "normalizers", "softmax_step", "tile_sources",
+__all__ = ["ZEROED_COLUMNS", "mask_partial_tile", "normalizers", "softmax_step", "tile_sources",
            "zero_rows_past_length"]
