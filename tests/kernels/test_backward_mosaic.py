@@ -28,6 +28,16 @@ from tests.test_backward import _assert_gradient_close, _cotangent, _golden_grad
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
 
+@pytest.fixture
+def fused_launches(monkeypatch):
+    """A list that gets an entry each time the dK/dV kernel computing dQ too launches."""
+    from pallas_flex.kernels import backward_mosaic
+    launches, launch = [], backward_mosaic._launch_fused
+    monkeypatch.setattr(backward_mosaic, "_launch_fused",
+                        lambda *args, **kwargs: launches.append(1) or launch(*args, **kwargs))
+    return launches
+
+
 def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5, batch=2,
                      options=None, check_forward=False):
     """The Mosaic backward's dq, dk, dv against the float64 golden gradients; with
@@ -81,7 +91,8 @@ READS_B = {"prefix_lm_per_batch"}
 @pytest.mark.parametrize("variant,dtype,layout,q_len,kv_len,dim",
                          list(_cases(SUPPORTED, backend="interpret"))
                          + list(_cases(SLICED, 1, backend="interpret")))
-def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim, monkeypatch):
+def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim,
+                                   fused_launches):
     """The Mosaic forward's output and lse and the Mosaic backward's gradients against
     the float64 golden (the forward gallery's interpret cases: every variant of
     SUPPORTED at its dtype, layout and head dim, as tests/kernels/test_forward_mosaic.py
@@ -90,11 +101,6 @@ def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim, m
     every mod (batch 2 runs in prefix_lm_per_batch here, in the T5 and captured-array
     tests, in the forward's slice-read, head-dim, paged, items-per-program, vmap and
     soft-cap tests, and on the GPU)."""
-    from pallas_flex.kernels import backward_mosaic
-    fused_launches = []
-    launch = backward_mosaic._launch_fused
-    monkeypatch.setattr(backward_mosaic, "_launch_fused",
-                        lambda *args, **kwargs: fused_launches.append(1) or launch(*args, **kwargs))
     batch = 2 if variant in READS_B else 1
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch,
                      check_forward=True)
@@ -370,9 +376,8 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
 
     def grad(backend, options, *args):
         """The gradients, and out and lse (aux: the forward the gradients came from)."""
-        grads, outputs = jax.jit(jax.grad(functools.partial(
-            loss, backend=backend, options=options), argnums=range(5), has_aux=True))(*args)
-        return grads, outputs
+        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
+                                argnums=range(5), has_aux=True))(*args)
 
     ours, (out, lse) = grad(backend, MOSAIC, q, k, v, slopes, sinks)
     want, _ = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes,
@@ -425,19 +430,13 @@ def test_fused_dq_rule():
 # The fused path (deterministic False, the default) runs and is asserted in every D 64
 # case of test_gallery_in_interpret_mode: GQA and MQA, ragged lengths, Sq != Skv, causal
 # masks' partial blocks (sliding_window at 200 x 130, alibi_causal at 17 x 250).
-@pytest.mark.parametrize("deterministic", [True])
-def test_fused_dq_in_interpret_mode(deterministic, monkeypatch):
-    """At D 64 the dK/dV kernel computes dQ too (interpret mode: partial sums per key
-    tile, summed outside), unless `backward_deterministic`; both agree with the float64
+def test_deterministic_backward_does_not_fuse_dq_in_interpret_mode(fused_launches):
+    """With `backward_deterministic` the D 64 backward keeps dQ in a kernel of its own
+    (the fused dK/dV kernel's reduce-adds vary in order), and agrees with the float64
     reference (GQA, ragged lengths, Sq != Skv, the causal mask's partial blocks)."""
-    from pallas_flex.kernels import backward_mosaic
-    fused_launches = []
-    launch = backward_mosaic._launch_fused
-    monkeypatch.setattr(backward_mosaic, "_launch_fused",
-                        lambda *args, **kwargs: fused_launches.append(1) or launch(*args, **kwargs))
     _check_gradients("causal", jnp.bfloat16, "GQA4", 200, 250, 64, "interpret", batch=1,
-                     options={"backward_deterministic": deterministic})
-    assert bool(fused_launches) is not deterministic
+                     options={"backward_deterministic": True})
+    assert not fused_launches
 
 
 @pytest.mark.gpu
