@@ -53,7 +53,8 @@ from pallas_flex.kernels.forward_mosaic import named_barrier, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     EXACT_FLOAT32_INTEGERS, device_unsupported_reason, mod_unsupported_reason, tile_reads)
 from pallas_flex.kernels.latent_tiles import (
-    mask_partial_tile, normalizers, softmax_step, tile_sources, zero_rows_past_length)
+    copies_per_tile, mask_partial_tile, normalizers, softmax_step, tile_sources,
+    zero_rows_past_length)
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, matmul, run_per_element_under_vmap, split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
@@ -355,7 +356,7 @@ def _launch(q, k, v, tables, paging, captured, *, kernel, num_splits, head_block
     blocks, splits, 64] (float32) for each split of each row's keys, Dv = value_dim (v's
     first columns). paging: () or a paged cache's (page_table, lengths)."""
     # TMA copies filling a tile's half: one, or one per page of pages under a tile.
-    copies_per_half = TILE // page_size if page_size is not None and page_size < TILE else 1
+    copies_per_half = copies_per_tile(TILE, page_size)
     batch, qk_half = q.shape[0], q.shape[3] // 2
     value_half = value_dim // 2
     halves = COMPUTE_WARPGROUPS

@@ -48,7 +48,8 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.block_walk import split_walk
 from pallas_flex.kernels.forward_mosaic import tile_transforms
 from pallas_flex.kernels.latent_tiles import (
-    mask_partial_tile, normalizers, softmax_step, tile_sources, zero_rows_past_length)
+    copies_per_tile, mask_partial_tile, normalizers, softmax_step, tile_sources,
+    zero_rows_past_length)
 from pallas_flex.kernels.mosaic_tiles import ROWS_PER_WARPGROUP, matmul, split_tile_refs
 
 HEADS_PER_PROGRAM = ROWS_PER_WARPGROUP
@@ -253,10 +254,6 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
     def _memory():
         if not interpret:
             plgpu.set_max_registers(_REGISTERS[2], action="decrease")
-        # Per tile: one copy per chunk, or per chunk and page of pages under a tile.
-        pieces = TILE // page_size if paged and page_size < TILE else 1
-        copies = [(chunk, piece) for chunk in range(len(widths)) for piece in range(pieces)]
-
         def per_warp(warp):
             @pl.loop(low, high)
             def _(step):
@@ -269,9 +266,10 @@ def _kernel(q_ref, k_ref, full_num_ref, full_indices_ref, partial_num_ref,
                 def _():
                     plgpu.barrier_wait(consumed.at[slot])
 
-                for index, (chunk, piece) in enumerate(copies):
-                    rows, view = views[piece]
-
+                # One copy per chunk, or per chunk and page of pages under a tile.
+                copies = [(chunk, rows, view) for chunk in range(len(widths))
+                          for rows, view in views]
+                for index, (chunk, rows, view) in enumerate(copies):
                     @pl.when(warp == index % 4)
                     def _(rows=rows, view=view, chunk=chunk):
                         plgpu.copy_gmem_to_smem(
@@ -295,7 +293,6 @@ def launch(q, k, tables, paging, captured, *, kernel_settings, num_splits, head_
     widths = chunk_widths(head_dim, value_dim)
     half = widths[0]
     page_size = kernel_settings["page_size"]
-    pieces = TILE // page_size if page_size is not None and page_size < TILE else 1
     kernel = functools.partial(_kernel, widths=widths, num_splits=num_splits,
                                head_blocks=head_blocks, interpret=interpret,
                                **kernel_settings)
@@ -318,7 +315,8 @@ def launch(q, k, tables, paging, captured, *, kernel_settings, num_splits, head_
             plgpu.SMEM((HEADS_PER_PROGRAM, TILE), q.dtype, transforms=tile_transforms(TILE)),
             plgpu.SMEM((2, HEADS_PER_PROGRAM), jnp.float32),
             plgpu.Barrier(num_arrivals=len(widths)),
-            plgpu.Barrier(num_barriers=_STAGES, num_arrivals=len(widths) * pieces),
+            plgpu.Barrier(num_barriers=_STAGES,
+                          num_arrivals=len(widths) * copies_per_tile(TILE, page_size)),
             plgpu.Barrier(num_barriers=_STAGES, num_arrivals=2),
             plgpu.Barrier(num_arrivals=1),
             plgpu.Barrier(num_arrivals=1),

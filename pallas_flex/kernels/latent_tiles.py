@@ -17,6 +17,12 @@ from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import Vector, apply_mask, index_vector
 
 
+def copies_per_tile(tile: int, page_size) -> int:
+    """TMA copies filling a tile of `tile` rows (`tile_sources`): one from a contiguous
+    cache or a page holding the tile, else one per page."""
+    return tile // page_size if page_size is not None and page_size < tile else 1
+
+
 def tile_sources(source, page_table_ref, batch, key_start, *, tile: int, page_size):
     """[(stage rows, [rows, D] view of the cache)] filling a tile of `tile` keys from
     row `batch`: one copy from a contiguous cache source [B, S, 1, D] (page_size None),
@@ -34,7 +40,7 @@ def tile_sources(source, page_table_ref, batch, key_start, *, tile: int, page_si
             lax.rem(key_start, jnp.int32(page_size)), tile)])]
     return [(pl.ds(index * page_size, page_size),
              source.at[in_pool(page_of(first_page + index), source.shape[0]), 0])
-            for index in range(tile // page_size)]
+            for index in range(copies_per_tile(tile, page_size))]
 
 
 def mask_partial_tile(logits, kv_start, *, mask_program, mask_reads, mask_refs, batch, kv_len,
@@ -103,5 +109,5 @@ def zero_rows_past_length(values, first_key, kv_length, *, period: int, interpre
         rows[...] = jnp.where(first_key + row < kv_length, piece, jnp.zeros_like(piece))
 
 
-__all__ = ["ZEROED_COLUMNS", "mask_partial_tile", "normalizers", "softmax_step", "tile_sources",
-           "zero_rows_past_length"]
+__all__ = ["ZEROED_COLUMNS", "copies_per_tile", "mask_partial_tile", "normalizers",
+           "softmax_step", "tile_sources", "zero_rows_past_length"]
