@@ -117,7 +117,8 @@ def test_value_dim_is_not_a_kernel_option():
 def test_deepseek_latent_cache_on_gpu_matches_float64_and_the_slice():
     """Hq 128, one latent array [B, S, 1, 576] with the values its first 512 columns, on
     the Mosaic latent decode (chosen automatically on Hopper): against float64, and
-    against the same call given the slice as v."""
+    against the same call given the slice as v (that one runs the split-column kernel,
+    the latent in place the key-stage kernel: equal up to float32 summation order)."""
     q, latent, _ = random_qkv(13, 2, 1, 1000, 128, 1, 576, 512, jnp.bfloat16)
     mask_mod = masks.offset(masks.causal_mask, jnp.array([999, 517], jnp.int32))
     out = pf.attention(q, latent, None, value_dim=512, mask_mod=mask_mod, backend="pallas")
@@ -125,8 +126,8 @@ def test_deepseek_latent_cache_on_gpu_matches_float64_and_the_slice():
     v = latent[..., :512]
     expected, _ = golden(q, latent, v, mask_mod=mask_mod)
     assert_close_to_golden(out, expected, q, latent, v, mask_mod=mask_mod)
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
-                                  np.asarray(sliced.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
+                               np.asarray(sliced.astype(jnp.float32)), atol=8e-3, rtol=2e-2)
 
 
 # -- paged: a latent cache (`PagedKVCache.create(latent=True)`) -----------------------------

@@ -75,8 +75,12 @@ _STAGES = 2
 _REGISTERS = (232, 40)
 # Latent calls whose values are the keys' first columns (v is k) run
 # `decode_latent_stage_mosaic` (one stage of 64-key latent tiles serving q·kᵀ and p·v)
-# where it takes them. Off until measured on a GPU.
-VALUES_FROM_KEY_STAGE = False
+# where it takes them. H200, DeepSeek's shape, 8 chained steps, paired rounds of
+# AOT-compiled calls, ms a step, split-column / key-stage kernel (outputs within 5e-4):
+# B16 S4096 0.0708 / 0.0525 (1.35x), B64 0.2386 / 0.1558 (1.53x), B128 0.477 / 0.309
+# (1.54x); S32768 B16 0.456 / 0.291 (1.57x), B64 1.794 / 1.182 (1.52x), B128 3.539 / 2.486
+# (1.42x, 330 -> 470 TFLOP/s); pages of 64 alike (1.36-1.60x).
+VALUES_FROM_KEY_STAGE = True
 # Head blocks of one (batch row, split) run as a cluster of this many blocks, which load
 # each K/V tile once between them (TMA multicast) instead of each from L2: H100, B64
 # S4096, ms a step, cluster of 2 / none: D 576 0.253 / 0.258, D 512 0.236 / 0.253.

@@ -61,6 +61,8 @@ from pallas_flex.masks.mod_program import score_bounds
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
 # K/V tile in shared memory, whose tiling transform groups PAGE_ROWS_MULTIPLE (8) rows.
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
+# Registers a thread of a compute / the memory warpgroup (setmaxnreg).
+_REGISTERS = (232, 40)
 # Issue the copies of pages smaller than a tile from the memory warpgroup's four warps
 # (each arriving on the tile's barrier from its own lanes) instead of from the whole
 # warpgroup one copy after another: Pallas arrives on a copy's barrier from every thread
@@ -423,7 +425,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
         if not interpret:
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(_REGISTERS[0], action="increase")
         q_smem, lse_smem = q_smem2.at[warpgroup], lse_smem2.at[warpgroup]
         # A persistent program stages its output in a buffer of its own, so that the
         # next item's queries load into q_smem while this one's output is stored.
@@ -444,7 +446,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     @pl.when(warpgroup == COMPUTE_WARPGROUPS)
     def _memory():
         if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(_REGISTERS[1], action="decrease")
 
         def fetch_item(local, fetched):
             """Streams item `local`'s tiles; `fetched`: tiles of the earlier items."""

@@ -31,6 +31,20 @@ from pallas_flex.kernels.tile_mods import (
 from pallas_flex.kernels.relative_reads import BLOCK, numbered, relative_tables
 
 ROWS_PER_WARPGROUP = 64
+# A program's 65,536 registers are split evenly between its warpgroups at launch (a
+# thread gets 65,536 / threads rounded down to a multiple of 8: 168 for three
+# warpgroups); setmaxnreg only moves them between warpgroups, and an increase past what
+# the others released waits forever: a hang on the GPU, not an error.
+REGISTER_FILE = 65536
+THREADS_PER_WARPGROUP = 128
+
+
+def registers_fit(per_warpgroup) -> bool:
+    """Whether setmaxnreg counts (one per warpgroup, registers a thread) fit the
+    registers the program is launched with."""
+    launched = REGISTER_FILE // (THREADS_PER_WARPGROUP * len(per_warpgroup)) // 8 * 8
+    return (all(count % 8 == 0 and 24 <= count <= 256 for count in per_warpgroup)
+            and sum(per_warpgroup) <= launched * len(per_warpgroup))
 
 
 def _integer_pow(x, *, y):
