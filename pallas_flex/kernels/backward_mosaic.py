@@ -553,14 +553,24 @@ def _accumulate_columns(probabilities_t, d_probabilities_t, derivatives, tile):
     columns = [(probabilities_t * d_probabilities_t).sum(axis=0)]
     mass = None
     for derivative in derivatives:
-        # g = varying + per_row (`split_rows`): the query-only part times P's own sum.
+        # g = varying + per_row (`split_rows`). Each reduction crosses the warps: a
+        # query-only part is added to the varying one before it (ALiBi's derivative
+        # carries a traced zero there), and multiplies P's own sum only where nothing
+        # varies (a bias: one sum shared by such arrays).
         varying, per_row = split_rows(derivative, tile, q_axis=1)
-        column = None if varying is None else (probabilities_t * varying).sum(axis=0)
-        if per_row is not None and constant_value(per_row) != 0.0:
+        if per_row is not None and constant_value(per_row) == 0.0:
+            per_row = None
+        if varying is not None:
+            if per_row is not None:
+                varying = varying + (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
+                                     else per_row)
+            columns.append((probabilities_t * varying).sum(axis=0))
+        elif per_row is not None:
             if mass is None:
                 mass = probabilities_t.sum(axis=0)
-            column = mass * per_row if column is None else column + mass * per_row
-        columns.append(jnp.zeros_like(columns[0]) if column is None else column)
+            columns.append(mass * per_row)
+        else:
+            columns.append(jnp.zeros_like(columns[0]))
     return columns
 
 
