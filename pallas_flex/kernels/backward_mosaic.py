@@ -533,16 +533,19 @@ def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, h
 
 def _weighted_by_derivative(d_scores_t, derivative, tile):
     """dS' g on a dK/dV tile (keys on the rows), g a read's derivative as
-    `_scores_to_logits` returns it (its query-only part a vector along the columns); None
-    where the read does not change the score."""
+    `_scores_to_logits` returns it, taken apart by `split_rows` into a part that varies
+    along the keys and one that depends on the query only (a vector along the columns):
+    g is their sum. None where the read does not change the score."""
     varying, per_row = split_rows(derivative, tile, q_axis=1)
+    if per_row is not None and constant_value(per_row) == 0.0:
+        per_row = None
+    if per_row is not None and jnp.ndim(per_row):
+        per_row = to_tile(Vector(per_row, 1), tile)
     if varying is None and per_row is None:
         return None
-    weighted = d_scores_t if varying is None else d_scores_t * varying
-    if per_row is not None and constant_value(per_row) != 1.0:
-        weighted = weighted * (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
-                               else per_row)
-    return weighted
+    if varying is None:
+        return d_scores_t if constant_value(per_row) == 1.0 else d_scores_t * per_row
+    return d_scores_t * (varying if per_row is None else varying + per_row)
 
 
 def _accumulate_columns(probabilities_t, d_probabilities_t, derivatives, tile):
@@ -581,12 +584,9 @@ def _accumulate_pair(sums, d_scores_t, derivative, tile):
     the kernels' delta, and the column sums that correct it (`_accumulate_columns`) are
     all its gradient needs (`_pair_gradients`). A row sum within each warp, in
     registers."""
-    varying, per_row = split_rows(derivative, tile, q_axis=1)  # g = varying + per_row
-    if per_row is not None and constant_value(per_row) != 0.0:
-        per_row = to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row) else per_row
-        varying = per_row if varying is None else varying + per_row
-    if varying is not None:
-        sums[...] = sums[...] + (d_scores_t * varying).sum(axis=1)
+    weighted = _weighted_by_derivative(d_scores_t, derivative, tile)
+    if weighted is not None:
+        sums[...] = sums[...] + weighted.sum(axis=1)
 
 
 def _dump_or_add(weighted, dump, *, kv_start, q_start):
