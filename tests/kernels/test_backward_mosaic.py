@@ -330,22 +330,15 @@ def test_a_table_read_times_an_index_expression_trains(monkeypatch):
     assert np.max(np.abs(ours - want)) <= 3e-4 * np.max(np.abs(want))
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["fused", "deterministic"])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, deterministic,
-                                                                   xla_cpu_optimized,
-                                                                   fused_launches):
+def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend,
+                                                                   xla_cpu_optimized):
     """A 0-d temperature, bidirectional ALiBi slopes [Hq] and a bias shared by head pairs
     [Hq / 2], all differentiated at once with a loss on out and lse, GQA, a ragged
     length: every gradient matches autodiff of the dense float32 reference, the captured
-    ones to float32 precision (each row corrected to its exact delta by sums the fused
-    kernel reduce-adds across key blocks, `backward_mosaic._pair_gradients`; the Triton
+    ones to float32 precision (the kernel sums each row's exact delta; the Triton
     backward's error is 0.9 % on the temperature here), and two runs give the same
-    dk, dv bits, and every gradient's with `backward_deterministic` (two kernels, the dQ
-    kernel summing the rows' exact deltas, `_captured_gradients`); by default the dK/dV
-    kernel computes dQ too at head dim 64, and dq and the captured gradients take
-    reduce-adds in whatever order the programs reach them.
-    (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
+    bits. (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
     `conftest.xla_cpu_optimized`.)"""
     # Interpret mode: one batch row (no mod here reads b: the arrays are per head; batch
     # 2 runs in the T5 test's causal case and on the GPU).
@@ -371,16 +364,13 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, det
                                 argnums=range(6)))
 
     captured = (temperature, slopes, pair_bias)
-    options = dict(MOSAIC, backward_deterministic=deterministic)
-    ours = grad(backend, options)(q, k, v, *captured)
+    ours = grad(backend, MOSAIC)(q, k, v, *captured)
     # Run to run on the GPU (the interpreter on the CPU is reproducible anyway).
-    again = grad(backend, options)(q, k, v, *captured) if backend == "pallas" else ours
+    again = grad(backend, MOSAIC)(q, k, v, *captured) if backend == "pallas" else ours
     want = grad("reference", None)(*[x.astype(jnp.float32) for x in (q, k, v)], *captured)
-    assert bool(fused_launches) == (not deterministic)
     for name, got, repeat, expected in zip(("dq", "dk", "dv", "d_temperature", "d_slopes",
                                             "d_pair_bias"), ours, again, want):
-        if deterministic or name in ("dk", "dv"):
-            np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         tolerance = 2e-2 if name in ("dq", "dk", "dv") else 1e-4
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
@@ -458,8 +448,7 @@ def test_the_dispatcher_rules():
 
 def test_fused_dq_rule():
     """dQ is fused into the dK/dV kernel at head dim 64 only, never with gradients of
-    captured arrays read at kv_idx - q_idx (their positions the second argument) or in
-    deterministic mode."""
+    captured arrays or in deterministic mode."""
     from pallas_flex.kernels.mosaic_eligibility import fuses_dq
     assert fuses_dq(64, (), False)
     assert not fuses_dq(64, (), True)
