@@ -26,8 +26,9 @@ elementwise work on their own 64 rows.
 Apart from the fused dQ below, every gradient is written by exactly one program, in a
 fixed order: the result is bitwise reproducible run to run.
 
-At head dim 64 (`mosaic_eligibility.fuses_dq`: no gradients of captured arrays, not
-`backward_deterministic`) the dK/dV kernel computes dQ too, FlashAttention-3's scheme:
+At head dim 64 (`mosaic_eligibility.fuses_dq`: no gradients of captured arrays read at
+kv_idx - q_idx, not `backward_deterministic`) the dK/dV kernel computes dQ too,
+FlashAttention-3's scheme:
 dS^T goes to shared memory (dK's wgmma reads it there), dQ += dS K over the warpgroup's
 64 keys (wgmma with A transposed), and the float32 [64, 64] tile is TMA-reduce-added
 into a zeroed dQ (a `jax.new_ref`) from a double-buffered staging tile: 5 matmuls per
@@ -40,7 +41,10 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
-which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`), or at
+which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`) or,
+fused, the dK/dV kernel per key with the column sums that correct each row to its
+exact delta reduce-added beside dQ (`_accumulate_pair`, `_accumulate_columns`,
+`_pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
 entry (`_accumulate_runs`, `_relative_gradient`) with each row's exact delta from the dQ
 kernel's row sums (`_exact_delta`: the dQ kernel then runs first);
@@ -137,7 +141,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 dump_offsets, interpret, fuse_dq=False):
+                 dump_offsets, interpret, fuse_dq=False, pair_sites=0):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -145,7 +149,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     [B, Hq, 2 num_kv_blocks, entries, 64]. dump_offsets: per such array, None or the
     (first, count) of its `relative_reads.Dump`, whose tiles go to its dump_ref
     [B Hq 2 num_kv_blocks count, 64 keys, 64 queries] instead. delta_ref then holds each
-    row's exact delta (`_exact_delta`)."""
+    row's exact delta (`_exact_delta`).
+    fuse_dq: dQ too, added into the float32 dq_ref after the outputs (`_fused_dq`).
+    pair_sites (with fuse_dq only): how many captured arrays read at indices of b and h
+    (their read derivatives after those above) the kernel sums dS' g of per key, in
+    registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks, 1,
+    64] (`_accumulate_pair`), and per query the column sums sum P dP and per array
+    sum P g, added into the float32 columns_ref [B, Hq, 1 + pair_sites, S] after dq_ref
+    (`_accumulate_columns`): with them `_pair_gradients` corrects each row to its exact
+    delta."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
@@ -154,20 +166,23 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     for offsets in dump_offsets:
         entry_refs.append(rest[position:position + (3 if offsets is None else 0)])
         position += len(entry_refs[-1])
+    summed_sites = sites + pair_sites
+    assert fuse_dq or not pair_sites
+    # The float32 dQ (and columns) the kernel adds into come after its outputs.
+    outputs_end = len(rest) - 1 - fuse_dq - bool(pair_sites)
+    dq_ref = rest[outputs_end] if fuse_dq else None
+    columns_ref = rest[outputs_end + 1] if pair_sites else None
     dk_ref, dv_ref = rest[position:position + 2]
-    run_sums_refs = rest[position + 2:position + 2 + sites]
-    dump_refs, (scratch,) = iter(rest[position + 2 + sites:-1]), rest[-1:]
+    run_sums_refs = rest[position + 2:position + 2 + summed_sites]
+    dump_refs, scratch = iter(rest[position + 2 + summed_sites:outputs_end]), rest[-1]
     dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
-    dq_ref = None
-    if fuse_dq:  # the float32 dQ the kernel adds into, after its outputs
-        assert not sites and not dump_offsets
-        dq_ref = rest[position + 2]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     if fuse_dq:
-        ds_smem, dq_staging = entry_smem
-        entry_smem = []
+        ds_smem, dq_staging, *entry_smem = entry_smem
+    if pair_sites:
+        columns_staging, *entry_smem = entry_smem
     staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
-    kv_barriers, ready, consumed = barriers
+    kv_barriers, ready, consumed, *turns = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
     key_tiles = k_ref.shape[1] // ROWS_PER_WARPGROUP
     dtype = q_ref.dtype
@@ -230,6 +245,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                      or (masked and reads_index(mask_program, mask_reads, "q_idx")))
             for masked in (False, True)}
         mods = dict(tile=tile, q_axis=1, kv_start=kv_start, interpret=interpret)
+        # Padded keys have P > 0 here (their dK, dV rows are sliced off): the column sums
+        # over the keys leave them out.
+        real_keys = None
+        if pair_sites and kv_len % BLOCK:
+            real_keys = Vector((index_vector(kv_start, ROWS_PER_WARPGROUP, 0).value
+                                < kv_len).astype(jnp.float32), 0)
 
         def visit(step, head, q_start, masked, carry):
             slot = lax.rem(step, jnp.int32(num_stages))
@@ -275,14 +296,46 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 d_scores_t_weighted = d_scores_t * score_derivative
             else:
                 d_scores_t_weighted = d_scores_t
+            sums_of_sites = functools.partial(
+                accumulate_sites, d_scores_t, read_derivatives, states, head, q_start)
             if fuse_dq:
+                columns = ()
+                if pair_sites:
+                    columns = in_turn(step, lambda: _accumulate_columns(
+                        probabilities_t if real_keys is None
+                        else probabilities_t * to_tile(real_keys, tile),
+                        d_probabilities_t, read_derivatives[sites:], tile))
                 _fused_dq(d_scores_t_weighted.astype(dtype), d_k, q_tile, step, slot, head,
-                          q_start)
+                          q_start, while_dk_runs=sums_of_sites, columns=columns)
                 return
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
+            sums_of_sites()
+            # The slot is released once dK's wgmma has read it: reading the accumulators
+            # at the end of `with_accumulators` waits for every wgmma of the step.
+            result(d_k, in_flight_after=0, interpret=interpret)
+            plgpu.barrier_arrive(consumed.at[slot])
+
+        def in_turn(step, reductions):
+            """reductions() run by one compute warpgroup at a time, warpgroup 0 first
+            each step. Pallas's cross-warp reductions (the column sums: keys are the
+            tile's rows, spread over the warps) exchange through one shared-memory
+            scratch at the same address for every warpgroup, indexed by the warp within
+            its warpgroup (`lowering._reduce_lowering_rule`, `FragmentedArray.reduce`):
+            run at once, the two warpgroups' sums would race. Both walk the same steps."""
+            (turn,) = turns
+            pl.when((warpgroup == 1) | (step > 0))(
+                lambda: plgpu.barrier_wait(turn.at[1 - warpgroup]))
+            result_ = reductions()
+            plgpu.barrier_arrive(turn.at[warpgroup])
+            return result_
+
+        def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start):
+            """dS' g of each differentiated read summed where its gradient is taken: by
+            table entry (`_accumulate_runs`) or into per-key register sums (the states:
+            two per dumped table, then one per pair site, `_accumulate_pair`)."""
             states = iter(states)
-            for site, derivative in enumerate(read_derivatives):
+            for site, derivative in enumerate(read_derivatives[:sites]):
                 dump = None
                 if dump_refs[site] is not None:
                     first_offset, count = dump_offsets[site]
@@ -295,47 +348,63 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                  entry_refs[site], dump, batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
-            # The slot is released once dK's wgmma has read it: reading the accumulators
-            # at the end of `with_accumulators` waits for every wgmma of the step.
-            result(d_k, in_flight_after=0, interpret=interpret)
-            plgpu.barrier_arrive(consumed.at[slot])
+            for derivative in read_derivatives[sites:]:
+                _accumulate_pair(next(states), d_scores_t, derivative, tile)
 
-        def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start):
+        def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start, while_dk_runs,
+                      columns):
             """dK += dS^T Q, and dQ[q tile] += dS K over this warpgroup's 64 keys (head
             dim 64: one [64, 64] tile): dS^T goes to shared memory, which dK's wgmma
             reads, and dQ's transposed; the float32 dQ tile is added into dq_ref with a
             TMA reduce-add from a staging tile (interpret mode: written to this key
-            tile's own partial sums)."""
+            tile's own partial sums), and so are the column sums `columns` into
+            columns_ref (staged first: they leave registers before the matmuls)."""
+            buffer = lax.rem(step, jnp.int32(DQ_STAGING))
+            if columns:
+                # The copies from this buffer DQ_STAGING steps ago have read it.
+                plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
+                for index, column in enumerate(columns):
+                    columns_staging.at[warpgroup, buffer, index][...] = column
             d_scores_tile = ds_smem.at[warpgroup]
             d_scores_tile[...] = d_scores_t
             plgpu.commit_smem()  # visible to wgmma (the async proxy)
             issue(d_k, d_scores_tile, q_tile, interpret=interpret)
+            while_dk_runs()
 
             def dq_matmul(_, fresh):
                 (d_q,) = fresh
                 issue(d_q, d_scores_tile, k_smem, transpose_a=True, interpret=interpret)
                 d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
                 plgpu.barrier_arrive(consumed.at[slot])
-                buffer = lax.rem(step, jnp.int32(DQ_STAGING))
-                # The copy from this buffer DQ_STAGING steps ago has read it.
-                plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
+                if not columns:
+                    # The copy from this buffer DQ_STAGING steps ago has read it.
+                    plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
                 dq_staging.at[warpgroup, buffer][...] = d_q
                 plgpu.commit_smem()
-                q_rows = (batch, pl.ds(q_start, Q_TILE), head)
-                if interpret:  # no TMA reductions there: each key tile sums its own
-                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
-                                            dq_ref.at[(kv_block, warpgroup) + q_rows])
-                else:
-                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
-                                            dq_ref.at[q_rows], reduction_op="add")
+                copies = [(dq_staging.at[warpgroup, buffer],
+                           (batch, pl.ds(q_start, Q_TILE), head), dq_ref)]
+                if columns:
+                    copies.append((columns_staging.at[warpgroup, buffer],
+                                   (batch, head, slice(None), pl.ds(q_start, Q_TILE)),
+                                   columns_ref))
+                for source, where, target in copies:
+                    if interpret:  # no TMA reductions there: each key tile sums its own
+                        plgpu.copy_smem_to_gmem(source,
+                                                target.at[(kv_block, warpgroup) + where],
+                                                commit_group=False)
+                    else:
+                        plgpu.copy_smem_to_gmem(source, target.at[where],
+                                                reduction_op="add", commit_group=False)
+                plgpu.commit_smem_to_gmem_group()
             with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
-        # Per dumped array, two key sums carried in registers (`_dump_or_add`).
+        # Per dumped array, two key sums carried in registers (`_dump_or_add`), then one
+        # per pair site (`_accumulate_pair`).
         no_sums = plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP,)), vector_layout(0))
-        carry += (no_sums,) * (2 * sum(ref is not None for ref in dump_refs))
+        carry += (no_sums,) * (2 * sum(ref is not None for ref in dump_refs) + pair_sites)
         for site in range(sites):
             if dump_refs[site] is None:
                 _clear(entry_smem[site].at[warpgroup])
@@ -348,8 +417,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 if dump_refs[site] is not None:
                     for row in range(2):
                         entry_smem[site].at[warpgroup, row][...] = next(sums)
+            for site in range(sites, summed_sites):
+                entry_smem[site].at[warpgroup, 0][...] = next(sums)
             plgpu.commit_smem()
-            for site in range(sites):
+            for site in range(summed_sites):
                 plgpu.copy_smem_to_gmem(
                     entry_smem[site].at[warpgroup],
                     run_sums_refs[site].at[batch, head, kv_block * COMPUTE_WARPGROUPS + warpgroup],
@@ -361,7 +432,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     _clear(entry_smem[site].at[warpgroup])
             return list(carry[:2]) + [no_sums] * (len(carry) - 2)
 
-        _, (d_k, d_v, *_) = walk(visit, list(carry), flush if sites else None)
+        num_steps, (d_k, d_v, *_) = walk(visit, list(carry),
+                                         flush if summed_sites else None)
+        if pair_sites:  # warpgroup 1's last turn, so that every phase is waited on once
+            (turn,) = turns
+            pl.when((warpgroup == 0) & (num_steps > 0))(
+                lambda: plgpu.barrier_wait(turn.at[1]))
         if fuse_dq:
             plgpu.wait_smem_to_gmem(0)
         k_smem[...] = (d_k * scale).astype(dtype)
@@ -478,8 +554,7 @@ def _weighted_by_derivative(d_scores_t, derivative, tile):
     """dS' g on a dK/dV tile (keys on the rows), g a read's derivative as
     `_scores_to_logits` returns it, taken apart by `split_rows` into a part that varies
     along the keys and one that depends on the query only (a vector along the columns):
-    g is their sum (a T5 table scaled by an expression of kv_idx - q_idx has both).
-    None where the read does not change the score."""
+    g is their sum. None where the read does not change the score."""
     varying, per_row = split_rows(derivative, tile, q_axis=1)
     if per_row is not None and constant_value(per_row) == 0.0:
         per_row = None
@@ -490,6 +565,47 @@ def _weighted_by_derivative(d_scores_t, derivative, tile):
     if varying is None:
         return d_scores_t if constant_value(per_row) == 1.0 else d_scores_t * per_row
     return d_scores_t * (varying if per_row is None else varying + per_row)
+
+
+def _accumulate_columns(probabilities_t, d_probabilities_t, derivatives, tile):
+    """The per-query sums over a dK/dV tile's keys (its columns) that correct the
+    kernels' delta, from the 16-bit output, to each row's exact one: sum P dP, then per
+    read derivative g sum P g (`_pair_gradients`). A reduction across the warpgroup's
+    warps each (the keys are its rows); g's query-only part multiplies the sum."""
+    columns = [(probabilities_t * d_probabilities_t).sum(axis=0)]
+    mass = None
+    for derivative in derivatives:
+        # g = varying + per_row (`split_rows`). Each reduction crosses the warps: a
+        # query-only part is added to the varying one before it (ALiBi's derivative
+        # carries a traced zero there), and multiplies P's own sum only where nothing
+        # varies (a bias: one sum shared by such arrays).
+        varying, per_row = split_rows(derivative, tile, q_axis=1)
+        if per_row is not None and constant_value(per_row) == 0.0:
+            per_row = None
+        if varying is not None:
+            if per_row is not None:
+                varying = varying + (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
+                                     else per_row)
+            columns.append((probabilities_t * varying).sum(axis=0))
+        elif per_row is not None:
+            if mass is None:
+                mass = probabilities_t.sum(axis=0)
+            columns.append(mass * per_row)
+        else:
+            columns.append(jnp.zeros_like(columns[0]))
+    return columns
+
+
+def _accumulate_pair(sums, d_scores_t, derivative, tile):
+    """sums [64 keys] += the tile's dS' g summed over its queries, for a captured array
+    read at indices of b and h (ALiBi slopes, a temperature): every element of a
+    (batch, head)'s walk reaches the same entry, so per-key sums flushed per head, with
+    the kernels' delta, and the column sums that correct it (`_accumulate_columns`) are
+    all its gradient needs (`_pair_gradients`). A row sum within each warp, in
+    registers."""
+    weighted = _weighted_by_derivative(d_scores_t, derivative, tile)
+    if weighted is not None:
+        sums[...] = sums[...] + weighted.sum(axis=1)
 
 
 def _dump_or_add(weighted, dump, *, kv_start, q_start):
@@ -810,13 +926,14 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     dumps = [dump for _, _, dump in entries]
+    fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative)
     run = run_per_element_under_vmap(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
         masked_first=masked_first, pair_positions=pair_positions,
         relative_positions=relative,
         dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
                            for dump in dumps),
-        fuse_dq=fuses_dq(q.shape[3], gradient_positions, deterministic)))
+        fuse_dq=fuse_dq))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
@@ -825,19 +942,57 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                      for tables, _, _ in entries),
                                block_mask.mask_mod, score_program)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
+    # After dq, dk, dv: the dQ kernel's row sums (two kernels, where any array's gradient
+    # is wanted) or the fused kernel's column sums (where an array read at b and h is
+    # differentiated), then the dK/dV kernel's sums per relative read, per read at b and
+    # h (fused), then one dump per relative read that has one.
+    rows = sums.pop(0) if gradient_positions else None
+    run_sums = sums[:len(relative)]
+    pair_sums = sums[len(relative):len(relative) + len(pair_positions)] if fuse_dq else []
+    dumped = iter(sums[len(relative) + len(pair_sums):])
     if pair_positions:
-        for position, grad in zip(pair_positions, _captured_gradients(
-                sums[0], launch.delta, d_lse, score_program, pair_positions, q.shape[1])):
+        grads = (_pair_gradients(pair_sums, rows, launch.delta, d_lse, score_program,
+                                 pair_positions, q.shape[1], k.shape[1])
+                 if fuse_dq else _captured_gradients(rows, launch.delta, d_lse, score_program,
+                                                     pair_positions, q.shape[1]))
+        for position, grad in zip(pair_positions, grads):
             const_grads[position] = grad
-    # The dK/dV kernel's outputs end with one run-sums array per relative read, then one
-    # dump per read that has one.
-    tail = sums[len(sums) - len(relative) - sum(dump is not None for dump in dumps):]
-    run_sums, dumped = tail[:len(relative)], iter(tail[len(relative):])
     for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
         const_grads[position] = _relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
             score_program.consts[position], block_mask, k.shape[1])
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
+
+
+def _pair_gradients(pair_sums, columns, delta, d_lse, score_program, positions, q_len,
+                    kv_len):
+    """Per captured array at `positions` (read at indices of b and h), its gradient from
+    the fused dK/dV kernel's sums: of dS' g per (b, h, key) with the kernels' delta
+    (pair_sums: one [B, Hq, 2 num_kv_blocks, 1, 64] per array, `_accumulate_pair`), and
+    per query row sum P dP, then per array sum P g (columns [B, Hq, 1 + n, S],
+    `_accumulate_columns`). Each row's exact delta* = sum P dP - dlse differs from the
+    kernels' delta (from the 16-bit output) by its rounding; the row's share of the
+    gradient, sum P (dP - delta*) g, is the kernels' plus (delta - delta*) sum P g
+    (`_captured_gradients` has the reasons). Summed over the keys (padded ones left
+    out) and rows, then into the entry each (b, h) reads, in a fixed order
+    (`fixed_order_scatter_sum`): bitwise reproducible given the column sums, which
+    the kernel reduce-adds in whatever order its programs reach them."""
+    batch, heads = pair_sums[0].shape[:2]
+    columns, delta = columns[..., :q_len], delta[..., :q_len]
+    correction = delta - columns[:, :, 0]
+    if d_lse is not None:
+        correction = correction + d_lse.astype(jnp.float32)
+    flat = _read_entries(score_program, positions, batch, heads)
+    grads = []
+    for index, (position, sums) in enumerate(zip(positions, pair_sums)):
+        per_key = jnp.moveaxis(sums, 3, 2).reshape(batch, heads, -1)[..., :kv_len]
+        per_pair = (jnp.sum(per_key, axis=-1)
+                    + jnp.sum(correction * columns[:, :, 1 + index], axis=-1))
+        const = score_program.consts[position]
+        gradient = fixed_order_scatter_sum(flat[index], per_pair.reshape(-1),
+                                           jnp.size(const))
+        grads.append(gradient.reshape(jnp.shape(const)).astype(const.dtype))
+    return grads
 
 
 def _relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
@@ -914,37 +1069,107 @@ def _exact_delta(rows, delta, d_lse):
 
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
-                  dkv_program, dkv_reads, captured_for, settings, num_kv_blocks):
-    """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv).
-    dQ is summed in float32 over the key blocks by TMA reduce-adds into a zeroed array
-    (`jax.new_ref`), in whatever order the programs reach it."""
+                  dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites):
+    """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv, then
+    the sums of the captured arrays' reads, `sites`' outputs). dQ is summed in float32
+    over the key blocks by TMA reduce-adds into a zeroed array (`jax.new_ref`), in
+    whatever order the programs reach it."""
     batch, _, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     interpret = settings["interpret"]
-    stages = _FUSED_STAGES[head_dim]
-    dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
-                            score_reads=dkv_reads, relative_entries=(), dump_offsets=(),
-                            fuse_dq=True, **settings)
-    # dS^T and the float32 dQ staging tiles, per compute warpgroup.
-    scratch, num_smem = dkv_scratch(stages, (
+    # dS^T and the float32 dQ staging tiles, per compute warpgroup, then the sites' sums.
+    extra_smem = (
         plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
                    transforms=tile_transforms(Q_TILE)),
         plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
-                   transforms=_FLOAT32_TRANSFORMS)))
+                   transforms=_FLOAT32_TRANSFORMS))
+    column_rows = 1 + sites.pair_sites if sites.pair_sites else 0
+    site_bytes = sites.smem_bytes + COMPUTE_WARPGROUPS * DQ_STAGING * column_rows * Q_TILE * 4
+    if column_rows:  # the column sums' staging, double-buffered as dQ's
+        extra_smem += (plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, column_rows, Q_TILE),
+                                  jnp.float32),)
+    extra_smem += sites.smem
+    stages = fused_stages(head_dim, site_bytes)
+    dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
+                            score_reads=dkv_reads, relative_entries=sites.relative_entries,
+                            dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
+                            fuse_dq=True, **settings)
+    # The compute warpgroups take turns at the column sums (`_dkdv_kernel`).
+    scratch, num_smem = dkv_scratch(stages, extra_smem, (
+        plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),) if column_rows else ())
     # Interpret mode has no TMA reductions: there every key tile (key block and
     # warpgroup) writes partial sums of its own, summed here.
     parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
-    accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
-    d_k, d_v = call(dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-                    captured_for(dkv_program, dkv_reads),
-                    (jax.ShapeDtypeStruct(k.shape, k.dtype),
-                     jax.ShapeDtypeStruct(v.shape, v.dtype)),
-                    {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-                    scratch, num_smem, accumulator=accumulator)
-    d_q = accumulator[...]
+    accumulators = [jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))]
+    if column_rows:
+        accumulators.append(jax.new_ref(jnp.zeros(
+            parts + (batch, q_heads, column_rows, q.shape[1]), jnp.float32)))
+    d_k, d_v, *site_sums = call(
+        dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
+        (*captured_for(dkv_program, dkv_reads), *sites.tables),
+        (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+         *sites.out_types),
+        {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
+        scratch, num_smem, accumulators=accumulators)
+    d_q, *columns = [accumulator[...] for accumulator in accumulators]
     if interpret:
-        d_q = d_q.sum(axis=(0, 1))
-    return (d_q * settings["scale"]).astype(q.dtype), d_k, d_v
+        d_q, *columns = [added.sum(axis=(0, 1)) for added in (d_q, *columns)]
+    return ((d_q * settings["scale"]).astype(q.dtype), d_k, d_v, *columns, *site_sums)
+
+
+# Shared memory a program may take (bytes): the H100's and H200's 227 KiB, less the 2 KiB
+# Pallas reserves for cross-warp reductions.
+_SHARED_MEMORY = 232448 - 2048
+
+
+def fused_stages(head_dim: int, site_bytes: int = 0) -> int:
+    """Q/dO stages of the fused dK/dV/dQ kernel: `_FUSED_STAGES`, fewer where the sums of
+    captured arrays' reads (site_bytes of shared memory) would not fit beside them."""
+    item = 2  # 16-bit operands
+    fixed = (2 * COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * head_dim * item  # K, V
+             + COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE * item  # dS^T
+             + COMPUTE_WARPGROUPS * DQ_STAGING * Q_TILE * Q_TILE * 4  # dQ staging
+             + site_bytes)
+    per_stage = 2 * Q_TILE * head_dim * item + 2 * Q_TILE * 4  # Q, dO, lse, delta
+    stages = _FUSED_STAGES[head_dim]
+    while stages > 2 and fixed + stages * per_stage > _SHARED_MEMORY:
+        stages -= 1
+    return stages
+
+
+class _Sites:
+    """The dK/dV kernel's sums of differentiated captured reads: per array read at
+    kv_idx - q_idx its entry count and dump, the number of arrays read at b and h it
+    sums (fused only), their shared-memory buffers, entry tables and outputs."""
+
+    def __init__(self, relative_entries, dump_offsets, pair_sites, batch, q_heads,
+                 num_kv_blocks, entry_tables_):
+        self.relative_entries, self.dump_offsets = relative_entries, dump_offsets
+        self.pair_sites = pair_sites
+        # A dumped table's sums have two rows (the tiles before and past its offsets); an
+        # array read at b and h one.
+        rows = tuple(entries if offsets is None else 2
+                     for entries, offsets in zip(relative_entries, dump_offsets))
+        rows += (1,) * pair_sites
+        self.smem = tuple(plgpu.SMEM((COMPUTE_WARPGROUPS, count, ROWS_PER_WARPGROUP),
+                                     jnp.float32) for count in rows)
+        self.smem_bytes = sum(COMPUTE_WARPGROUPS * count * ROWS_PER_WARPGROUP * 4
+                              for count in rows)
+        self.out_types = tuple(
+            jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, count,
+                                  ROWS_PER_WARPGROUP), jnp.float32)
+            for count in rows)
+        dump_counts = [count for _, count in filter(None, dump_offsets)]
+        self.out_types += tuple(
+            jax.ShapeDtypeStruct((batch * q_heads * COMPUTE_WARPGROUPS * num_kv_blocks * count,
+                                  ROWS_PER_WARPGROUP, Q_TILE), jnp.float32)
+            for count in dump_counts)
+        if dump_counts:  # the staging tile the dumps are copied from, one per warpgroup
+            self.smem += (plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE),
+                                     jnp.float32),)
+            self.smem_bytes += COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE * 4
+        self.tables = tuple(table.astype(jnp.int32) for tables in entry_tables_
+                            for table in tables)
 
 
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
@@ -965,10 +1190,12 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         # The dQ kernel also differentiates the values read at indices of b and h from
         # the arrays whose gradients are wanted, the dK/dV kernel those read at indices
         # of kv_idx - q_idx; else d score_mod / d score only.
+        # Fused, the dK/dV kernel takes both (each row's delta exact: a float32 output).
         dq_program = (with_read_derivatives(score_program, pair_positions)
                       if pair_positions else with_score_derivative(score_program))
-        dkv_program = (with_read_derivatives(score_program, relative_positions)
-                       if relative_positions else with_score_derivative(score_program))
+        dkv_positions = relative_positions + (pair_positions if fuse_dq else ())
+        dkv_program = (with_read_derivatives(score_program, dkv_positions)
+                       if dkv_positions else with_score_derivative(score_program))
     mask_reads = tile_reads(mask_program)
     dq_reads, dkv_reads = tile_reads(dq_program), tile_reads(dkv_program)
 
@@ -987,9 +1214,10 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def dkv_scratch(stages, extra_smem=()):
+    def dkv_scratch(stages, extra_smem=(), extra_barriers=()):
         """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and
-        delta per stage, then `extra_smem`) and barriers; the count of the former."""
+        delta per stage, then `extra_smem`) and barriers (then `extra_barriers`); the
+        count of the former."""
         buffers = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
                    smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
                    smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
@@ -997,24 +1225,26 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
                     plgpu.Barrier(num_arrivals=4, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
-        return buffers + barriers, len(buffers)
+        return buffers + barriers + tuple(extra_barriers), len(buffers)
 
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
-             accumulator=None):
-        """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
-        a mutable float32 array (`jax.new_ref`) it adds into, after its outputs."""
+             accumulators=()):
+        """`kernel` launched on the operands, tables and captured arrays; `accumulators`:
+        mutable float32 arrays (`jax.new_ref`) it adds into, after its outputs."""
         num_inputs = len(operands) + len(kernel_tables) + len(captured)
+        added = len(accumulators)
 
         def entry(*refs):
-            if accumulator is not None:  # the kernel takes it after its outputs
-                refs = refs[:num_inputs] + refs[num_inputs + 1:] + refs[num_inputs:][:1]
+            if added:  # the kernel takes them after its outputs
+                refs = (refs[:num_inputs] + refs[num_inputs + added:]
+                        + refs[num_inputs:num_inputs + added])
 
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
             pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
 
         names = tuple(grid)
-        if accumulator is None:
+        if not added:
             return plgpu.kernel(
                 entry, out_type=out_type, grid=tuple(grid[name] for name in names),
                 grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
@@ -1029,11 +1259,16 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
             entry, out_type=out_type, mesh=mesh,
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=plgpu.InterpretGPUParams() if interpret else False,
-        )(*operands, *kernel_tables, *captured, accumulator)
+        )(*operands, *kernel_tables, *captured, *accumulators)
 
+    relative_entries = tuple(entry_count(score_program, position)
+                             for position in relative_positions)
+    sites = _Sites(relative_entries, dump_offsets, len(pair_positions) if fuse_dq else 0,
+                   batch, q_heads, num_kv_blocks, entry_tables_)
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
-                             dkv_program, dkv_reads, captured_for, settings, num_kv_blocks)
+                             dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
+                             sites)
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only.
     row_count = (2 + 2 * len(pair_positions) if pair_positions
@@ -1060,35 +1295,17 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
         num_smem=6 + len(rows_smem))
 
-    relative_entries = tuple(entry_count(score_program, position)
-                             for position in relative_positions)
     if relative_positions:
         delta = _exact_delta(rows[0], delta, d_lse)
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=relative_entries,
                             dump_offsets=dump_offsets, **settings)
-    # A dumped table's sums have two rows: the tiles before and past its offsets.
-    sum_rows = tuple(entries if offsets is None else 2
-                     for entries, offsets in zip(relative_entries, dump_offsets))
-    entry_smem = tuple(vectors(COMPUTE_WARPGROUPS, rows, ROWS_PER_WARPGROUP)
-                       for rows in sum_rows)
-    run_sums_type = tuple(
-        jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, rows,
-                              ROWS_PER_WARPGROUP), jnp.float32)
-        for rows in sum_rows)
-    dumps_type = tuple(
-        jax.ShapeDtypeStruct((batch * q_heads * COMPUTE_WARPGROUPS * num_kv_blocks * count,
-                              ROWS_PER_WARPGROUP, Q_TILE), jnp.float32)
-        for _, count in filter(None, dump_offsets))
-    if dumps_type:  # the staging tile the dumps are copied from, one per warpgroup
-        entry_smem += (vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE),)
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads),
-         *[table.astype(jnp.int32) for tables in entry_tables_ for table in tables]),
+        (*captured_for(dkv_program, dkv_reads), *sites.tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-         *run_sums_type, *dumps_type),
+         *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        *dkv_scratch(dkv_stages, entry_smem))
+        *dkv_scratch(dkv_stages, sites.smem))
     return (d_q, d_k, d_v, *rows, *run_sums)

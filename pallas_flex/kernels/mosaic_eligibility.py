@@ -98,13 +98,23 @@ def named_turn_barriers(head_dim, score_program) -> bool:
     return head_dim == 128 and hand_over_early(head_dim, score_program)
 
 
-def fuses_dq(head_dim, gradient_positions, deterministic) -> bool:
+# Whether gradients of captured arrays read at b and h keep the fused D 64 kernel
+# (`fuses_dq`). Off until run on a GPU: written on 2026-11-29 without device time.
+FUSE_CAPTURED_GRADIENTS = False
+
+
+def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=()) -> bool:
     """Whether the Mosaic GPU backward computes dQ in its dK/dV kernel (dS^T through
     shared memory, dQ += dS K per 64-key tile, float32 pieces TMA-reduce-added into a
     zeroed dQ: 5 matmuls per tile pair) instead of a dQ kernel of its own (which
-    recomputes S and dP: 7). At D 64 only, without gradients of captured arrays (their
-    row sums live in the dQ kernel), and not where results must be bitwise reproducible
-    (the reduce-adds' order varies run to run).
+    recomputes S and dP: 7). At D 64 only, and not where results must be bitwise
+    reproducible (the reduce-adds' order varies run to run). With gradients of captured
+    arrays (`gradient_positions`) only where `FUSE_CAPTURED_GRADIENTS` is set and none
+    is read at kv_idx - q_idx (`relative_positions`, T5 tables): the row sums that
+    correct the kernels' delta to each row's exact one are then column sums of the
+    fused kernel's tiles, reduce-added beside dQ (`backward_mosaic._accumulate_columns`),
+    where a T5 table's sums by entry need the exact delta inside the dK/dV kernel,
+    which the dQ kernel's row sums give it.
 
     H100, bf16 fwd+bwd, paired rounds, ms, fused / two kernels: B8 H16 S2048 D64 noop
     1.235 / 1.317 (cuDNN ~1.30). At D 128 the fused kernel spilled 450-540 bytes of
@@ -121,7 +131,9 @@ def fuses_dq(head_dim, gradient_positions, deterministic) -> bool:
     5.19). With 32-query steps instead (S^T, dP^T [64, 32] and dQ^T = K^T dS^T [128, 32]:
     60 B of spills) it lost to the two kernels 4.76 / 3.88 (B4 noop) and 16.99 / 15.36
     (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md)."""
-    return head_dim == 64 and not tuple(gradient_positions) and not deterministic
+    if head_dim != 64 or deterministic or tuple(relative_positions):
+        return False
+    return not tuple(gradient_positions) or FUSE_CAPTURED_GRADIENTS
 
 
 def _has_transcendental(score_program) -> bool:

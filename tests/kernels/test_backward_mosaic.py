@@ -330,15 +330,33 @@ def test_a_table_read_times_an_index_expression_trains(monkeypatch):
     assert np.max(np.abs(ours - want)) <= 3e-4 * np.max(np.abs(want))
 
 
+@pytest.fixture(params=[False, True], ids=["two_kernels", "fused"])
+def fuse_captured(request, monkeypatch):
+    """Whether gradients of captured arrays read at b and h keep the fused D 64 kernel
+    (`mosaic_eligibility.FUSE_CAPTURED_GRADIENTS`, off by default until run on a GPU)."""
+    from pallas_flex.kernels import mosaic_eligibility
+    monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", request.param)
+    # The flag is read when a call is traced: no call traced under the other value.
+    jax.clear_caches()
+    yield request.param
+    jax.clear_caches()
+
+
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend,
-                                                                   xla_cpu_optimized):
+def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fuse_captured,
+                                                                   xla_cpu_optimized,
+                                                                   fused_launches):
     """A 0-d temperature, bidirectional ALiBi slopes [Hq] and a bias shared by head pairs
     [Hq / 2], all differentiated at once with a loss on out and lse, GQA, a ragged
     length: every gradient matches autodiff of the dense float32 reference, the captured
-    ones to float32 precision (the kernel sums each row's exact delta; the Triton
+    ones to float32 precision (each row corrected to its exact delta by sums the fused
+    kernel reduce-adds across key blocks, `backward_mosaic._pair_gradients`; the Triton
     backward's error is 0.9 % on the temperature here), and two runs give the same
-    bits. (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
+    dk, dv bits, and with two kernels (the dQ kernel summing the rows' exact deltas,
+    `_captured_gradients`) every gradient's; fused (the dK/dV kernel computing dQ too,
+    `FUSE_CAPTURED_GRADIENTS`) dq and the captured gradients take reduce-adds in
+    whatever order the programs reach them.
+    (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
     `conftest.xla_cpu_optimized`.)"""
     # Interpret mode: one batch row (no mod here reads b: the arrays are per head; batch
     # 2 runs in the T5 test's causal case and on the GPU).
@@ -364,20 +382,24 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend,
                                 argnums=range(6)))
 
     captured = (temperature, slopes, pair_bias)
-    ours = grad(backend, MOSAIC)(q, k, v, *captured)
+    options = MOSAIC
+    ours = grad(backend, options)(q, k, v, *captured)
     # Run to run on the GPU (the interpreter on the CPU is reproducible anyway).
-    again = grad(backend, MOSAIC)(q, k, v, *captured) if backend == "pallas" else ours
+    again = grad(backend, options)(q, k, v, *captured) if backend == "pallas" else ours
     want = grad("reference", None)(*[x.astype(jnp.float32) for x in (q, k, v)], *captured)
+    assert bool(fused_launches) == fuse_captured
     for name, got, repeat, expected in zip(("dq", "dk", "dv", "d_temperature", "d_slopes",
                                             "d_pair_bias"), ours, again, want):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
+        if not fuse_captured or name in ("dk", "dv"):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         tolerance = 2e-2 if name in ("dq", "dk", "dv") else 1e-4
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
+def test_captured_gradients_with_sinks_and_rows_without_keys(backend, fuse_captured,
+                                                            fused_launches):
     """Learnable ALiBi slopes next to learnable sinks, with query rows that see no key:
     each row's probability mass over its keys (which the captured-array gradients'
     exact delta needs) is 1 less the sink's weight, 0 on the empty rows; the backward
@@ -410,6 +432,7 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend):
                                 argnums=range(5), has_aux=True))(*args)
 
     ours, (out, lse) = grad(backend, MOSAIC, q, k, v, slopes, sinks)
+    assert bool(fused_launches) == fuse_captured
     want, _ = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], slopes,
                    sinks)
     for name, got, expected in zip(("dq", "dk", "dv", "d_slopes", "d_sinks"), ours, want):
@@ -446,13 +469,19 @@ def test_the_dispatcher_rules():
         resolve_options({"backward_kernel": "cuda"}, 64)
 
 
-def test_fused_dq_rule():
-    """dQ is fused into the dK/dV kernel at head dim 64 only, never with gradients of
-    captured arrays or in deterministic mode."""
+def test_fused_dq_rule(monkeypatch):
+    """dQ is fused into the dK/dV kernel at head dim 64 only, never in deterministic
+    mode, with gradients of captured arrays only where FUSE_CAPTURED_GRADIENTS is set
+    and none is read at kv_idx - q_idx."""
+    from pallas_flex.kernels import mosaic_eligibility
     from pallas_flex.kernels.mosaic_eligibility import fuses_dq
     assert fuses_dq(64, (), False)
     assert not fuses_dq(64, (), True)
     assert not fuses_dq(64, (0,), False)
+    monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", True)
+    assert fuses_dq(64, (0,), False)
+    assert not fuses_dq(64, (0,), False, relative_positions=(0,))
+    assert not fuses_dq(64, (0,), True)
     for dim in (80, 96, 128):
         assert not fuses_dq(dim, (), False)
 
