@@ -42,7 +42,9 @@ def _spy_on_the_latent_decode(monkeypatch):
 def test_decode_matches_float64_on_the_keys_first_columns(backend, options, monkeypatch):
     """Against float64 on every backend. The Mosaic latent decode (interpret) gets k
     itself as the values' array with Dv, not the slice (which XLA then drops, nothing
-    else using it), and gives the bits of the call on the slice."""
+    else using it), and agrees with the call on the slice up to float32 summation
+    order (that one runs the split-column kernel, k itself the key-stage kernel's
+    64-key tiles: `decode_latent_mosaic.VALUES_FROM_KEY_STAGE`)."""
     seen = _spy_on_the_latent_decode(monkeypatch)
     q, k, mask_mod = _decode_inputs()
     out, lse = pf.attention(q, k, None, value_dim=128, mask_mod=mask_mod, return_lse=True,
@@ -57,8 +59,8 @@ def test_decode_matches_float64_on_the_keys_first_columns(backend, options, monk
         return
     sliced = pf.attention(q, k, v, mask_mod=mask_mod, backend=backend, kernel_options=options)
     assert seen == [(True, 128, 256), (False, 128, 128)]
-    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
-                                  np.asarray(sliced.astype(jnp.float32)))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)),
+                               np.asarray(sliced.astype(jnp.float32)), atol=8e-3, rtol=2e-2)
 
 
 @pytest.mark.parametrize("q_len", [1, 40])
