@@ -872,10 +872,26 @@ def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
     grads = []
     for index, position in enumerate(positions):
         per_pair = jnp.sum(rows[2 + 2 * index] + correction * rows[3 + 2 * index], axis=-1)
-        const = score_program.consts[position]
-        gradient = fixed_order_scatter_sum(flat[index], per_pair.reshape(-1), jnp.size(const))
-        grads.append(gradient.reshape(jnp.shape(const)).astype(const.dtype))
+        grads.append(_into_entries(flat[index].reshape(per_pair.shape), per_pair,
+                                   score_program.consts[position]))
     return grads
+
+
+def _into_entries(flat, sums, const):
+    """The gradient of captured array `const`: `sums` added into the flat entries
+    `flat` (broadcast to sums' shape) in a fixed order (`fixed_order_scatter_sum`), in const's shape
+    and dtype."""
+    flat = jnp.broadcast_to(flat, sums.shape)
+    gradient = fixed_order_scatter_sum(flat.reshape(-1), sums.reshape(-1), jnp.size(const))
+    return gradient.reshape(jnp.shape(const)).astype(const.dtype)
+
+
+def _over_keys(run_sums, kv_len):
+    """The dK/dV kernel's per-key sums [B, Hq, key tiles, rows, 64] summed over the keys
+    (padded ones left out): [B, Hq, rows]."""
+    batch, heads, slots, rows, keys = run_sums.shape
+    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, rows, slots * keys)
+    return jnp.sum(per_key[..., :kv_len], axis=-1)
 
 
 def _read_entries(score_program, positions, batch, heads):
@@ -985,13 +1001,10 @@ def _pair_gradients(pair_sums, columns, delta, d_lse, score_program, positions, 
     flat = _read_entries(score_program, positions, batch, heads)
     grads = []
     for index, (position, sums) in enumerate(zip(positions, pair_sums)):
-        per_key = jnp.moveaxis(sums, 3, 2).reshape(batch, heads, -1)[..., :kv_len]
-        per_pair = (jnp.sum(per_key, axis=-1)
+        per_pair = (_over_keys(sums, kv_len)[..., 0]
                     + jnp.sum(correction * columns[:, :, 1 + index], axis=-1))
-        const = score_program.consts[position]
-        gradient = fixed_order_scatter_sum(flat[index], per_pair.reshape(-1),
-                                           jnp.size(const))
-        grads.append(gradient.reshape(jnp.shape(const)).astype(const.dtype))
+        grads.append(_into_entries(flat[index].reshape(batch, heads), per_pair,
+                                   score_program.consts[position]))
     return grads
 
 
@@ -1002,9 +1015,7 @@ def _relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
     dumped offsets (2 rows in place of E) and its `dumped` tiles: summed over the keys
     (padded ones left out) per (b, h, local entry), then into the array's entries by
     `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`)."""
-    batch, heads, slots, rows, keys = run_sums.shape
-    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, rows, slots * keys)
-    per_row = jnp.sum(per_key[..., :kv_len], axis=-1)
+    per_row = _over_keys(run_sums, kv_len)
     if dump is None:
         per_entry = per_row
     else:
@@ -1016,10 +1027,7 @@ def _relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
         for row, entry in ((0, dump.entries[:, :, 0, 0]), (1, dump.entries[:, :, -1, -1])):
             per_entry = per_entry + jnp.where(entry[..., None] == np.arange(entries),
                                               per_row[..., row, None], 0.0)
-    flat = jnp.broadcast_to(flat, per_entry.shape)
-    gradient = fixed_order_scatter_sum(flat.reshape(-1), per_entry.reshape(-1),
-                                       jnp.size(const))
-    return gradient.reshape(jnp.shape(const)).astype(const.dtype)
+    return _into_entries(flat, per_entry, const)
 
 
 def _visited_tiles(block_mask, dump):
@@ -1083,13 +1091,13 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                    transforms=tile_transforms(Q_TILE)),
         plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
                    transforms=_FLOAT32_TRANSFORMS))
+    # (The sites' sums take a few KiB: the stages fit beside them.)
+    stages = _FUSED_STAGES[head_dim]
     column_rows = 1 + sites.pair_sites if sites.pair_sites else 0
-    site_bytes = sites.smem_bytes + COMPUTE_WARPGROUPS * DQ_STAGING * column_rows * Q_TILE * 4
     if column_rows:  # the column sums' staging, double-buffered as dQ's
         extra_smem += (plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, column_rows, Q_TILE),
                                   jnp.float32),)
     extra_smem += sites.smem
-    stages = fused_stages(head_dim, site_bytes)
     dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
@@ -1117,26 +1125,6 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     return ((d_q * settings["scale"]).astype(q.dtype), d_k, d_v, *columns, *site_sums)
 
 
-# Shared memory a program may take (bytes): the H100's and H200's 227 KiB, less the 2 KiB
-# Pallas reserves for cross-warp reductions.
-_SHARED_MEMORY = 232448 - 2048
-
-
-def fused_stages(head_dim: int, site_bytes: int = 0) -> int:
-    """Q/dO stages of the fused dK/dV/dQ kernel: `_FUSED_STAGES`, fewer where the sums of
-    captured arrays' reads (site_bytes of shared memory) would not fit beside them."""
-    item = 2  # 16-bit operands
-    fixed = (2 * COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * head_dim * item  # K, V
-             + COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE * item  # dS^T
-             + COMPUTE_WARPGROUPS * DQ_STAGING * Q_TILE * Q_TILE * 4  # dQ staging
-             + site_bytes)
-    per_stage = 2 * Q_TILE * head_dim * item + 2 * Q_TILE * 4  # Q, dO, lse, delta
-    stages = _FUSED_STAGES[head_dim]
-    while stages > 2 and fixed + stages * per_stage > _SHARED_MEMORY:
-        stages -= 1
-    return stages
-
-
 class _Sites:
     """The dK/dV kernel's sums of differentiated captured reads: per array read at
     kv_idx - q_idx its entry count and dump, the number of arrays read at b and h it
@@ -1153,8 +1141,6 @@ class _Sites:
         rows += (1,) * pair_sites
         self.smem = tuple(plgpu.SMEM((COMPUTE_WARPGROUPS, count, ROWS_PER_WARPGROUP),
                                      jnp.float32) for count in rows)
-        self.smem_bytes = sum(COMPUTE_WARPGROUPS * count * ROWS_PER_WARPGROUP * 4
-                              for count in rows)
         self.out_types = tuple(
             jax.ShapeDtypeStruct((batch, q_heads, COMPUTE_WARPGROUPS * num_kv_blocks, count,
                                   ROWS_PER_WARPGROUP), jnp.float32)
@@ -1167,7 +1153,6 @@ class _Sites:
         if dump_counts:  # the staging tile the dumps are copied from, one per warpgroup
             self.smem += (plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE),
                                      jnp.float32),)
-            self.smem_bytes += COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE * 4
         self.tables = tuple(table.astype(jnp.int32) for tables in entry_tables_
                             for table in tables)
 
@@ -1190,7 +1175,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         # The dQ kernel also differentiates the values read at indices of b and h from
         # the arrays whose gradients are wanted, the dK/dV kernel those read at indices
         # of kv_idx - q_idx; else d score_mod / d score only.
-        # Fused, the dK/dV kernel takes both (each row's delta exact: a float32 output).
+        # Fused, the dK/dV kernel takes those at b and h too (`_pair_gradients`).
         dq_program = (with_read_derivatives(score_program, pair_positions)
                       if pair_positions else with_score_derivative(score_program))
         dkv_positions = relative_positions + (pair_positions if fuse_dq else ())
