@@ -1,15 +1,16 @@
 """A/B on one H100/H200 to decide `mosaic_eligibility.FUSE_CAPTURED_GRADIENTS` (then
 delete this script and record the figures where that constant is defined).
 
-    PYTHONPATH=$PWD python3 -m benchmarks.fused_captured_ab
+    PYTHONPATH=$PWD python3 -m benchmarks.fused_captured_ab          # on the GPU
+    python -m benchmarks.fused_captured_ab --lower                   # CUDA lowering, CPU
 
 Causal forward+backward with learnable ALiBi slopes at head dim 64 (B8 H16 S2048, B2
 H16 S8192, GQA 32:8 B4 S4096): the two-kernel backward (flag off) against the fused
-dK/dV/dQ kernel with its column sums taken in turns (flag on), and the same call without
-the slopes' gradient (fused either way), each AOT-compiled after `jax.clear_caches()`
-(the flag is read when a call is traced), timed in paired rounds; ms, the cost of the
-slopes' gradient (bar: 1.10x), and the largest difference between the two settings'
-gradients relative to the largest entry."""
+dK/dV/dQ kernel taking the slopes' gradient from the forward's row sums (flag on), and
+the same call without the slopes' gradient (fused either way), each AOT-compiled after
+`jax.clear_caches()` (the flag is read when a call is traced), timed in paired rounds;
+ms, the cost of the slopes' gradient (bar: 1.10x), and the largest difference between
+the two settings' gradients relative to the largest entry."""
 import statistics
 import time
 
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
-from pallas_flex.kernels import mosaic_eligibility
+from pallas_flex.kernels import device, mosaic_eligibility
 
 SHAPES = [(8, 16, 16, 2048), (2, 16, 16, 8192), (4, 32, 8, 4096)]  # B, Hq, Hkv, S
 
@@ -41,6 +42,24 @@ def _ms(executable, args, iters=10):
         out = executable(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - start) / iters * 1e3
+
+
+def lower_only():
+    """The CUDA lowering (Mosaic GPU modules built, no ptxas) of every variant on the CPU."""
+    device.compute_capability = lambda: (9, 0)
+    for batch, q_heads, kv_heads, length in SHAPES:
+        q = jax.ShapeDtypeStruct((batch, length, q_heads, 64), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((batch, length, kv_heads, 64), jnp.bfloat16)
+        args = (q, kv, kv, jax.ShapeDtypeStruct((q_heads,), jnp.float32),
+                jax.ShapeDtypeStruct(q.shape, jnp.float32))
+        for fuse, with_gradient in ((False, True), (True, True), (False, False)):
+            mosaic_eligibility.FUSE_CAPTURED_GRADIENTS = fuse
+            jax.clear_caches()
+            with pf.api.lowering_for_gpu():
+                jax.jit(_step(with_gradient)).trace(*args).lower(lowering_platforms=("cuda",))
+            print(f"B{batch} H{q_heads}:{kv_heads} S{length} fused={fuse} "
+                  f"gradient={with_gradient}: lowered", flush=True)
+    mosaic_eligibility.FUSE_CAPTURED_GRADIENTS = False
 
 
 def main():
@@ -84,4 +103,5 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+    lower_only() if "--lower" in sys.argv[1:] else main()

@@ -14,7 +14,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from pallas_flex import dispatch, sharding
-from pallas_flex.kernels import device
+from pallas_flex.kernels import device, mosaic_eligibility
 from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
@@ -153,21 +153,25 @@ def resolve_scale(scale, head_dim):
 
 
 def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
-                  with_max=False, sinks=None):
+                  with_max=False, sinks=None, row_sums_of=()):
     """(out in out_dtype (default q's), lse), and with_max the row max of the logits, of
     the kernel `pallas_flex.dispatch` picks, run per shard where q, k, v are sharded over
     batch or heads (`pallas_flex.sharding`). sinks [Hq] (or None) take part in the
-    kernel's softmax; the lse includes them."""
+    kernel's softmax; the lse includes them. row_sums_of: positions of captured arrays
+    (`_forward_row_sums`) whose reads' row sums follow (`dispatch.run_forward`)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                      options=options, out_dtype=out_dtype, with_max=with_max)
 
     def forward(operands, offsets):
         q, k, v, block_mask, score_program, sinks = operands
-        block_mask, score_program, _ = sharding.shift_mods(block_mask, score_program, offsets)
+        block_mask, score_program, positions = sharding.shift_mods(block_mask, score_program,
+                                                                   offsets)
         return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
                                     options=options, interpret=backend == "interpret",
-                                    out_dtype=out_dtype, with_max=with_max, sinks=sinks)
+                                    out_dtype=out_dtype, with_max=with_max, sinks=sinks,
+                                    row_sums_of=tuple(positions.index(position)
+                                                      for position in row_sums_of))
 
     return sharding.call(
         forward, (q, k, v, block_mask, score_program, sinks),
@@ -223,10 +227,15 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
         (q, k, v, block_mask, score_program, sinks))
     if not any(wanted.flags) or _backward_takes_exact_deltas(
             q, k, v, block_mask, score_program, config, wanted.flags):
-        out, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
-                                           with_max=with_max, sinks=sinks)
+        row_sums_of = _forward_row_sums(q, k, v, block_mask, score_program, config,
+                                        wanted.flags, with_max)
+        out, lse, *rows = _forward_impl(q, k, v, block_mask, score_program, config,
+                                        with_max=with_max, sinks=sinks,
+                                        row_sums_of=row_sums_of)
+        row_max, row_sums = rows[:len(rows) - len(row_sums_of)], rows[len(rows)
+                                                                     - len(row_sums_of):]
         return (out, lse, *row_max), (q, k, v, block_mask, score_program, sinks, out, lse,
-                                      wanted, sinks_wanted)
+                                      tuple(row_sums), wanted, sinks_wanted)
     # A captured array's gradient sums dS over whole rows, where each row's dS sums to
     # rowsum(P * dP) - delta, zero only if delta = rowsum(dO * out) is taken from the
     # exact output. From the output rounded to 16 bits, every row keeps its rounding
@@ -239,7 +248,7 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
                                                  out_dtype=jnp.float32, with_max=with_max,
                                                  sinks=sinks)
     return ((out_unrounded.astype(q.dtype), lse, *row_max),
-            (q, k, v, block_mask, score_program, sinks, out_unrounded, lse, wanted,
+            (q, k, v, block_mask, score_program, sinks, out_unrounded, lse, (), wanted,
              sinks_wanted))
 
 
@@ -253,9 +262,30 @@ def _backward_takes_exact_deltas(q, k, v, block_mask, score_program, config, wan
         wanted_const_grads=wanted).kernel == "mosaic_backward"
 
 
+def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_max):
+    """The positions of the captured arrays whose row sums the forward returns for the
+    backward: those read at indices of b and h whose gradients are wanted, where the
+    Mosaic backward then fuses dQ into its dK/dV kernel
+    (`mosaic_eligibility.fuses_dq`), which takes their gradients from these sums, and
+    the Mosaic forward runs."""
+    backend, _, options = config
+    positions = mosaic_eligibility.differentiated_positions(score_program, wanted)
+    if not positions:
+        return ()
+    relative = mosaic_eligibility.relative_positions(score_program, positions)
+    if not mosaic_eligibility.fuses_dq(q.shape[3], positions, options.backward_deterministic,
+                                       relative, forward_row_sums=True):
+        return ()
+    if dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
+                               options=options, with_max=with_max).kernel != "mosaic_forward":
+        return ()
+    return positions
+
+
 def _fused_attention_backward(config, with_max, residuals, cotangents):
     del with_max  # the row max is a statistic: its cotangent is dropped
-    q, k, v, block_mask, score_program, sinks, out, lse, wanted, sinks_wanted = residuals
+    (q, k, v, block_mask, score_program, sinks, out, lse, row_sums, wanted,
+     sinks_wanted) = residuals
     d_out, d_lse = cotangents[:2]
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, q.dtype)
@@ -265,7 +295,8 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
     # kernels' backward is the same (a sink is a key with no value), and the sinks'
     # own gradient comes from the lse and the rows' delta (`sinks.sink_gradient`).
     d_q, d_k, d_v, const_grads = _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask,
-                                                score_program, config, wanted.flags)
+                                                score_program, config, wanted.flags,
+                                                row_sums)
     d_sinks = None
     if sinks is not None:
         d_sinks = (sink_gradient(sinks, out, lse, d_out, d_lse) if sinks_wanted.flags[0]
@@ -282,11 +313,12 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
 
 
 def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,
-                   wanted_flags):
+                   wanted_flags, row_sums=()):
     """(dq, dk, dv, per captured array of the score_mod its gradient or None) of the
     backward kernel `pallas_flex.dispatch` picks, given the forward's out (float32 where
-    captured-array gradients are wanted) and lse; d_lse may be None. Run per shard where
-    the inputs are sharded over batch or heads (`pallas_flex.sharding`)."""
+    captured-array gradients are wanted), lse and row sums (`_forward_row_sums`; () where
+    the forward gave none); d_lse may be None. Run per shard where the inputs are
+    sharded over batch or heads (`pallas_flex.sharding`)."""
     backend, scale, options = config
     # The "xla" backend has no GPU kernels: its backward runs the same kernels through
     # Pallas's interpreter (still O(S) memory, just not fast).
@@ -294,14 +326,14 @@ def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, c
                                       options=options, wanted_const_grads=wanted_flags)
 
     def backward(operands, offsets):
-        q, k, v, out, lse, d_out, d_lse, block_mask, score_program = operands
+        q, k, v, out, lse, d_out, d_lse, block_mask, score_program, row_sums = operands
         block_mask, shifted_program, positions = sharding.shift_mods(
             block_mask, score_program, offsets)
         d_q, d_k, d_v, shifted_grads = dispatch.run_backward(
             choice, q, k, v, out, lse, d_out, d_lse, block_mask, shifted_program,
             scale=scale, options=options, interpret=backend != "pallas",
             wanted_const_grads=tuple(False if position is None else wanted_flags[position]
-                                     for position in positions))
+                                     for position in positions), row_sums=row_sums)
         const_grads = [None] * len(wanted_flags)
         for position, grad in zip(positions, shifted_grads):
             if position is not None:
@@ -309,9 +341,11 @@ def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, c
         return d_q, d_k, d_v, const_grads
 
     return sharding.call(
-        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program),
+        backward, (q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                   tuple(row_sums)),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.QUERY, sharding.ROW,
-         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE),
+         sharding.QUERY, sharding.ROW, sharding.roles_of(block_mask, None), sharding.WHOLE,
+         (sharding.ROW,) * len(row_sums)),
         lambda results: (sharding.QUERY, sharding.KEY, sharding.KEY,
                          jax.tree.map(lambda _: sharding.SUM, results[3])),
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])

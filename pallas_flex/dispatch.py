@@ -195,11 +195,17 @@ def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
                 options: KernelOptions, interpret: bool, page_table=None, lengths=None,
-                out_dtype=None, with_max=False, k_scales=None, v_scales=None, sinks=None):
+                out_dtype=None, with_max=False, k_scales=None, v_scales=None, sinks=None,
+                row_sums_of=()):
     """(out, lse), and with_max the row max, of the kernel `choice` names (arguments as
     `choose_forward`'s, plus the paged ones: page_table, lengths, and a quantized
     cache's k_scales, v_scales; sinks [Hq] or None, which the forward kernels fold into
-    their normalization and the decode kernel's output takes in a pass of its own)."""
+    their normalization and the decode kernel's output takes in a pass of its own).
+    row_sums_of (the Mosaic forward only): then per position one row sum more
+    (`forward_mosaic.flex_attention_forward_mosaic`)."""
+    if row_sums_of and choice.kernel != "mosaic_forward":
+        raise ValueError(f"row sums of captured reads come from the Mosaic GPU forward, not "
+                         f"{choice.kernel}")
     paging = dict(page_table=page_table, lengths=lengths)
     if k_scales is not None:
         paging.update(k_scales=k_scales, v_scales=v_scales)
@@ -225,7 +231,7 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
-            with_max=with_max, sinks=sinks,
+            with_max=with_max, sinks=sinks, row_sums_of=row_sums_of,
             items_per_program=_mosaic_items_per_program(q, block_mask, options,
                                                         page_table is not None), **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
@@ -265,16 +271,17 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
 
 def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                  *, scale: float, options: KernelOptions, interpret: bool,
-                 wanted_const_grads=None):
+                 wanted_const_grads=None, row_sums=()):
     """(dq, dk, dv, d_score_consts) of the kernel `choice` names (d_score_consts as
-    `backward.flex_attention_backward` returns them)."""
+    `backward.flex_attention_backward` returns them). row_sums: the Mosaic forward's
+    (`api._forward_row_sums`), or () where it gave none."""
     if choice.kernel == "mosaic_backward":
         return backward_mosaic.flex_attention_backward_mosaic(
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
             interpret=interpret, masked_first=options.backward_masked_first,
             gradient_positions=mosaic_eligibility.differentiated_positions(
                 score_program, wanted_const_grads),
-            deterministic=options.backward_deterministic)
+            deterministic=options.backward_deterministic, row_sums=row_sums)
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                                    scale=scale, options=options, interpret=interpret,
                                    wanted_const_grads=wanted_const_grads)

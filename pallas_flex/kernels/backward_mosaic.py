@@ -42,8 +42,7 @@ What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
 which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`) or,
-fused, the dK/dV kernel per key with the column sums that correct each row to its
-exact delta reduce-added beside dQ (`_accumulate_pair`, `_accumulate_columns`,
+fused, the dK/dV kernel per key from the forward's row sums (`_accumulate_pair`,
 `_pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
 entry (`_accumulate_runs`, `_relative_gradient`) with each row's exact delta from the dQ
@@ -152,12 +151,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     row's exact delta (`_exact_delta`).
     fuse_dq: dQ too, added into the float32 dq_ref after the outputs (`_fused_dq`).
     pair_sites (with fuse_dq only): how many captured arrays read at indices of b and h
-    (their read derivatives after those above) the kernel sums dS' g of per key, in
-    registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks, 1,
-    64] (`_accumulate_pair`), and per query the column sums sum P dP and per array
-    sum P g, added into the float32 columns_ref [B, Hq, 1 + pair_sites, S] after dq_ref
-    (`_accumulate_columns`): with them `_pair_gradients` corrects each row to its exact
-    delta."""
+    (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
+    in registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks,
+    1, 64] (`_accumulate_pair`); C, each row's sum P g from the forward, comes in
+    row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     sites = len(relative_entries)
@@ -168,10 +165,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         position += len(entry_refs[-1])
     summed_sites = sites + pair_sites
     assert fuse_dq or not pair_sites
-    # The float32 dQ (and columns) the kernel adds into come after its outputs.
-    outputs_end = len(rest) - 1 - fuse_dq - bool(pair_sites)
+    row_sums_ref = rest[position] if pair_sites else None
+    position += bool(pair_sites)
+    # The float32 dQ the kernel adds into comes after its outputs.
+    outputs_end = len(rest) - 1 - fuse_dq
     dq_ref = rest[outputs_end] if fuse_dq else None
-    columns_ref = rest[outputs_end + 1] if pair_sites else None
     dk_ref, dv_ref = rest[position:position + 2]
     run_sums_refs = rest[position + 2:position + 2 + summed_sites]
     dump_refs, scratch = iter(rest[position + 2 + summed_sites:outputs_end]), rest[-1]
@@ -179,10 +177,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     if fuse_dq:
         ds_smem, dq_staging, *entry_smem = entry_smem
-    if pair_sites:
-        columns_staging, *entry_smem = entry_smem
+    if pair_sites:  # per stage, the forward's row sums of the query tile
+        row_sums_smem, *entry_smem = entry_smem
     staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
-    kv_barriers, ready, consumed, *turns = barriers
+    kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
     key_tiles = k_ref.shape[1] // ROWS_PER_WARPGROUP
     dtype = q_ref.dtype
@@ -245,12 +243,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                      or (masked and reads_index(mask_program, mask_reads, "q_idx")))
             for masked in (False, True)}
         mods = dict(tile=tile, q_axis=1, kv_start=kv_start, interpret=interpret)
-        # Padded keys have P > 0 here (their dK, dV rows are sliced off): the column sums
-        # over the keys leave them out.
-        real_keys = None
-        if pair_sites and kv_len % BLOCK:
-            real_keys = Vector((index_vector(kv_start, ROWS_PER_WARPGROUP, 0).value
-                                < kv_len).astype(jnp.float32), 0)
 
         def visit(step, head, q_start, masked, carry):
             slot = lax.rem(step, jnp.int32(num_stages))
@@ -297,16 +289,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             else:
                 d_scores_t_weighted = d_scores_t
             sums_of_sites = functools.partial(
-                accumulate_sites, d_scores_t, read_derivatives, states, head, q_start)
+                accumulate_sites, d_scores_t, read_derivatives, states, head, q_start,
+                pair_terms=(probabilities_t, d_probabilities_t, slot))
             if fuse_dq:
-                columns = ()
-                if pair_sites:
-                    columns = in_turn(step, lambda: _accumulate_columns(
-                        probabilities_t if real_keys is None
-                        else probabilities_t * to_tile(real_keys, tile),
-                        d_probabilities_t, read_derivatives[sites:], tile))
                 _fused_dq(d_scores_t_weighted.astype(dtype), d_k, q_tile, step, slot, head,
-                          q_start, while_dk_runs=sums_of_sites, columns=columns)
+                          q_start, while_dk_runs=sums_of_sites)
                 return
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
@@ -316,24 +303,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             result(d_k, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
 
-        def in_turn(step, reductions):
-            """reductions() run by one compute warpgroup at a time, warpgroup 0 first
-            each step. Pallas's cross-warp reductions (the column sums: keys are the
-            tile's rows, spread over the warps) exchange through one shared-memory
-            scratch at the same address for every warpgroup, indexed by the warp within
-            its warpgroup (`lowering._reduce_lowering_rule`, `FragmentedArray.reduce`):
-            run at once, the two warpgroups' sums would race. Both walk the same steps."""
-            (turn,) = turns
-            pl.when((warpgroup == 1) | (step > 0))(
-                lambda: plgpu.barrier_wait(turn.at[1 - warpgroup]))
-            result_ = reductions()
-            plgpu.barrier_arrive(turn.at[warpgroup])
-            return result_
-
-        def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start):
-            """dS' g of each differentiated read summed where its gradient is taken: by
-            table entry (`_accumulate_runs`) or into per-key register sums (the states:
-            two per dumped table, then one per pair site, `_accumulate_pair`)."""
+        def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start,
+                             pair_terms):
+            """dS' g of each differentiated read at kv_idx - q_idx summed by table entry
+            (`_accumulate_runs`; the states: two per dumped table), then P dP (g - C) of
+            each read at b and h into per-key register sums (one state each,
+            `_accumulate_pair`; pair_terms: P^T, dP^T and the stage of the tile's C)."""
             states = iter(states)
             for site, derivative in enumerate(read_derivatives[:sites]):
                 dump = None
@@ -348,23 +323,21 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                                  entry_refs[site], dump, batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
-            for derivative in read_derivatives[sites:]:
-                _accumulate_pair(next(states), d_scores_t, derivative, tile)
+            if pair_sites:
+                probabilities_t, d_probabilities_t, slot = pair_terms
+                products = probabilities_t * d_probabilities_t
+                for index, derivative in enumerate(read_derivatives[sites:]):
+                    _accumulate_pair(next(states), products, derivative,
+                                     load_vector(row_sums_smem.at[slot, index], 1, interpret),
+                                     tile)
 
-        def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start, while_dk_runs,
-                      columns):
+        def _fused_dq(d_scores_t, d_k, q_tile, step, slot, head, q_start, while_dk_runs):
             """dK += dS^T Q, and dQ[q tile] += dS K over this warpgroup's 64 keys (head
             dim 64: one [64, 64] tile): dS^T goes to shared memory, which dK's wgmma
             reads, and dQ's transposed; the float32 dQ tile is added into dq_ref with a
             TMA reduce-add from a staging tile (interpret mode: written to this key
-            tile's own partial sums), and so are the column sums `columns` into
-            columns_ref (staged first: they leave registers before the matmuls)."""
+            tile's own partial sums)."""
             buffer = lax.rem(step, jnp.int32(DQ_STAGING))
-            if columns:
-                # The copies from this buffer DQ_STAGING steps ago have read it.
-                plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
-                for index, column in enumerate(columns):
-                    columns_staging.at[warpgroup, buffer, index][...] = column
             d_scores_tile = ds_smem.at[warpgroup]
             d_scores_tile[...] = d_scores_t
             plgpu.commit_smem()  # visible to wgmma (the async proxy)
@@ -376,25 +349,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 issue(d_q, d_scores_tile, k_smem, transpose_a=True, interpret=interpret)
                 d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
                 plgpu.barrier_arrive(consumed.at[slot])
-                if not columns:
-                    # The copy from this buffer DQ_STAGING steps ago has read it.
-                    plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
+                # The copy from this buffer DQ_STAGING steps ago has read it.
+                plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
                 dq_staging.at[warpgroup, buffer][...] = d_q
                 plgpu.commit_smem()
-                copies = [(dq_staging.at[warpgroup, buffer],
-                           (batch, pl.ds(q_start, Q_TILE), head), dq_ref)]
-                if columns:
-                    copies.append((columns_staging.at[warpgroup, buffer],
-                                   (batch, head, slice(None), pl.ds(q_start, Q_TILE)),
-                                   columns_ref))
-                for source, where, target in copies:
-                    if interpret:  # no TMA reductions there: each key tile sums its own
-                        plgpu.copy_smem_to_gmem(source,
-                                                target.at[(kv_block, warpgroup) + where],
-                                                commit_group=False)
-                    else:
-                        plgpu.copy_smem_to_gmem(source, target.at[where],
-                                                reduction_op="add", commit_group=False)
+                source, where = dq_staging.at[warpgroup, buffer], (batch, pl.ds(q_start, Q_TILE),
+                                                                   head)
+                if interpret:  # no TMA reductions there: each key tile sums its own
+                    plgpu.copy_smem_to_gmem(source, dq_ref.at[(kv_block, warpgroup) + where],
+                                            commit_group=False)
+                else:
+                    plgpu.copy_smem_to_gmem(source, dq_ref.at[where], reduction_op="add",
+                                            commit_group=False)
                 plgpu.commit_smem_to_gmem_group()
             with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
 
@@ -434,10 +400,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
 
         num_steps, (d_k, d_v, *_) = walk(visit, list(carry),
                                          flush if summed_sites else None)
-        if pair_sites:  # warpgroup 1's last turn, so that every phase is waited on once
-            (turn,) = turns
-            pl.when((warpgroup == 0) & (num_steps > 0))(
-                lambda: plgpu.barrier_wait(turn.at[1]))
         if fuse_dq:
             plgpu.wait_smem_to_gmem(0)
         k_smem[...] = (d_k * scale).astype(dtype)
@@ -466,6 +428,10 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             vector = (batch, head, pl.ds(q_start, Q_TILE))
             plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem.at[slot], ready.at[slot])
             plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem.at[slot], ready.at[slot])
+            if pair_sites:
+                plgpu.copy_gmem_to_smem(
+                    row_sums_ref.at[batch, head, :, pl.ds(q_start, Q_TILE)],
+                    row_sums_smem.at[slot], ready.at[slot])
             return carry
 
         num_steps, _ = walk(fetch, ())
@@ -567,45 +533,20 @@ def _weighted_by_derivative(d_scores_t, derivative, tile):
     return d_scores_t * (varying if per_row is None else varying + per_row)
 
 
-def _accumulate_columns(probabilities_t, d_probabilities_t, derivatives, tile):
-    """The per-query sums over a dK/dV tile's keys (its columns) that correct the
-    kernels' delta, from the 16-bit output, to each row's exact one: sum P dP, then per
-    read derivative g sum P g (`_pair_gradients`). A reduction across the warpgroup's
-    warps each (the keys are its rows); g's query-only part multiplies the sum."""
-    columns = [(probabilities_t * d_probabilities_t).sum(axis=0)]
-    mass = None
-    for derivative in derivatives:
-        # g = varying + per_row (`split_rows`). Each reduction crosses the warps: a
-        # query-only part is added to the varying one before it (ALiBi's derivative
-        # carries a traced zero there), and multiplies P's own sum only where nothing
-        # varies (a bias: one sum shared by such arrays).
-        varying, per_row = split_rows(derivative, tile, q_axis=1)
-        if per_row is not None and constant_value(per_row) == 0.0:
-            per_row = None
-        if varying is not None:
-            if per_row is not None:
-                varying = varying + (to_tile(Vector(per_row, 1), tile) if jnp.ndim(per_row)
-                                     else per_row)
-            columns.append((probabilities_t * varying).sum(axis=0))
-        elif per_row is not None:
-            if mass is None:
-                mass = probabilities_t.sum(axis=0)
-            columns.append(mass * per_row)
-        else:
-            columns.append(jnp.zeros_like(columns[0]))
-    return columns
-
-
-def _accumulate_pair(sums, d_scores_t, derivative, tile):
-    """sums [64 keys] += the tile's dS' g summed over its queries, for a captured array
-    read at indices of b and h (ALiBi slopes, a temperature): every element of a
-    (batch, head)'s walk reaches the same entry, so per-key sums flushed per head, with
-    the kernels' delta, and the column sums that correct it (`_accumulate_columns`) are
-    all its gradient needs (`_pair_gradients`). A row sum within each warp, in
-    registers."""
-    weighted = _weighted_by_derivative(d_scores_t, derivative, tile)
-    if weighted is not None:
-        sums[...] = sums[...] + weighted.sum(axis=1)
+def _accumulate_pair(sums, products, derivative, row_sums, tile):
+    """sums [64 keys] += the tile's P dP (g - C) summed over its queries (products:
+    P^T dP^T; row_sums: C [64 queries], each row's sum P g over all its keys, from the
+    forward), for a captured array read at indices of b and h (ALiBi slopes, a
+    temperature): every element of a (batch, head)'s walk reaches the same entry, so
+    per-key sums flushed per head are all its gradient needs (`_pair_gradients`). A row
+    sum within each warp, in registers: no delta, no sum across the warps."""
+    varying, per_row = split_rows(derivative, tile, q_axis=1)
+    # g - C = the part of g that varies along the keys + (its query-only part - C).
+    offset = -row_sums if per_row is None else per_row - row_sums
+    weights = to_tile(Vector(offset, 1), tile)
+    if varying is not None:
+        weights = weights + varying
+    sums[...] = sums[...] + (products * weights).sum(axis=1)
 
 
 def _dump_or_add(weighted, dump, *, kv_start, q_start):
@@ -918,14 +859,16 @@ def _read_entries(score_program, positions, batch, heads):
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
                                    masked_first: bool = True, gradient_positions=(),
-                                   deterministic: bool = False):
+                                   deterministic: bool = False, row_sums=()):
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
     of b and h only, or of kv_idx - q_idx:
     `mosaic_eligibility.captured_gradient_unsupported_reason`), else None.
     deterministic: every gradient bitwise reproducible run to run (no dQ fused into the
-    dK/dV kernel, `mosaic_eligibility.fuses_dq`)."""
+    dK/dV kernel, `mosaic_eligibility.fuses_dq`). row_sums: () or, per position read at
+    b and h, the forward's row sums [B, Hq, Sq] (`forward_mosaic.row_sum_with`), with
+    which the fused kernel takes those arrays' gradients."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale, pad_head_dims=False)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -942,7 +885,15 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     dumps = [dump for _, _, dump in entries]
-    fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative)
+    fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
+                       forward_row_sums=bool(row_sums))
+    stacked_row_sums = None
+    if fuse_dq and pair_positions:
+        if len(row_sums) != len(pair_positions):
+            raise ValueError(f"{len(row_sums)} row sums for the {len(pair_positions)} "
+                             "captured arrays read at b and h whose gradients are wanted")
+        stacked_row_sums = pad_axis(jnp.stack([x.astype(jnp.float32) for x in row_sums],
+                                              axis=2), 3, padded_q_len)
     run = run_per_element_under_vmap(functools.partial(
         _launch, q_len=q.shape[1], kv_len=k.shape[1], scale=scale, interpret=interpret,
         masked_first=masked_first, pair_positions=pair_positions,
@@ -956,19 +907,18 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                # The run counts stay out: each tile's span bounds its loop.
                                tuple(() if tables is None else tables[1:]
                                      for tables, _, _ in entries),
-                               block_mask.mask_mod, score_program)
+                               block_mask.mask_mod, score_program, stacked_row_sums)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
     # After dq, dk, dv: the dQ kernel's row sums (two kernels, where any array's gradient
-    # is wanted) or the fused kernel's column sums (where an array read at b and h is
-    # differentiated), then the dK/dV kernel's sums per relative read, per read at b and
-    # h (fused), then one dump per relative read that has one.
-    rows = sums.pop(0) if gradient_positions else None
+    # is wanted), then the dK/dV kernel's sums per relative read, per read at b and h
+    # (fused), then one dump per relative read that has one.
+    rows = sums.pop(0) if gradient_positions and not fuse_dq else None
     run_sums = sums[:len(relative)]
     pair_sums = sums[len(relative):len(relative) + len(pair_positions)] if fuse_dq else []
     dumped = iter(sums[len(relative) + len(pair_sums):])
     if pair_positions:
-        grads = (_pair_gradients(pair_sums, rows, launch.delta, d_lse, score_program,
-                                 pair_positions, q.shape[1], k.shape[1])
+        grads = (_pair_gradients(pair_sums, row_sums, d_lse, score_program, pair_positions,
+                                 k.shape[1])
                  if fuse_dq else _captured_gradients(rows, launch.delta, d_lse, score_program,
                                                      pair_positions, q.shape[1]))
         for position, grad in zip(pair_positions, grads):
@@ -980,29 +930,24 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
-def _pair_gradients(pair_sums, columns, delta, d_lse, score_program, positions, q_len,
-                    kv_len):
+def _pair_gradients(pair_sums, row_sums, d_lse, score_program, positions, kv_len):
     """Per captured array at `positions` (read at indices of b and h), its gradient from
-    the fused dK/dV kernel's sums: of dS' g per (b, h, key) with the kernels' delta
-    (pair_sums: one [B, Hq, 2 num_kv_blocks, 1, 64] per array, `_accumulate_pair`), and
-    per query row sum P dP, then per array sum P g (columns [B, Hq, 1 + n, S],
-    `_accumulate_columns`). Each row's exact delta* = sum P dP - dlse differs from the
-    kernels' delta (from the 16-bit output) by its rounding; the row's share of the
-    gradient, sum P (dP - delta*) g, is the kernels' plus (delta - delta*) sum P g
-    (`_captured_gradients` has the reasons). Summed over the keys (padded ones left
-    out) and rows, then into the entry each (b, h) reads, in a fixed order
-    (`fixed_order_scatter_sum`): bitwise reproducible given the column sums, which
-    the kernel reduce-adds in whatever order its programs reach them."""
+    the fused dK/dV kernel's per-key sums of P dP (g - C) (pair_sums: one [B, Hq,
+    2 num_kv_blocks, 1, 64] per array, `_accumulate_pair`) and the forward's row sums
+    C = sum P g (row_sums: one [B, Hq, Sq] per array). A row's share of the gradient,
+    sum P (dP - delta*) g with its exact delta* = sum P dP - dlse, is
+    sum P dP g - (sum P dP) C + dlse C = sum P dP (g - C) + dlse C: no delta at all,
+    so none of the 16-bit output's rounding (`_captured_gradients` has why that
+    matters). Summed over the keys (padded ones left out) and rows, then into the
+    entry each (b, h) reads, in a fixed order (`fixed_order_scatter_sum`): bitwise
+    reproducible."""
     batch, heads = pair_sums[0].shape[:2]
-    columns, delta = columns[..., :q_len], delta[..., :q_len]
-    correction = delta - columns[:, :, 0]
-    if d_lse is not None:
-        correction = correction + d_lse.astype(jnp.float32)
     flat = _read_entries(score_program, positions, batch, heads)
     grads = []
-    for index, (position, sums) in enumerate(zip(positions, pair_sums)):
-        per_pair = (_over_keys(sums, kv_len)[..., 0]
-                    + jnp.sum(correction * columns[:, :, 1 + index], axis=-1))
+    for index, (position, sums, row_sum) in enumerate(zip(positions, pair_sums, row_sums)):
+        per_pair = _over_keys(sums, kv_len)[..., 0]
+        if d_lse is not None:
+            per_pair = per_pair + jnp.sum(d_lse.astype(jnp.float32) * row_sum, axis=-1)
         grads.append(_into_entries(flat[index].reshape(batch, heads), per_pair,
                                    score_program.consts[position]))
     return grads
@@ -1077,11 +1022,12 @@ def _exact_delta(rows, delta, d_lse):
 
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
-                  dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites):
+                  dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites,
+                  row_sums):
     """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv, then
     the sums of the captured arrays' reads, `sites`' outputs). dQ is summed in float32
     over the key blocks by TMA reduce-adds into a zeroed array (`jax.new_ref`), in
-    whatever order the programs reach it."""
+    whatever order the programs reach it. row_sums: [B, Hq, pair_sites, S] or None."""
     batch, _, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     interpret = settings["interpret"]
@@ -1093,36 +1039,32 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                    transforms=_FLOAT32_TRANSFORMS))
     # (The sites' sums take a few KiB: the stages fit beside them.)
     stages = _FUSED_STAGES[head_dim]
-    column_rows = 1 + sites.pair_sites if sites.pair_sites else 0
-    if column_rows:  # the column sums' staging, double-buffered as dQ's
-        extra_smem += (plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, column_rows, Q_TILE),
-                                  jnp.float32),)
+    if sites.pair_sites:  # per stage, the query tile's row sums from the forward
+        extra_smem += (plgpu.SMEM((stages, sites.pair_sites, Q_TILE), jnp.float32),)
     extra_smem += sites.smem
     dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
                             fuse_dq=True, **settings)
-    # The compute warpgroups take turns at the column sums (`_dkdv_kernel`).
-    scratch, num_smem = dkv_scratch(stages, extra_smem, (
-        plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),) if column_rows else ())
+    # A stage's copies: Q, dO, lse, delta, and the row sums.
+    scratch, num_smem = dkv_scratch(stages, extra_smem,
+                                    ready_arrivals=4 + bool(sites.pair_sites))
     # Interpret mode has no TMA reductions: there every key tile (key block and
     # warpgroup) writes partial sums of its own, summed here.
     parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
-    accumulators = [jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))]
-    if column_rows:
-        accumulators.append(jax.new_ref(jnp.zeros(
-            parts + (batch, q_heads, column_rows, q.shape[1]), jnp.float32)))
+    d_q = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
     d_k, d_v, *site_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads), *sites.tables),
+        (*captured_for(dkv_program, dkv_reads), *sites.tables,
+         *(() if row_sums is None else (row_sums,))),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        scratch, num_smem, accumulators=accumulators)
-    d_q, *columns = [accumulator[...] for accumulator in accumulators]
+        scratch, num_smem, accumulators=[d_q])
+    d_q = d_q[...]
     if interpret:
-        d_q, *columns = [added.sum(axis=(0, 1)) for added in (d_q, *columns)]
-    return ((d_q * settings["scale"]).astype(q.dtype), d_k, d_v, *columns, *site_sums)
+        d_q = d_q.sum(axis=(0, 1))
+    return ((d_q * settings["scale"]).astype(q.dtype), d_k, d_v, *site_sums)
 
 
 class _Sites:
@@ -1158,14 +1100,16 @@ class _Sites:
 
 
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
-            score_program, *, q_len, kv_len, scale, interpret, masked_first, pair_positions,
-            relative_positions, dump_offsets, fuse_dq=False):
+            score_program, row_sums, *, q_len, kv_len, scale, interpret, masked_first,
+            pair_positions, relative_positions, dump_offsets, fuse_dq=False):
     """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`) on
     block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
     kernel's row sums where any gradient of a captured array is wanted, then per array
     at `relative_positions` the dK/dV kernel's sums per entry (its `entry_tables_`),
     then the tiles dumped for those with `dump_offsets` (`Dump`'s (first_offset,
-    count) or None per array). d_lse: padded, or None (zero or no relative positions)."""
+    count) or None per array). d_lse: padded, or None (zero or no relative positions).
+    row_sums: fused with reads at b and h, the forward's [B, Hq, n, S] (padded), else
+    None."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
@@ -1199,18 +1143,18 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def dkv_scratch(stages, extra_smem=(), extra_barriers=()):
+    def dkv_scratch(stages, extra_smem=(), ready_arrivals=4):
         """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and
-        delta per stage, then `extra_smem`) and barriers (then `extra_barriers`); the
-        count of the former."""
+        delta per stage, then `extra_smem`) and barriers (a stage ready after
+        `ready_arrivals` copies); the count of the former."""
         buffers = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
                    smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
                    smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
                    vectors(stages, Q_TILE), vectors(stages, Q_TILE), *extra_smem)
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
-                    plgpu.Barrier(num_arrivals=4, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
-        return buffers + barriers + tuple(extra_barriers), len(buffers)
+        return buffers + barriers, len(buffers)
 
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
              accumulators=()):
@@ -1253,7 +1197,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
-                             sites)
+                             sites, row_sums)
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only.
     row_count = (2 + 2 * len(pair_positions) if pair_positions

@@ -52,9 +52,9 @@ class KernelOptions:
       Mosaic GPU backward at head dim 64 otherwise sums dQ over key blocks by TMA
       reduce-adds in its dK/dV kernel (`mosaic_eligibility.fuses_dq`; this option runs a
       dQ kernel of its own instead: B8 H16 S2048 D64 fwd+bwd 1.317 against 1.235 ms on
-      the H100; with `mosaic_eligibility.FUSE_CAPTURED_GRADIENTS` set, the gradients
-      of arrays a score_mod captured read at indices of b and h only take row sums
-      reduce-added alike there). Elsewhere those gradients (ALiBi slopes) and small
+      the H100; with `mosaic_eligibility.FUSE_CAPTURED_GRADIENTS` set, also where
+      arrays a score_mod captured read at indices of b and h only are differentiated).
+      Elsewhere those gradients (ALiBi slopes) and small
       tables read per element (at most
       `DETERMINISTIC_MAX_ENTRIES` entries along the axes that vary over a tile: a T5
       table) always are (each program writes its own partial sums, reduced in a fixed

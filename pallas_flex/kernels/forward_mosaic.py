@@ -53,9 +53,9 @@ from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, reads_index, score_parts, split_tile_refs, tile_inputs)
+    matmul, reads_index, score_parts, split_rows, split_tile_refs, tile_inputs)
 from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.masks.mod_program import score_bounds
+from pallas_flex.masks.mod_program import score_bounds, with_read_derivatives
 
 # BLOCK (128): the BlockMask block on both axes, a program's query rows and one K/V
 # tile's rows. Pages of a paged cache are copied whole (or 128 rows of one page) into a
@@ -127,9 +127,14 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
-            with_max=False, with_sinks=False, fixed_max=None, parts_per_block=1):
+            with_max=False, with_sinks=False, fixed_max=None, parts_per_block=1,
+            row_sum_sites=0, mod_program=None):
     """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
-    the row max of the logits (and a shared-memory row buffer for it). paged: whether k_ref / v_ref
+    the row max of the logits (and a shared-memory row buffer for it). row_sum_sites:
+    that many outputs more (each with a row buffer), per derivative g of a captured read
+    that score_program (then `with_read_derivatives` of the score_mod's own program,
+    mod_program, which the kernel's choices go by) computes, the row's sum P g under the
+    softmax's probabilities (`row_sum_with`). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
     ref [Hq] of sink logits (natural units) follows (after the paging refs).
@@ -146,20 +151,23 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         page_table_ref, lengths_ref, *refs = refs
     if with_sinks:
         sinks_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref, *max_ref, scratch) = split_tile_refs(
+    mask_refs, score_refs, (out_ref, lse_ref, *row_refs, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
-    # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max)
-    # and a persistent program's output tiles (see `_launch`).
+    max_ref, sum_refs = row_refs[:with_max], row_refs[with_max:]
+    # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
+    # the row sums' and a persistent program's output tiles (see `_launch`).
     (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
     persistent = items_per_program > 1
     max_smem2 = extra_smem[:1] if with_max else []
+    sum_smem2 = extra_smem[with_max:with_max + row_sum_sites]
     o_smem2 = extra_smem[-1] if persistent else None
+    policy_program = score_program if mod_program is None else mod_program
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
     head_dim = q_ref.shape[3]
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
-    early_hand_over = hand_over_early(head_dim, score_program)
-    exp2_share = exp2_fma_share(head_dim, score_program)
+    early_hand_over = hand_over_early(head_dim, policy_program)
+    exp2_share = exp2_fma_share(head_dim, policy_program)
     first_item = lax.axis_index("programs") * items_per_program
     num_local_items = jnp.minimum(items_per_program, num_items - first_item)
     last_listed = full_indices_ref.shape[-1] - 1
@@ -191,7 +199,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     warpgroup = lax.axis_index("warpgroup")
 
     turns = _Turns(warpgroup, schedule_barrier,
-                   named=not interpret and named_turn_barriers(head_dim, score_program))
+                   named=not interpret and named_turn_barriers(head_dim, policy_program))
 
     def _item(load_queries, q_smem, o_smem, lse_smem, local, consumed):
         """One work item of a compute warpgroup; returns the tiles consumed after it."""
@@ -212,6 +220,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         # row's lse at the end. Zeros where the mod has none; None without a mod.
         row_term = None if score_program is None else plgpu.layout_cast(
             jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32), row_layout)
+        # Per read derivative g, the row's sum of p g, rescaled with the running sum.
+        row_sums = tuple(plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
+                                           row_layout) for _ in range(row_sum_sites))
         # Indices are vectors in the layouts of a tile's rows and columns (a mod's index
         # arithmetic, and ALiBi's int->float conversions, then run once per row or
         # column); `mosaic_tiles.to_tile` spreads them over the tile where they meet.
@@ -280,7 +291,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         def visit_part(part, block_start, step, carry, masked):
             """Keys [part * tile_rows, (part + 1) * tile_rows) of the step's block: the K/V
             tile in slot `slot_of((consumed + step) * parts_per_block + part)`."""
-            accumulator, running_max, running_sum, row_term = carry
+            accumulator, running_max, running_sum, row_term, row_sums = carry
             last_part = part == parts_per_block - 1
             tile_number = (consumed + step) * parts_per_block + part
             slot = slot_of(tile_number)
@@ -306,15 +317,19 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             # Base-2 logits are `raw * logit_scale`, applied inside the exponent below
             # (one FMA per score) with the max taken on the unscaled values (exact for a
             # positive factor).
+            read_derivatives = ()
             if score_program is None:
                 logits, logit_scale = raw, scale * online_softmax.LOG2_E
             else:
                 # The scale and the mod's own constant factors (a soft-cap's cap) fold
                 # into one multiplication or into the exponent (`Affine`).
-                (modded,) = evaluate(score_program, score_reads, score_refs,
-                                     (Affine(raw, scale), batch, head, q_idx, kv_idx),
-                                     tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
-                                     interpret=interpret, keep_affine=True)
+                # (With row sums: the score's derivative, unused, then the reads'.)
+                modded, *derivatives = evaluate(
+                    score_program, score_reads, score_refs,
+                    (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
+                    q_start=q_start, kv_start=kv_start, interpret=interpret,
+                    keep_affine=True)
+                read_derivatives = derivatives[1:]
                 logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:
                     row_term = query_term.value
@@ -334,7 +349,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 new_max = running_max
                 p = fma_exp2.exp2(logits * logit_scale - fixed_max, exp2_share,
                                   interpret=interpret)
-                running_sum = running_sum + p.sum(axis=1)
+                row_mass = p.sum(axis=1)
+                running_sum = running_sum + row_mass
+                row_sums = tuple(total + row_sum_with(p, row_mass, derivative, tile)
+                                 for total, derivative in zip(row_sums, read_derivatives))
             else:
                 new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
                 # A row that has seen only masked scores keeps max -inf: subtract 0
@@ -347,13 +365,17 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     exp2_share, interpret=interpret)
                 accumulator = accumulator * lax.broadcast_in_dim(correction, accumulator.shape,
                                                                  [0])
-                running_sum = running_sum * correction + p.sum(axis=1)
+                scaled_sum = running_sum * correction
+                row_mass = p.sum(axis=1)
+                running_sum = scaled_sum + row_mass
+                row_sums = tuple(total * correction + row_sum_with(p, row_mass, derivative, tile)
+                                 for total, derivative in zip(row_sums, read_derivatives))
             p = p.astype(dtype)
             # The ordering barrier keeps the softmax ahead of the turn handover below
             # (without it the compiler may sink work past it, serializing the two
             # warpgroups), as in JAX's Mosaic GPU attention.
-            accumulator, running_sum, new_max, p = lax.optimization_barrier(
-                (accumulator, running_sum, new_max, p))
+            accumulator, running_sum, new_max, p, row_sums = lax.optimization_barrier(
+                (accumulator, running_sum, new_max, p, row_sums))
             turns.softmax_done()
             plgpu.barrier_wait(v_barriers.at[slot])
             if masked and paged:  # (pages: one part a block)
@@ -374,12 +396,12 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                  interpret=interpret, accumulator=accumulator,
                                  after_issue=wait_for_next_keys)
             plgpu.barrier_arrive(v_consumed.at[slot])
-            return accumulator, new_max, running_sum, row_term
+            return accumulator, new_max, running_sum, row_term, row_sums
 
-        carry = (accumulator, running_max, running_sum, row_term)
+        carry = (accumulator, running_max, running_sum, row_term, row_sums)
         carry = lax.fori_loop(0, num_full, functools.partial(visit, masked=False), carry)
         carry = lax.fori_loop(num_full, num_steps, functools.partial(visit, masked=True), carry)
-        accumulator, running_max, running_sum, row_term = carry
+        accumulator, running_max, running_sum, row_term, row_sums = carry
         turns.end()
         if persistent:  # q_smem is free: the next item's queries load under the epilogue
             pl.when(local + 1 < num_local_items)(lambda: load_queries(local + 1))
@@ -410,6 +432,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             if row_term is not None:
                 row_max = row_max + row_term
             max_smem2[0].at[warpgroup][...] = row_max
+        for total, buffer in zip(row_sums, sum_smem2):
+            buffer.at[warpgroup][...] = jnp.where(has_mass, total * inverse_sum, 0.0)
         o_smem[...] = out.astype(dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem,
@@ -420,6 +444,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             plgpu.copy_smem_to_gmem(
                 max_smem2[0].at[warpgroup],
                 max_ref[0].at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
+        for buffer, sum_ref in zip(sum_smem2, sum_refs):
+            plgpu.copy_smem_to_gmem(buffer.at[warpgroup],
+                                    sum_ref.at[batch, head, pl.ds(q_start, ROWS_PER_WARPGROUP)])
         return consumed + num_steps
 
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
@@ -606,6 +633,19 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
     plgpu.warp_map(per_warp)
 
 
+def row_sum_with(p, row_mass, derivative, tile):
+    """The row sums of p g over a [64 queries, keys] tile, g a captured read's derivative
+    as `evaluate` returns it and row_mass p's own row sums: g's part that varies along
+    the keys takes a product per element, its query-only part multiplies row_mass."""
+    varying, per_row = split_rows(derivative, tile, q_axis=0)
+    total = jnp.zeros_like(row_mass)
+    if varying is not None:
+        total = (p * varying).sum(axis=1)
+    if per_row is not None:
+        total = total + row_mass * per_row
+    return total
+
+
 # A score_mod whose results lie within this much of a centre (natural units) runs with
 # the centre as a fixed shift of its exponentials (`fixed_softmax_shift`): e**60 times a
 # row of 2**20 keys stays far below float32's and bfloat16's largest value, e**-60 far
@@ -669,13 +709,19 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program, num_it
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
                                   lengths=None, with_max: bool = False, sinks=None,
-                                  items_per_program: int = 1):
+                                  items_per_program: int = 1, row_sums_of=()):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
     page_table given, k / v pages; and with sinks [Hq]); only for calls
     `unsupported_reason` accepts. items_per_program: how many consecutive (head, query
     block, batch) items one program walks with one K/V pipeline (`_kernel`; the
-    dispatcher's is `choose_items_per_program`'s)."""
+    dispatcher's is `choose_items_per_program`'s).
+    row_sums_of: positions of captured arrays the score_mod reads once each (as
+    `with_read_derivatives` takes them): then per array one more float32 [B, Hq, Sq]
+    output, each row's sum over its keys of P g, P the softmax's probabilities (sinks
+    included) and g the score's derivative with respect to the value read (0 on rows
+    without keys). The fused Mosaic backward takes a captured array's gradient from
+    them (`backward_mosaic._pair_gradients`)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
@@ -685,7 +731,8 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
                                num_stages=num_stages, with_max=with_max,
-                               items_per_program=items_per_program)
+                               items_per_program=items_per_program,
+                               row_sums_of=tuple(row_sums_of))
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
                               sinks)
 
@@ -730,9 +777,11 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_blocks,
-            kv_len, scale, interpret, num_stages, items_per_program, with_max=False):
+            kv_len, scale, interpret, num_stages, items_per_program, with_max=False,
+            row_sums_of=()):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
-    (logical) key length; sinks: None or float32 [Hq]."""
+    (logical) key length; sinks: None or float32 [Hq]; row_sums_of as
+    `flex_attention_forward_mosaic`'s."""
     batch, q_len, q_heads, head_dim = q.shape
     paged = bool(paging)
     kv_heads = k.shape[1] if paged else k.shape[2]
@@ -749,6 +798,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
     parts_per_block = 1 if paged else _PARTS_PER_BLOCK.get(head_dim, 1)
+    fixed_max = fixed_softmax_shift(score_program, q.dtype, with_max)
+    mod_program = score_program
+    if row_sums_of:  # the kernel evaluates the reads' derivatives beside the mod
+        score_program = with_read_derivatives(score_program, row_sums_of)
     mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
     captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
                            batch=batch, heads=q_heads, q_length=num_q_blocks * BLOCK,
@@ -770,9 +823,9 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
         with_max=with_max, with_sinks=sinks is not None,
-        fixed_max=fixed_softmax_shift(score_program, q.dtype, with_max),
-        parts_per_block=parts_per_block)
-    row_buffers = 2 if with_max else 1  # lse (and the row max)
+        fixed_max=fixed_max, parts_per_block=parts_per_block,
+        row_sum_sites=len(row_sums_of), mod_program=mod_program)
+    row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
     smem_buffers = 3 + row_buffers + persistent  # (and a persistent program's output)
 
     def entry(*refs):

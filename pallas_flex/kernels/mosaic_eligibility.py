@@ -99,22 +99,31 @@ def named_turn_barriers(head_dim, score_program) -> bool:
 
 
 # Whether gradients of captured arrays read at b and h keep the fused D 64 kernel
-# (`fuses_dq`). Off until run on a GPU: written on 2026-11-29 without device time.
+# (`fuses_dq`), taking them from the forward's row sums. Off until measured on a GPU
+# (written on 2026-11-29 without device time). What it replaced, measured on the H200
+# (B8 H16 S2048, B2 S8192, GQA 32:8 B4 S4096; D 64 causal ALiBi fwd+bwd, ms, two
+# kernels / fused / without the slopes' gradient): the fused kernel correcting each
+# row to its exact delta by column sums (sum P dP, sum P g over the keys: reductions
+# across the warps, whose one shared-memory scratch the two compute warpgroups had to
+# take in turns) was right (gradients within 8e-4 of the two kernels') and slow:
+# 0.993 / 1.619 / 0.868, 3.092 / 5.393 / 2.587, 3.211 / 5.821 / 2.661.
 FUSE_CAPTURED_GRADIENTS = False
 
 
-def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=()) -> bool:
+def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
+             forward_row_sums=False) -> bool:
     """Whether the Mosaic GPU backward computes dQ in its dK/dV kernel (dS^T through
     shared memory, dQ += dS K per 64-key tile, float32 pieces TMA-reduce-added into a
     zeroed dQ: 5 matmuls per tile pair) instead of a dQ kernel of its own (which
     recomputes S and dP: 7). At D 64 only, and not where results must be bitwise
     reproducible (the reduce-adds' order varies run to run). With gradients of captured
-    arrays (`gradient_positions`) only where `FUSE_CAPTURED_GRADIENTS` is set and none
-    is read at kv_idx - q_idx (`relative_positions`, T5 tables): the row sums that
-    correct the kernels' delta to each row's exact one are then column sums of the
-    fused kernel's tiles, reduce-added beside dQ (`backward_mosaic._accumulate_columns`),
-    where a T5 table's sums by entry need the exact delta inside the dK/dV kernel,
-    which the dQ kernel's row sums give it.
+    arrays (`gradient_positions`) only where `FUSE_CAPTURED_GRADIENTS` is set, none is
+    read at kv_idx - q_idx (`relative_positions`, T5 tables: their sums by entry need
+    each row's exact delta inside the dK/dV kernel, which the dQ kernel's row sums give
+    it) and the forward gave each array's row sums C = sum P g (`forward_row_sums`,
+    `forward_mosaic.row_sum_with`): a row's share of the gradient, sum P (dP - delta*) g
+    with delta* = sum P dP, is sum P dP (g - C), summed per key in the dK/dV kernel
+    without any delta (`backward_mosaic._accumulate_pair`).
 
     H100, bf16 fwd+bwd, paired rounds, ms, fused / two kernels: B8 H16 S2048 D64 noop
     1.235 / 1.317 (cuDNN ~1.30). At D 128 the fused kernel spilled 450-540 bytes of
@@ -133,7 +142,7 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=())
     (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md)."""
     if head_dim != 64 or deterministic or tuple(relative_positions):
         return False
-    return not tuple(gradient_positions) or FUSE_CAPTURED_GRADIENTS
+    return not tuple(gradient_positions) or (FUSE_CAPTURED_GRADIENTS and forward_row_sums)
 
 
 def _has_transcendental(score_program) -> bool:

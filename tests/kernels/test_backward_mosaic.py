@@ -349,13 +349,12 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     """A 0-d temperature, bidirectional ALiBi slopes [Hq] and a bias shared by head pairs
     [Hq / 2], all differentiated at once with a loss on out and lse, GQA, a ragged
     length: every gradient matches autodiff of the dense float32 reference, the captured
-    ones to float32 precision (each row corrected to its exact delta by sums the fused
-    kernel reduce-adds across key blocks, `backward_mosaic._pair_gradients`; the Triton
-    backward's error is 0.9 % on the temperature here), and two runs give the same
-    dk, dv bits, and with two kernels (the dQ kernel summing the rows' exact deltas,
-    `_captured_gradients`) every gradient's; fused (the dK/dV kernel computing dQ too,
-    `FUSE_CAPTURED_GRADIENTS`) dq and the captured gradients take reduce-adds in
-    whatever order the programs reach them.
+    ones to float32 precision (the Triton backward's error is 0.9 % on the temperature
+    here): with two kernels the dQ kernel sums the rows' exact deltas
+    (`_captured_gradients`), fused (the dK/dV kernel computing dQ too,
+    `FUSE_CAPTURED_GRADIENTS`) it sums P dP (g - C) per key with the forward's row sums
+    C (`backward_mosaic._pair_gradients`). Two runs give the same bits of every
+    gradient but the fused dq (reduce-adds in whatever order the programs reach them).
     (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
     `conftest.xla_cpu_optimized`.)"""
     # Interpret mode: one batch row (no mod here reads b: the arrays are per head; batch
@@ -390,7 +389,7 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     assert bool(fused_launches) == fuse_captured
     for name, got, repeat, expected in zip(("dq", "dk", "dv", "d_temperature", "d_slopes",
                                             "d_pair_bias"), ours, again, want):
-        if not fuse_captured or name in ("dk", "dv"):
+        if not fuse_captured or name != "dq":
             np.testing.assert_array_equal(np.asarray(got), np.asarray(repeat))
         got, expected = np.asarray(got, np.float32), np.asarray(expected, np.float32)
         tolerance = 2e-2 if name in ("dq", "dk", "dv") else 1e-4
@@ -402,9 +401,10 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend, fuse_captu
                                                             fused_launches):
     """Learnable ALiBi slopes next to learnable sinks, with query rows that see no key:
     each row's probability mass over its keys (which the captured-array gradients'
-    exact delta needs) is 1 less the sink's weight, 0 on the empty rows; the backward
-    given the same out and lse from elsewhere (`api.attention_backward`, as context
-    parallelism calls it) agrees."""
+    exact delta, or fused the forward's row sums, take in) is 1 less the sink's weight,
+    0 on the empty rows; the backward given the same out and lse from elsewhere
+    (`api.attention_backward`, as context parallelism calls it: no row sums, two
+    kernels) agrees."""
     length, heads = (130, 2) if backend == "interpret" else (1000, 4)
     q, k, v = random_qkv(8, 1, length, length, heads, heads, 64, 64, jnp.bfloat16)
     slopes = jnp.asarray(masks.alibi_slopes(heads))
@@ -471,17 +471,18 @@ def test_the_dispatcher_rules():
 
 def test_fused_dq_rule(monkeypatch):
     """dQ is fused into the dK/dV kernel at head dim 64 only, never in deterministic
-    mode, with gradients of captured arrays only where FUSE_CAPTURED_GRADIENTS is set
-    and none is read at kv_idx - q_idx."""
+    mode, with gradients of captured arrays only where FUSE_CAPTURED_GRADIENTS is set,
+    the forward gave their row sums and none is read at kv_idx - q_idx."""
     from pallas_flex.kernels import mosaic_eligibility
     from pallas_flex.kernels.mosaic_eligibility import fuses_dq
     assert fuses_dq(64, (), False)
     assert not fuses_dq(64, (), True)
-    assert not fuses_dq(64, (0,), False)
+    assert not fuses_dq(64, (0,), False, forward_row_sums=True)
     monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", True)
-    assert fuses_dq(64, (0,), False)
-    assert not fuses_dq(64, (0,), False, relative_positions=(0,))
-    assert not fuses_dq(64, (0,), True)
+    assert fuses_dq(64, (0,), False, forward_row_sums=True)
+    assert not fuses_dq(64, (0,), False)  # (the statistics handed in: no row sums)
+    assert not fuses_dq(64, (0,), False, relative_positions=(0,), forward_row_sums=True)
+    assert not fuses_dq(64, (0,), True, forward_row_sums=True)
     for dim in (80, 96, 128):
         assert not fuses_dq(dim, (), False)
 

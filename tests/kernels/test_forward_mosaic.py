@@ -789,3 +789,57 @@ def test_soft_cap_at_head_dim_64_with_exp2_on_the_fma_units(dtype, backend):
         np.testing.assert_allclose(np.asarray(out, np.float32),
                                    np.asarray(transcendental, np.float32),
                                    atol=ulp * float(np.max(np.abs(np.asarray(v, np.float32)))))
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_row_sums_of_captured_reads_derivatives(backend):
+    """`row_sums_of`: per captured array the mod reads once, each row's sum over its keys
+    of P g (P the softmax's probabilities, sinks included; g the score's derivative with
+    respect to the value read), which the fused backward takes a captured array's
+    gradient from: a temperature (g = the scaled score), ALiBi slopes (g = -|q - kv|, a
+    query-only part and a varying one) and a bias shared by head pairs (g = 1: P's own
+    mass, 1 less the sink's weight), against float64 on GQA with a ragged length and
+    rows that see no key (0 there)."""
+    from pallas_flex.kernels.forward_mosaic import flex_attention_forward_mosaic
+
+    length, heads, dim = 200, 4, 64
+    q, k, v = random_qkv(11, 1, length, length, heads, 2, dim, dim, jnp.bfloat16)
+    temperature = jnp.float32(0.9)
+    slopes = jnp.asarray(masks.alibi_slopes(heads))
+    pair_bias = jnp.asarray([0.3, -0.7], jnp.float32)
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0], jnp.float32)
+
+    def score_mod(s, b, h, q_idx, kv_idx):
+        return s * temperature - slopes[h] * jnp.abs(q_idx - kv_idx) + pair_bias[h // 2]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= 8) & (kv_idx <= q_idx)
+
+    block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
+    program = make_mod_program(score_mod, SCORE)
+    out, lse, *sums = flex_attention_forward_mosaic(
+        q, k, v, block_mask, program, scale=1 / 8, interpret=backend == "interpret",
+        sinks=sinks, items_per_program=2, row_sums_of=(0, 1, 2))
+    assert len(sums) == 3
+
+    # float64: P over the keys with the sink in the denominator.
+    qf, kf = (np.asarray(x, np.float64) for x in (q, k))
+    kf = np.repeat(kf, 2, axis=2)
+    raw = np.einsum("bqhd,bkhd->bhqk", qf, kf) / 8
+    distance = np.abs(np.arange(length)[:, None] - np.arange(length)[None, :])
+    scores = (raw * 0.9 - np.asarray(slopes, np.float64)[None, :, None, None] * distance
+              + np.asarray(pair_bias, np.float64)[np.arange(heads) // 2][None, :, None, None])
+    keep = (np.arange(length)[:, None] >= 8) & (np.arange(length)[None, :]
+                                                <= np.arange(length)[:, None])
+    scores = np.where(keep, scores, -np.inf)
+    row_max = np.maximum(scores.max(axis=-1, keepdims=True),
+                         np.asarray(sinks, np.float64)[None, :, None, None])
+    weights = np.exp(scores - row_max)
+    total = weights.sum(axis=-1, keepdims=True) + np.exp(
+        np.asarray(sinks, np.float64)[None, :, None, None] - row_max)
+    probabilities = weights / total
+    for got, derivative in zip(sums, (raw, -distance * 1.0, np.ones_like(raw))):
+        want = np.sum(probabilities * np.broadcast_to(derivative, probabilities.shape), axis=-1)
+        got = np.asarray(got)
+        assert np.all(got[:, :, :8] == 0.0)  # rows without keys
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * np.max(np.abs(want)))
