@@ -232,8 +232,8 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
         out, lse, *rows = _forward_impl(q, k, v, block_mask, score_program, config,
                                         with_max=with_max, sinks=sinks,
                                         row_sums_of=row_sums_of)
-        row_max, row_sums = rows[:len(rows) - len(row_sums_of)], rows[len(rows)
-                                                                     - len(row_sums_of):]
+        split = len(rows) - len(row_sums_of)
+        row_max, row_sums = rows[:split], rows[split:]
         return (out, lse, *row_max), (q, k, v, block_mask, score_program, sinks, out, lse,
                                       tuple(row_sums), wanted, sinks_wanted)
     # A captured array's gradient sums dS over whole rows, where each row's dS sums to
