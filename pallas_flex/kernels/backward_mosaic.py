@@ -938,7 +938,9 @@ def _pair_gradients(pair_sums, row_sums, d_lse, score_program, positions, kv_len
     sum P (dP - delta*) g with its exact delta* = sum P dP - dlse, is
     sum P dP g - (sum P dP) C + dlse C = sum P dP (g - C) + dlse C: no delta at all,
     so none of the 16-bit output's rounding (`_captured_gradients` has why that
-    matters). Summed over the keys (padded ones left out) and rows, then into the
+    matters). The kernel's P carries its row's lse rounding (the mod's query-only term,
+    thousands at long rows, lives in the lse) as one factor per row, which scales that
+    row's share alike rather than leaving a difference of large sums. Summed over the keys (padded ones left out) and rows, then into the
     entry each (b, h) reads, in a fixed order (`fixed_order_scatter_sum`): bitwise
     reproducible."""
     batch, heads = pair_sums[0].shape[:2]
