@@ -791,15 +791,16 @@ def test_soft_cap_at_head_dim_64_with_exp2_on_the_fma_units(dtype, backend):
                                    atol=ulp * float(np.max(np.abs(np.asarray(v, np.float32)))))
 
 
+@pytest.mark.parametrize("with_max", [False, True])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_row_sums_of_captured_reads_derivatives(backend):
+def test_row_sums_of_captured_reads_derivatives(backend, with_max):
     """`row_sums_of`: per captured array the mod reads once, each row's sum over its keys
     of P g (P the softmax's probabilities, sinks included; g the score's derivative with
     respect to the value read), which the fused backward takes a captured array's
     gradient from: a temperature (g = the scaled score), ALiBi slopes (g = -|q - kv|, a
     query-only part and a varying one) and a bias shared by head pairs (g = 1: P's own
     mass, 1 less the sink's weight), against float64 on GQA with a ragged length and
-    rows that see no key (0 there)."""
+    rows that see no key (0 there); after the row max where that is asked for too."""
     from pallas_flex.kernels.forward_mosaic import flex_attention_forward_mosaic
 
     length, heads, dim = 200, 4, 64
@@ -817,10 +818,11 @@ def test_row_sums_of_captured_reads_derivatives(backend):
 
     block_mask = pf.create_block_mask(mask_mod, None, None, length, length)
     program = make_mod_program(score_mod, SCORE)
-    out, lse, *sums = flex_attention_forward_mosaic(
+    out, lse, *rows = flex_attention_forward_mosaic(
         q, k, v, block_mask, program, scale=1 / 8, interpret=backend == "interpret",
-        sinks=sinks, items_per_program=2, row_sums_of=(0, 1, 2))
-    assert len(sums) == 3
+        sinks=sinks, items_per_program=2, row_sums_of=(0, 1, 2), with_max=with_max)
+    assert len(rows) == 3 + with_max
+    sums = rows[with_max:]
 
     # float64: P over the keys with the sink in the denominator.
     qf, kf = (np.asarray(x, np.float64) for x in (q, k))
@@ -838,7 +840,11 @@ def test_row_sums_of_captured_reads_derivatives(backend):
     total = weights.sum(axis=-1, keepdims=True) + np.exp(
         np.asarray(sinks, np.float64)[None, :, None, None] - row_max)
     probabilities = weights / total
-    for got, derivative in zip(sums, (raw, -distance * 1.0, np.ones_like(raw))):
+    if with_max:  # the row max of the logits, as the call without row sums gives it
+        got_max = np.asarray(rows[0])[:, :, 8:]
+        np.testing.assert_allclose(got_max, scores.max(axis=-1)[:, :, 8:], rtol=1e-2,
+                                   atol=1e-2)
+    for got, derivative in zip(sums, (raw, -1.0 * distance, np.ones_like(raw))):
         want = np.sum(probabilities * np.broadcast_to(derivative, probabilities.shape), axis=-1)
         got = np.asarray(got)
         assert np.all(got[:, :, :8] == 0.0)  # rows without keys
