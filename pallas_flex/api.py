@@ -264,17 +264,15 @@ def _backward_takes_exact_deltas(q, k, v, block_mask, score_program, config, wan
 
 def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_max):
     """The positions of the captured arrays whose row sums the forward returns for the
-    backward: those read at indices of b and h whose gradients are wanted, where the
-    Mosaic backward then fuses dQ into its dK/dV kernel
-    (`mosaic_eligibility.fuses_dq`), which takes their gradients from these sums, and
-    the Mosaic forward runs."""
+    Mosaic backward, which takes their gradients from them
+    (`mosaic_eligibility.CAPTURED_ROW_SUMS`): those read at indices of b and h whose
+    gradients are wanted, where the Mosaic forward runs (the caller has checked that the
+    Mosaic backward does)."""
     backend, _, options = config
     positions = mosaic_eligibility.differentiated_positions(score_program, wanted)
-    if not positions:
-        return ()
     relative = mosaic_eligibility.relative_positions(score_program, positions)
-    if not mosaic_eligibility.fuses_dq(q.shape[3], positions, options.backward_deterministic,
-                                       relative, forward_row_sums=True):
+    positions = tuple(position for position in positions if position not in relative)
+    if not positions or not mosaic_eligibility.CAPTURED_ROW_SUMS:
         return ()
     if dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                options=options, with_max=with_max).kernel != "mosaic_forward":

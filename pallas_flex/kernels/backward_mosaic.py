@@ -596,15 +596,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               row_count, interpret):
+               row_count, interpret, forward_sites=0):
     """row_count: 0; 1 (sum P dP, the exact deltas only); or 2 + 2 n for the n captured
     arrays read at indices of b and h whose gradients the program accumulates (the score
     program's read derivatives g):
     per query row, sums over the row's keys written to rows_ref [row_count, B, Hq, S]
-    (`_accumulate_rows`, `_captured_gradients`, `_exact_delta`)."""
-    mask_refs, score_refs, (dq_ref, *rows_ref, scratch) = split_tile_refs(
+    (`_accumulate_rows`, `_captured_gradients`, `_exact_delta`).
+    forward_sites: n > 0 where the forward gave those arrays' row sums C (the last input,
+    [B, Hq, n, S]): then the rows are sum P dP if row_count is n + 1, and per array
+    sum P dP (g - C) (`_accumulate_rows_from_forward`, `_pair_gradients`)."""
+    mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
+    forward_sums_ref = rest[0] if forward_sites else None
+    dq_ref, *rows_ref, scratch = rest[bool(forward_sites):]
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
+    if forward_sites:  # the forward's row sums of the warpgroup's queries
+        forward_sums_smem, *rows_smem = rows_smem
     row_barriers, k_ready, v_ready, k_consumed, v_consumed = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
@@ -638,12 +645,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         plgpu.copy_gmem_to_smem(d_out_ref.at[rows], do_smem, barrier)
         plgpu.copy_gmem_to_smem(lse_ref.at[vector], lse_smem2.at[warpgroup], barrier)
         plgpu.copy_gmem_to_smem(delta_ref.at[vector], delta_smem2.at[warpgroup], barrier)
+        if forward_sites:
+            plgpu.copy_gmem_to_smem(
+                forward_sums_ref.at[batch, head, :, pl.ds(q_start, ROWS_PER_WARPGROUP)],
+                forward_sums_smem.at[warpgroup], barrier)
         plgpu.barrier_wait(barrier)
         tile = (ROWS_PER_WARPGROUP, BLOCK)
         # Row vectors, spread over each tile where used (as tiles they would hold 64
         # registers a thread each for the whole walk).
         lse_log2 = load_vector(lse_smem2.at[warpgroup], 0, interpret)
         delta = load_vector(delta_smem2.at[warpgroup], 0, interpret)
+        forward_sums = [load_vector(forward_sums_smem.at[warpgroup, site], 0, interpret)
+                        for site in range(forward_sites)]
 
         q_idx = None
         if (reads_index(mask_program, mask_reads, "q_idx")
@@ -702,7 +715,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.barrier_arrive(v_consumed.at[slot])
             d_scores = probabilities * (d_probabilities
                                         - lax.broadcast_in_dim(delta, tile, [0]))
-            if rows:
+            if rows and forward_sites:
+                _accumulate_rows_from_forward(rows, probabilities * d_probabilities,
+                                              read_derivatives, forward_sums, tile)
+            elif rows:
                 # Before dQ's wgmma: after it, P and dS' would stay live next to the
                 # 16-bit dS it reads from registers.
                 _accumulate_rows(rows, probabilities, d_probabilities, d_scores,
@@ -784,6 +800,25 @@ def _accumulate_rows(rows, probabilities, d_probabilities, d_scores, read_deriva
             first, second = first + per_row * d_sum, second + per_row * p_sum
         rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + first
         rows[3 + 2 * index][...] = rows[3 + 2 * index][...] + second
+
+
+def _accumulate_rows_from_forward(rows, products, read_derivatives, forward_sums, tile):
+    """With the forward's row sums C of the n read derivatives g (`forward_sums`, vectors
+    along the queries): per query row, rows[-n + i] += sum P dP (g_i - C_i) over the
+    tile's keys (products: P dP), and before them, where there is one more row (a table
+    read at kv_idx - q_idx wants the exact deltas too), rows[0] += sum P dP."""
+    mass = products.sum(axis=1)
+    extra = len(rows) - len(forward_sums)
+    if extra:
+        rows[0][...] = rows[0][...] + mass
+    for row, derivative, row_sum in zip(rows[extra:], read_derivatives, forward_sums):
+        varying, per_row = split_rows(derivative, tile, q_axis=0)
+        # g - C = the part of g that varies along the keys + (its query-only part - C).
+        offset = -row_sum if per_row is None else per_row - row_sum
+        total = mass * offset
+        if varying is not None:
+            total = total + (products * varying).sum(axis=1)
+        row[...] = row[...] + total
 
 
 def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
@@ -888,7 +923,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
     stacked_row_sums = None
-    if fuse_dq and pair_positions:
+    if row_sums and pair_positions:
         if len(row_sums) != len(pair_positions):
             raise ValueError(f"{len(row_sums)} row sums for the {len(pair_positions)} "
                              "captured arrays read at b and h whose gradients are wanted")
@@ -916,13 +951,18 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     run_sums = sums[:len(relative)]
     pair_sums = sums[len(relative):len(relative) + len(pair_positions)] if fuse_dq else []
     dumped = iter(sums[len(relative) + len(pair_sums):])
-    if pair_positions:
-        grads = (_pair_gradients(pair_sums, row_sums, d_lse, score_program, pair_positions,
-                                 k.shape[1])
-                 if fuse_dq else _captured_gradients(rows, launch.delta, d_lse, score_program,
-                                                     pair_positions, q.shape[1]))
-        for position, grad in zip(pair_positions, grads):
-            const_grads[position] = grad
+    grads = []
+    if pair_positions and stacked_row_sums is not None:
+        # Per (b, h), sum P dP (g - C): the fused kernel's per key, the dQ kernel's per row.
+        per_pair = ([_over_keys(sums, k.shape[1])[..., 0] for sums in pair_sums] if fuse_dq
+                    else list(jnp.sum(rows[-len(pair_positions):, :, :, :q.shape[1]],
+                                      axis=-1)))
+        grads = _pair_gradients(per_pair, row_sums, d_lse, score_program, pair_positions)
+    elif pair_positions:
+        grads = _captured_gradients(rows, launch.delta, d_lse, score_program, pair_positions,
+                                    q.shape[1])
+    for position, grad in zip(pair_positions, grads):
+        const_grads[position] = grad
     for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
         const_grads[position] = _relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
@@ -930,27 +970,27 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
-def _pair_gradients(pair_sums, row_sums, d_lse, score_program, positions, kv_len):
+def _pair_gradients(per_pair, row_sums, d_lse, score_program, positions):
     """Per captured array at `positions` (read at indices of b and h), its gradient from
-    the fused dK/dV kernel's per-key sums of P dP (g - C) (pair_sums: one [B, Hq,
-    2 num_kv_blocks, 1, 64] per array, `_accumulate_pair`) and the forward's row sums
-    C = sum P g (row_sums: one [B, Hq, Sq] per array). A row's share of the gradient,
+    the sums of P dP (g - C) per (b, h) (per_pair: one [B, Hq] per array; per key in the
+    fused kernel, `_accumulate_pair`, or per row in the dQ kernel,
+    `_accumulate_rows_from_forward`) and the forward's row sums C = sum P g (row_sums:
+    one [B, Hq, Sq] per array). A row's share of the gradient,
     sum P (dP - delta*) g with its exact delta* = sum P dP - dlse, is
     sum P dP g - (sum P dP) C + dlse C = sum P dP (g - C) + dlse C: no delta at all,
     so none of the 16-bit output's rounding (`_captured_gradients` has why that
     matters). The kernel's P carries its row's lse rounding (the mod's query-only term,
     thousands at long rows, lives in the lse) as one factor per row, which scales that
-    row's share alike rather than leaving a difference of large sums. Summed over the keys (padded ones left out) and rows, then into the
+    row's share alike rather than leaving a difference of large sums. Then into the
     entry each (b, h) reads, in a fixed order (`fixed_order_scatter_sum`): bitwise
     reproducible."""
-    batch, heads = pair_sums[0].shape[:2]
+    batch, heads = per_pair[0].shape
     flat = _read_entries(score_program, positions, batch, heads)
     grads = []
-    for index, (position, sums, row_sum) in enumerate(zip(positions, pair_sums, row_sums)):
-        per_pair = _over_keys(sums, kv_len)[..., 0]
+    for index, (position, sums, row_sum) in enumerate(zip(positions, per_pair, row_sums)):
         if d_lse is not None:
-            per_pair = per_pair + jnp.sum(d_lse.astype(jnp.float32) * row_sum, axis=-1)
-        grads.append(_into_entries(flat[index].reshape(batch, heads), per_pair,
+            sums = sums + jnp.sum(d_lse.astype(jnp.float32) * row_sum, axis=-1)
+        grads.append(_into_entries(flat[index].reshape(batch, heads), sums,
                                    score_program.consts[position]))
     return grads
 
@@ -1110,7 +1150,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     at `relative_positions` the dK/dV kernel's sums per entry (its `entry_tables_`),
     then the tiles dumped for those with `dump_offsets` (`Dump`'s (first_offset,
     count) or None per array). d_lse: padded, or None (zero or no relative positions).
-    row_sums: fused with reads at b and h, the forward's [B, Hq, n, S] (padded), else
+    row_sums: the forward's row sums of the reads at b and h, [B, Hq, n, S] (padded), or
     None."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
@@ -1201,17 +1241,26 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
                              sites, row_sums)
     dq_stages = _DQ_STAGES[head_dim]
-    # Without reads at b and h, the exact deltas need sum P dP only.
-    row_count = (2 + 2 * len(pair_positions) if pair_positions
-                 else 1 if relative_positions else 0)
+    # Without reads at b and h, the exact deltas need sum P dP only; with the forward's
+    # row sums of those, one row each (and sum P dP first for the relative reads).
+    forward_sites = len(pair_positions) if row_sums is not None else 0
+    if forward_sites:
+        row_count = forward_sites + bool(relative_positions)
+    else:
+        row_count = (2 + 2 * len(pair_positions) if pair_positions
+                     else 1 if relative_positions else 0)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
-                           row_count=row_count, **settings)
+                           row_count=row_count, forward_sites=forward_sites, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
     rows_smem = (vectors(COMPUTE_WARPGROUPS, row_count, ROWS_PER_WARPGROUP),) if row_count else ()
+    if forward_sites:
+        rows_smem = (vectors(COMPUTE_WARPGROUPS, forward_sites, ROWS_PER_WARPGROUP),
+                     ) + rows_smem
     d_q, *rows = call(
-        dq, (q, k, v, d_out, lse_log2, delta), kv_tables, captured_for(dq_program, dq_reads),
+        dq, (q, k, v, d_out, lse_log2, delta), kv_tables,
+        (*captured_for(dq_program, dq_reads), *(() if row_sums is None else (row_sums,))),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
@@ -1220,14 +1269,14 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          smem((dq_stages, BLOCK, head_dim)), smem((dq_stages, BLOCK, value_dim)),
          *rows_smem,
-         plgpu.Barrier(num_arrivals=4, num_barriers=COMPUTE_WARPGROUPS),
+         plgpu.Barrier(num_arrivals=4 + bool(forward_sites), num_barriers=COMPUTE_WARPGROUPS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
         num_smem=6 + len(rows_smem))
 
     if relative_positions:
-        delta = _exact_delta(rows[0], delta, d_lse)
+        delta = _exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=relative_entries,

@@ -52,7 +52,7 @@ class KernelOptions:
       Mosaic GPU backward at head dim 64 otherwise sums dQ over key blocks by TMA
       reduce-adds in its dK/dV kernel (`mosaic_eligibility.fuses_dq`; this option runs a
       dQ kernel of its own instead: B8 H16 S2048 D64 fwd+bwd 1.317 against 1.235 ms on
-      the H100; with `mosaic_eligibility.FUSE_CAPTURED_GRADIENTS` set, also where
+      the H100; with `mosaic_eligibility.CAPTURED_ROW_SUMS` set, also where
       arrays a score_mod captured read at indices of b and h only are differentiated).
       Elsewhere those gradients (ALiBi slopes) and small
       tables read per element (at most

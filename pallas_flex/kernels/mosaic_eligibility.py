@@ -98,16 +98,26 @@ def named_turn_barriers(head_dim, score_program) -> bool:
     return head_dim == 128 and hand_over_early(head_dim, score_program)
 
 
-# Whether gradients of captured arrays read at b and h keep the fused D 64 kernel
-# (`fuses_dq`), taking them from the forward's row sums. Off until measured on a GPU
-# (written on 2026-11-29 without device time). What it replaced, measured on the H200
-# (B8 H16 S2048, B2 S8192, GQA 32:8 B4 S4096; D 64 causal ALiBi fwd+bwd, ms, two
-# kernels / fused / without the slopes' gradient): the fused kernel correcting each
-# row to its exact delta by column sums (sum P dP, sum P g over the keys: reductions
-# across the warps, whose one shared-memory scratch the two compute warpgroups had to
-# take in turns) was right (gradients within 8e-4 of the two kernels') and slow:
-# 0.993 / 1.619 / 0.868, 3.092 / 5.393 / 2.587, 3.211 / 5.821 / 2.661.
-FUSE_CAPTURED_GRADIENTS = False
+# Whether the Mosaic forward returns, for each captured array read at b and h whose
+# gradient is wanted, each row's sum C = sum P g of the score's derivative g with
+# respect to the value read (`forward_mosaic.row_sum_with`), from which the Mosaic
+# backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per key
+# in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array in the
+# dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where it took four (the
+# exact delta's two and two an array). Without it the dQ kernel's sums correct each row
+# to its exact delta (`backward_mosaic._captured_gradients`) and D 64 keeps the two
+# kernels. Off until measured on a GPU (written on 2026-11-29 without device time;
+# `benchmarks/fused_captured_ab.py`).
+CAPTURED_ROW_SUMS = False
+# With CAPTURED_ROW_SUMS, whether D 64 keeps the fused dK/dV/dQ kernel (`fuses_dq`).
+# What the fused kernel did before, measured on the H200 (B8 H16 S2048, B2 S8192, GQA
+# 32:8 B4 S4096; D 64 causal ALiBi fwd+bwd, ms, two kernels / fused / without the
+# slopes' gradient): correcting each row to its exact delta by column sums (sum P dP,
+# sum P g over the keys: reductions across the warps, whose one shared-memory scratch
+# the two compute warpgroups had to take in turns) it was right (gradients within 8e-4
+# of the two kernels') and slow: 0.993 / 1.619 / 0.868, 3.092 / 5.393 / 2.587,
+# 3.211 / 5.821 / 2.661.
+FUSE_CAPTURED_GRADIENTS = True
 
 
 def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
@@ -121,9 +131,9 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     read at kv_idx - q_idx (`relative_positions`, T5 tables: their sums by entry need
     each row's exact delta inside the dK/dV kernel, which the dQ kernel's row sums give
     it) and the forward gave each array's row sums C = sum P g (`forward_row_sums`,
-    `forward_mosaic.row_sum_with`): a row's share of the gradient, sum P (dP - delta*) g
-    with delta* = sum P dP, is sum P dP (g - C), summed per key in the dK/dV kernel
-    without any delta (`backward_mosaic._accumulate_pair`).
+    `CAPTURED_ROW_SUMS`): a row's share of the gradient, sum P (dP - delta*) g with
+    delta* = sum P dP, is sum P dP (g - C), summed per key in the dK/dV kernel without
+    any delta (`backward_mosaic._accumulate_pair`).
 
     H100, bf16 fwd+bwd, paired rounds, ms, fused / two kernels: B8 H16 S2048 D64 noop
     1.235 / 1.317 (cuDNN ~1.30). At D 128 the fused kernel spilled 450-540 bytes of

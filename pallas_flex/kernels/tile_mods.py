@@ -279,14 +279,22 @@ class CapturedRef:
                              load=lambda: read.load(self.ref))
 
 
-class ShiftedReads(CapturedRef):
-    """A captured array (traced, outside any kernel) whose every read adds `shift` to
-    the value read: `mod_program.with_read_derivatives` differentiates with respect to
-    the shift."""
+class TracedReads(CapturedRef):
+    """A captured array traced outside any kernel, read as the kernels read it (indices
+    clamped, 0-d arrays as [1]): `mod_program.with_read_derivatives` traces a mod's
+    reads of every captured array this way, so that they lower as the kernels' reads."""
 
-    def __init__(self, array, shift):
+    def __init__(self, array):
         super().__init__(jnp.reshape(array, (1,)) if jnp.ndim(array) == 0 else array,
                          jnp.shape(array))
+
+
+class ShiftedReads(TracedReads):
+    """A `TracedReads` whose every read adds `shift` to the value read:
+    `mod_program.with_read_derivatives` differentiates with respect to the shift."""
+
+    def __init__(self, array, shift):
+        super().__init__(array)
         self.shift = shift
 
     def load_scalar(self):
@@ -823,4 +831,4 @@ __all__ = ["apply_mask_on_tile", "apply_score_on_tile", "block_reads", "captured
            "captured_read_varying_axes",
            "evaluate_jaxpr_on_tiles",
            "padded_for_blocks", "split_captured_refs", "unpadded_gradient", "BlockRead",
-           "CapturedRef", "TileFrame"]
+           "CapturedRef", "TileFrame", "TracedReads"]

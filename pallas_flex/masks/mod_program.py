@@ -310,13 +310,16 @@ def _with_read_derivatives(structure, const_types, positions, name):
         # The tile interpreter reads the captured arrays (the kernels' semantics: clamped
         # indices, calls inlined); a read of an array at `positions` adds a shift, and
         # the derivative with respect to the shift is that with respect to the value read.
-        from pallas_flex.kernels.tile_mods import ShiftedReads, evaluate_jaxpr_on_tiles
+        # The other arrays are read alike, without a shift (a T5 table beside
+        # differentiated slopes: a plain array there broadcast its indices as a tile's).
+        from pallas_flex.kernels.tile_mods import (
+            ShiftedReads, TracedReads, evaluate_jaxpr_on_tiles)
 
         consts, (score, b, h, q_idx, kv_idx) = args[:count], args[count:]
 
         def mod(s, shifts):
             shift_of = dict(zip(positions, shifts))
-            refs = [ShiftedReads(c, shift_of[p]) if p in shift_of else c
+            refs = [ShiftedReads(c, shift_of[p]) if p in shift_of else TracedReads(c)
                     for p, c in enumerate(consts)]
             (result,) = evaluate_jaxpr_on_tiles(structure.jaxpr, refs,
                                                 (s, b, h, q_idx, kv_idx), name)

@@ -330,15 +330,20 @@ def test_a_table_read_times_an_index_expression_trains(monkeypatch):
     assert np.max(np.abs(ours - want)) <= 3e-4 * np.max(np.abs(want))
 
 
-@pytest.fixture(params=[False, True], ids=["two_kernels", "fused"])
+@pytest.fixture(params=[(False, False), (True, False), (True, True)],
+                ids=["exact_deltas", "row_sums", "row_sums_fused"])
 def fuse_captured(request, monkeypatch):
-    """Whether gradients of captured arrays read at b and h keep the fused D 64 kernel
-    (`mosaic_eligibility.FUSE_CAPTURED_GRADIENTS`, off by default until run on a GPU)."""
+    """How gradients of captured arrays read at b and h are taken: from the exact deltas
+    the dQ kernel sums (the default), or from the forward's row sums
+    (`mosaic_eligibility.CAPTURED_ROW_SUMS`, off until run on a GPU) in the dQ kernel or
+    in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`). Yields whether it fuses."""
     from pallas_flex.kernels import mosaic_eligibility
-    monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", request.param)
-    # The flag is read when a call is traced: no call traced under the other value.
+    row_sums, fuse = request.param
+    monkeypatch.setattr(mosaic_eligibility, "CAPTURED_ROW_SUMS", row_sums)
+    monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", fuse)
+    # The flags are read when a call is traced: no call traced under other values.
     jax.clear_caches()
-    yield request.param
+    yield row_sums and fuse
     jax.clear_caches()
 
 
@@ -350,11 +355,11 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     [Hq / 2], all differentiated at once with a loss on out and lse, GQA, a ragged
     length: every gradient matches autodiff of the dense float32 reference, the captured
     ones to float32 precision (the Triton backward's error is 0.9 % on the temperature
-    here): with two kernels the dQ kernel sums the rows' exact deltas
-    (`_captured_gradients`), fused (the dK/dV kernel computing dQ too,
-    `FUSE_CAPTURED_GRADIENTS`) it sums P dP (g - C) per key with the forward's row sums
-    C (`backward_mosaic._pair_gradients`). Two runs give the same bits of every
-    gradient but the fused dq (reduce-adds in whatever order the programs reach them).
+    here): the dQ kernel sums the rows' exact deltas (`_captured_gradients`), or with
+    the forward's row sums C (`CAPTURED_ROW_SUMS`) P dP (g - C) per row, or fused (the
+    dK/dV kernel computing dQ too) per key (`backward_mosaic._pair_gradients`). Two runs
+    give the same bits of every gradient but the fused dq (reduce-adds in whatever order
+    the programs reach them).
     (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
     `conftest.xla_cpu_optimized`.)"""
     # Interpret mode: one batch row (no mod here reads b: the arrays are per head; batch
@@ -453,6 +458,42 @@ def test_captured_gradients_with_sinks_and_rows_without_keys(backend, fuse_captu
                                atol=1e-4 * float(np.max(np.abs(np.asarray(ours[3])))))
 
 
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_a_t5_table_and_slopes_train_together(backend, fuse_captured, fused_launches):
+    """A T5 table (read at kv_idx - q_idx: its sums by entry take the exact deltas) and
+    ALiBi slopes (read at h) differentiated in one call: the dQ kernel's rows are sum
+    P dP for the exact deltas and, with the forward's row sums, then one row for the
+    slopes (`_accumulate_rows_from_forward`); never fused (a relative read). Both
+    gradients against float64 autodiff of the dense reference, ragged Sq != Skv, GQA."""
+    q_len, kv_len, q_heads, kv_heads = ((200, 250, 2, 1) if backend == "interpret"
+                                        else (1000, 1500, 4, 2))
+    q, k, v = random_qkv(21, 1, q_len, kv_len, q_heads, kv_heads, 64, 64, jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(22), (q_heads, 32), jnp.float32)
+    slopes = jnp.asarray(masks.alibi_slopes(q_heads))
+    d_out = _cotangent(q.shape, 23).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(q, k, v, table, slopes, backend, options):
+        bias = pf.scores.t5_relative_bias(table, max_distance=96)
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return bias(s, b, h, q_idx, kv_idx) - slopes[h] * jnp.abs(q_idx - kv_idx)
+        out = pf.attention(q, k, v, mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + 64,
+                           score_mod=score_mod, backend=backend, kernel_options=options)
+        return jnp.sum(out.astype(jnp.float32) * d_out)
+
+    def grad(backend, options, *args):
+        return jax.jit(jax.grad(functools.partial(loss, backend=backend, options=options),
+                                argnums=(3, 4)))(*args)
+
+    ours = grad(backend, MOSAIC, q, k, v, table, slopes)
+    assert not fused_launches
+    want = grad("reference", None, *[x.astype(jnp.float32) for x in (q, k, v)], table,
+                slopes)
+    for name, got, expected in zip(("d_table", "d_slopes"), ours, want):
+        got, expected = np.asarray(got), np.asarray(expected)
+        assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected)), name
+
+
 def test_the_dispatcher_rules():
     # Interpret mode runs the Triton backward unless the Mosaic one is named.
     assert _choice(backend="interpret").kernel == "triton_backward"
@@ -477,6 +518,7 @@ def test_fused_dq_rule(monkeypatch):
     from pallas_flex.kernels.mosaic_eligibility import fuses_dq
     assert fuses_dq(64, (), False)
     assert not fuses_dq(64, (), True)
+    monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", False)
     assert not fuses_dq(64, (0,), False, forward_row_sums=True)
     monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", True)
     assert fuses_dq(64, (0,), False, forward_row_sums=True)
