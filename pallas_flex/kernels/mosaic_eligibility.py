@@ -104,9 +104,11 @@ def named_turn_barriers(head_dim, score_program) -> bool:
 # backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per key
 # in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array in the
 # dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where it took four (the
-# exact delta's two and two an array). Without it the dQ kernel's sums correct each row
-# to its exact delta (`backward_mosaic._captured_gradients`) and D 64 keeps the two
-# kernels. Off until measured on a GPU (written on 2026-11-29 without device time;
+# exact delta's two and two an array). Also closer to float64: interpret mode,
+# bidirectional T5 table + slopes, the slopes' gradient 2.7e-5 off against the exact
+# deltas' 3.8e-4 (tests/kernels/test_backward_mosaic.py). Without it the dQ kernel's
+# sums correct each row to its exact delta (`backward_mosaic._captured_gradients`) and
+# D 64 keeps the two kernels. Off until measured on a GPU (written on 2026-11-29 without device time;
 # `benchmarks/fused_captured_ab.py`).
 CAPTURED_ROW_SUMS = False
 # With CAPTURED_ROW_SUMS, whether D 64 keeps the fused dK/dV/dQ kernel (`fuses_dq`).

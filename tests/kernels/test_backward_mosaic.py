@@ -494,6 +494,44 @@ def test_a_t5_table_and_slopes_train_together(backend, fuse_captured, fused_laun
         assert np.max(np.abs(got - expected)) <= 1e-4 * np.max(np.abs(expected)), name
 
 
+def test_one_array_trains_beside_constant_ones_the_mod_reads(fuse_captured):
+    """Differentiating one captured array of a mod that reads others it does not
+    differentiate (a T5 table beside constant ALiBi slopes and per-head offsets, then the
+    slopes beside a constant table): the derivative programs read the constant arrays as
+    the kernels do (`tile_mods.TracedReads`; as plain arrays their reads were broadcast
+    like tiles and failed to trace). Against autodiff of the dense reference (float32,
+    within 3e-7 of float64's here). The slopes' gradient from the exact deltas is 3.8e-4
+    off float64 on this bidirectional call, from the forward's row sums 2.7e-5
+    (`CAPTURED_ROW_SUMS`)."""
+    from pallas_flex.kernels import mosaic_eligibility
+    row_sums = mosaic_eligibility.CAPTURED_ROW_SUMS
+    q, k, v = random_qkv(31, 1, 130, 200, 2, 1, 64, 64, jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(32), (2, 32), jnp.float32)
+    slopes = jnp.asarray(masks.alibi_slopes(2))
+    offsets = jnp.asarray([0.3, -0.2], jnp.float32)
+    d_out = _cotangent(q.shape, 33).astype(jnp.bfloat16).astype(jnp.float32)
+
+    def loss(q, k, v, table, slopes, backend, options):
+        bias = pf.scores.t5_relative_bias(table, max_distance=96)
+
+        def score_mod(s, b, h, q_idx, kv_idx):
+            return (bias(s + offsets[h], b, h, q_idx, kv_idx)
+                    - slopes[h] * jnp.abs(q_idx - kv_idx))
+        out = pf.attention(q, k, v, score_mod=score_mod, backend=backend,
+                           kernel_options=options)
+        return jnp.sum(out.astype(jnp.float32) * d_out)
+
+    for argnum in (3, 4):
+        ours = jax.grad(functools.partial(loss, backend="interpret", options=MOSAIC),
+                        argnums=argnum)(q, k, v, table, slopes)
+        want = jax.grad(functools.partial(loss, backend="reference", options=None),
+                        argnums=argnum)(*[x.astype(jnp.float32) for x in (q, k, v)], table,
+                                        slopes)
+        ours, want = np.asarray(ours), np.asarray(want)
+        tolerance = 1e-4 if row_sums or argnum == 3 else 5e-4
+        assert np.max(np.abs(ours - want)) <= tolerance * np.max(np.abs(want)), argnum
+
+
 def test_the_dispatcher_rules():
     # Interpret mode runs the Triton backward unless the Mosaic one is named.
     assert _choice(backend="interpret").kernel == "triton_backward"
