@@ -76,7 +76,8 @@ from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector, materialize, reads_index, result, run_per_element_under_vmap,
     score_parts, split_rows,
-    split_tile_refs, tile_inputs, to_tile, vector_layout, with_accumulators)
+    split_tile_refs, tile_inputs, to_tile, vector_layout, weighted_row_sums,
+    with_accumulators)
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles)
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
@@ -337,7 +338,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             reads, and dQ's transposed; the float32 dQ tile is added into dq_ref with a
             TMA reduce-add from a staging tile (interpret mode: written to this key
             tile's own partial sums)."""
-            buffer = lax.rem(step, jnp.int32(DQ_STAGING))
             d_scores_tile = ds_smem.at[warpgroup]
             d_scores_tile[...] = d_scores_t
             plgpu.commit_smem()  # visible to wgmma (the async proxy)
@@ -349,19 +349,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 issue(d_q, d_scores_tile, k_smem, transpose_a=True, interpret=interpret)
                 d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
                 plgpu.barrier_arrive(consumed.at[slot])
+                buffer = lax.rem(step, jnp.int32(DQ_STAGING))
                 # The copy from this buffer DQ_STAGING steps ago has read it.
                 plgpu.wait_smem_to_gmem(DQ_STAGING - 1, wait_read_only=True)
                 dq_staging.at[warpgroup, buffer][...] = d_q
                 plgpu.commit_smem()
-                source, where = dq_staging.at[warpgroup, buffer], (batch, pl.ds(q_start, Q_TILE),
-                                                                   head)
+                q_rows = (batch, pl.ds(q_start, Q_TILE), head)
                 if interpret:  # no TMA reductions there: each key tile sums its own
-                    plgpu.copy_smem_to_gmem(source, dq_ref.at[(kv_block, warpgroup) + where],
-                                            commit_group=False)
+                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                            dq_ref.at[(kv_block, warpgroup) + q_rows])
                 else:
-                    plgpu.copy_smem_to_gmem(source, dq_ref.at[where], reduction_op="add",
-                                            commit_group=False)
-                plgpu.commit_smem_to_gmem_group()
+                    plgpu.copy_smem_to_gmem(dq_staging.at[warpgroup, buffer],
+                                            dq_ref.at[q_rows], reduction_op="add")
             with_accumulators(dq_matmul, [], [(Q_TILE, Q_TILE)], interpret=interpret)
 
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
@@ -398,8 +397,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     _clear(entry_smem[site].at[warpgroup])
             return list(carry[:2]) + [no_sums] * (len(carry) - 2)
 
-        num_steps, (d_k, d_v, *_) = walk(visit, list(carry),
-                                         flush if summed_sites else None)
+        _, (d_k, d_v, *_) = walk(visit, list(carry), flush if summed_sites else None)
         if fuse_dq:
             plgpu.wait_smem_to_gmem(0)
         k_smem[...] = (d_k * scale).astype(dtype)
@@ -812,13 +810,8 @@ def _accumulate_rows_from_forward(rows, products, read_derivatives, forward_sums
     if extra:
         rows[0][...] = rows[0][...] + mass
     for row, derivative, row_sum in zip(rows[extra:], read_derivatives, forward_sums):
-        varying, per_row = split_rows(derivative, tile, q_axis=0)
-        # g - C = the part of g that varies along the keys + (its query-only part - C).
-        offset = -row_sum if per_row is None else per_row - row_sum
-        total = mass * offset
-        if varying is not None:
-            total = total + (products * varying).sum(axis=1)
-        row[...] = row[...] + total
+        row[...] = (row[...] + weighted_row_sums(products, mass, derivative, tile)
+                    - mass * row_sum)
 
 
 def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
@@ -902,7 +895,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     `mosaic_eligibility.captured_gradient_unsupported_reason`), else None.
     deterministic: every gradient bitwise reproducible run to run (no dQ fused into the
     dK/dV kernel, `mosaic_eligibility.fuses_dq`). row_sums: () or, per position read at
-    b and h, the forward's row sums [B, Hq, Sq] (`forward_mosaic.row_sum_with`), with
+    b and h, the forward's row sums [B, Hq, Sq] (`mosaic_tiles.weighted_row_sums`), with
     which the fused kernel takes those arrays' gradients."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale, pad_head_dims=False)
@@ -1094,7 +1087,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     # Interpret mode has no TMA reductions: there every key tile (key block and
     # warpgroup) writes partial sums of its own, summed here.
     parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
-    d_q = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
+    accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
     d_k, d_v, *site_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
         (*captured_for(dkv_program, dkv_reads), *sites.tables,
@@ -1102,8 +1095,8 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        scratch, num_smem, accumulators=[d_q])
-    d_q = d_q[...]
+        scratch, num_smem, accumulator=accumulator)
+    d_q = accumulator[...]
     if interpret:
         d_q = d_q.sum(axis=(0, 1))
     return ((d_q * settings["scale"]).astype(q.dtype), d_k, d_v, *site_sums)
@@ -1199,23 +1192,21 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         return buffers + barriers, len(buffers)
 
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
-             accumulators=()):
-        """`kernel` launched on the operands, tables and captured arrays; `accumulators`:
-        mutable float32 arrays (`jax.new_ref`) it adds into, after its outputs."""
+             accumulator=None):
+        """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
+        a mutable float32 array (`jax.new_ref`) it adds into, after its outputs."""
         num_inputs = len(operands) + len(kernel_tables) + len(captured)
-        added = len(accumulators)
 
         def entry(*refs):
-            if added:  # the kernel takes them after its outputs
-                refs = (refs[:num_inputs] + refs[num_inputs + added:]
-                        + refs[num_inputs:num_inputs + added])
+            if accumulator is not None:  # the kernel takes it after its outputs
+                refs = refs[:num_inputs] + refs[num_inputs + 1:] + refs[num_inputs:][:1]
 
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
             pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
 
         names = tuple(grid)
-        if not added:
+        if accumulator is None:
             return plgpu.kernel(
                 entry, out_type=out_type, grid=tuple(grid[name] for name in names),
                 grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
@@ -1230,7 +1221,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
             entry, out_type=out_type, mesh=mesh,
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=plgpu.InterpretGPUParams() if interpret else False,
-        )(*operands, *kernel_tables, *captured, *accumulators)
+        )(*operands, *kernel_tables, *captured, accumulator)
 
     relative_entries = tuple(entry_count(score_program, position)
                              for position in relative_positions)

@@ -53,7 +53,7 @@ from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, reads_index, score_parts, split_rows, split_tile_refs, tile_inputs)
+    matmul, reads_index, score_parts, split_tile_refs, tile_inputs, weighted_row_sums)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import score_bounds, with_read_derivatives
 
@@ -134,7 +134,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     that many outputs more (each with a row buffer), per derivative g of a captured read
     that score_program (then `with_read_derivatives` of the score_mod's own program,
     mod_program, which the kernel's choices go by) computes, the row's sum P g under the
-    softmax's probabilities (`row_sum_with`). paged: whether k_ref / v_ref
+    softmax's probabilities (`weighted_row_sums`). paged: whether k_ref / v_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
     ref [Hq] of sink logits (natural units) follows (after the paging refs).
@@ -351,7 +351,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                   interpret=interpret)
                 row_mass = p.sum(axis=1)
                 running_sum = running_sum + row_mass
-                row_sums = tuple(total + row_sum_with(p, row_mass, derivative, tile)
+                row_sums = tuple(total + weighted_row_sums(p, row_mass, derivative, tile)
                                  for total, derivative in zip(row_sums, read_derivatives))
             else:
                 new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
@@ -368,7 +368,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 scaled_sum = running_sum * correction
                 row_mass = p.sum(axis=1)
                 running_sum = scaled_sum + row_mass
-                row_sums = tuple(total * correction + row_sum_with(p, row_mass, derivative, tile)
+                row_sums = tuple(total * correction
+                                 + weighted_row_sums(p, row_mass, derivative, tile)
                                  for total, derivative in zip(row_sums, read_derivatives))
             p = p.astype(dtype)
             # The ordering barrier keeps the softmax ahead of the turn handover below
@@ -631,19 +632,6 @@ def _copy_pages(pages_ref, tile_pages, kv_head, destination, barrier):
             pl.when(warp == index % WARPS_PER_WARPGROUP)(functools.partial(copy, index))
 
     plgpu.warp_map(per_warp)
-
-
-def row_sum_with(p, row_mass, derivative, tile):
-    """The row sums of p g over a [64 queries, keys] tile, g a captured read's derivative
-    as `evaluate` returns it and row_mass p's own row sums: g's part that varies along
-    the keys takes a product per element, its query-only part multiplies row_mass."""
-    varying, per_row = split_rows(derivative, tile, q_axis=0)
-    total = jnp.zeros_like(row_mass)
-    if varying is not None:
-        total = (p * varying).sum(axis=1)
-    if per_row is not None:
-        total = total + row_mass * per_row
-    return total
 
 
 # A score_mod whose results lie within this much of a centre (natural units) runs with

@@ -100,7 +100,7 @@ def named_turn_barriers(head_dim, score_program) -> bool:
 
 # Whether the Mosaic forward returns, for each captured array read at b and h whose
 # gradient is wanted, each row's sum C = sum P g of the score's derivative g with
-# respect to the value read (`forward_mosaic.row_sum_with`), from which the Mosaic
+# respect to the value read (`mosaic_tiles.weighted_row_sums`), from which the Mosaic
 # backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per key
 # in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array in the
 # dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where it took four (the

@@ -341,6 +341,20 @@ def split_rows(x, shape, q_axis: int):
     return x, None
 
 
+def weighted_row_sums(x, x_row_sums, derivative, tile):
+    """The row sums of x g over a [queries, keys] tile, g a captured read's derivative as
+    `evaluate` returns it and x_row_sums x's own row sums: g's part that varies along the
+    keys takes a product per element, its query-only part multiplies x_row_sums
+    (`split_rows`). The forward's row sums P g, the dQ kernel's P dP g."""
+    varying, per_row = split_rows(derivative, tile, q_axis=0)
+    total = 0.0
+    if varying is not None:
+        total = (x * varying).sum(axis=1)
+    if per_row is not None:
+        total = total + per_row * x_row_sums
+    return total
+
+
 def tile_applier(shape):
     """`apply` for `evaluate_jaxpr_on_tiles` on a tile of `shape`: sums and scalings of
     float32 scores and vectors stay unevaluated Affines; other operations on scalars and
