@@ -10,14 +10,13 @@ stages 3 and 5 (`forward_mosaic._STAGES[64]`, 4) and 4 / 16 items a program wher
 are equal (`_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64`, 8) or 4 where they are not
 (`_ITEMS_PER_PROGRAM`, 2), each AOT-compiled after `jax.clear_caches()`, timed in paired
 rounds (ms, and the ratio to the defaults)."""
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
+from pallas_flex.bench.timing import time_paired
 from pallas_flex.kernels import device, forward_mosaic
 
 MASKS = {"noop": None, "causal": pf.masks.causal_mask,
@@ -53,15 +52,6 @@ def _compile(variant, mask_mod, args, lower_only):
             setattr(forward_mosaic, name, saved)
 
 
-def _ms(executable, args, iters=20):
-    jax.block_until_ready(executable(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = executable(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters * 1e3
-
-
 def main(lower_only=False):
     if lower_only:
         device.compute_capability = lambda: (9, 0)
@@ -78,11 +68,8 @@ def main(lower_only=False):
             continue
         executables = {variant[0]: _compile(variant, mask_mod, args, False)
                        for variant in VARIANTS}
-        rounds = {name: [] for name in executables}
-        for _ in range(7):
-            for name, executable in executables.items():
-                rounds[name].append(_ms(executable, args))
-        ms = {name: statistics.median(times) for name, times in rounds.items()}
+        ms = {name: entry["ms"] for name, entry in time_paired(
+            {name: (run, args) for name, run in executables.items()}, rounds=7).items()}
         print(f"B8 H16 S2048 D64 {mask_name} forward ms: " + ", ".join(
             f"{name} {value:.4f} ({value / ms['default']:.3f}x)" for name, value in ms.items()),
             flush=True)

@@ -13,15 +13,14 @@ the slopes' gradient; each AOT-compiled after `jax.clear_caches()` (the flags ar
 when a call is traced), timed in paired rounds; ms, the cost of the slopes' gradient
 (bar: 1.10x), and the largest difference of each variant's gradients (dq, dk, dv,
 d_slopes) to the default's, relative to the largest entry."""
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
+from pallas_flex.bench.timing import time_paired
 from pallas_flex.kernels import device, mosaic_eligibility
 
 SHAPES = [(8, 16, 16, 2048, 64), (2, 16, 16, 8192, 64), (4, 32, 8, 4096, 64),
@@ -64,15 +63,6 @@ def _build(flags, args, lower_only):
         mosaic_eligibility.CAPTURED_ROW_SUMS, mosaic_eligibility.FUSE_CAPTURED_GRADIENTS = saved
 
 
-def _ms(executable, args, iters=10):
-    jax.block_until_ready(executable(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = executable(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters * 1e3
-
-
 def main(lower_only=False):
     if lower_only:
         device.compute_capability = lambda: (9, 0)
@@ -100,11 +90,9 @@ def main(lower_only=False):
         except Exception as error:  # a shape that fails says why; the others run
             print(f"{label}: {type(error).__name__}: {str(error)[:600]}", flush=True)
             continue
-        rounds = {name: [] for name in executables}
-        for _ in range(7):
-            for name, executable in executables.items():
-                rounds[name].append(_ms(executable, args))
-        ms = {name: statistics.median(times) for name, times in rounds.items()}
+        ms = {name: entry["ms"] for name, entry in time_paired(
+            {name: (run, args) for name, run in executables.items()}, rounds=7,
+            iters=10).items()}
         report = []
         for name in executables:
             line = f"{name} {ms[name]:.3f} ({ms[name] / ms['no_gradient']:.3f}x)"

@@ -10,15 +10,14 @@ causal at the row's end) at B16 S4096 and B64 S32768: the scores / values / memo
 warpgroups' registers (240, 224, 40) against (248, 216, 40) and (232, 232, 40) (each
 sums to 504, `mosaic_tiles.registers_fit`), AOT-compiled after `jax.clear_caches()`,
 timed in paired rounds; ms, and the largest output difference to the first."""
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pallas_flex as pf
+from pallas_flex.bench.timing import time_paired
 from pallas_flex.kernels import decode_latent_stage_mosaic, device
 from pallas_flex.kernels.mosaic_tiles import registers_fit
 
@@ -29,15 +28,6 @@ SHAPES = [(16, 4096), (64, 32768)]  # batch, length
 def _decode(q, latent, block_mask):
     return pf.flex_attention(q, latent, None, block_mask=block_mask, backend="pallas",
                              value_dim=512, kernel_options={"decode_kernel": "mosaic"})
-
-
-def _ms(executable, args, iters=20):
-    jax.block_until_ready(executable(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = executable(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters * 1e3
 
 
 def main(lower_only=False):
@@ -75,15 +65,13 @@ def main(lower_only=False):
             continue
         outputs = {split: np.asarray(run(*args), np.float32)
                    for split, run in executables.items()}
-        rounds = {split: [] for split in executables}
-        for _ in range(7):
-            for split, run in executables.items():
-                rounds[split].append(_ms(run, args))
+        timed = time_paired({split: (run, args) for split, run in executables.items()},
+                            rounds=7)
         first = outputs[SPLITS[0]]
         print(f"B{batch} S{length} latent decode ms: " + ", ".join(
-            f"{split} {statistics.median(times):.4f} (max diff "
+            f"{split} {entry['ms']:.4f} (max diff "
             f"{float(np.max(np.abs(outputs[split] - first))):.1e})"
-            for split, times in rounds.items()), flush=True)
+            for split, entry in timed.items()), flush=True)
 
 
 if __name__ == "__main__":
