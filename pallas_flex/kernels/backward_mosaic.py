@@ -41,9 +41,10 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
-which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`) or,
-fused, the dK/dV kernel per key from the forward's row sums (`_accumulate_pair`,
-`_pair_gradients`), or at
+which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`; from
+the forward's row sums where `mosaic_eligibility.CAPTURED_ROW_SUMS` is set,
+`_accumulate_rows_from_forward`) or, fused, the dK/dV kernel per key from those row sums
+(`_accumulate_pair`, `_pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
 entry (`_accumulate_runs`, `_relative_gradient`) with each row's exact delta from the dQ
 kernel's row sums (`_exact_delta`: the dQ kernel then runs first);
