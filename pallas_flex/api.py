@@ -265,14 +265,14 @@ def _backward_takes_exact_deltas(q, k, v, block_mask, score_program, config, wan
 def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_max):
     """The positions of the captured arrays whose row sums the forward returns for the
     Mosaic backward, which takes their gradients from them
-    (`mosaic_eligibility.CAPTURED_ROW_SUMS`): those read at indices of b and h whose
+    (`mosaic_eligibility.captured_row_sums`): those read at indices of b and h whose
     gradients are wanted, where the Mosaic forward runs (the caller has checked that the
     Mosaic backward does)."""
     backend, _, options = config
     positions = mosaic_eligibility.differentiated_positions(score_program, wanted)
     relative = mosaic_eligibility.relative_positions(score_program, positions)
     positions = tuple(position for position in positions if position not in relative)
-    if not positions or not mosaic_eligibility.CAPTURED_ROW_SUMS:
+    if not positions or not mosaic_eligibility.captured_row_sums(q.shape[-1]):
         return ()
     if dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                options=options, with_max=with_max).kernel != "mosaic_forward":

@@ -42,7 +42,7 @@ What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
 which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`; from
-the forward's row sums where `mosaic_eligibility.CAPTURED_ROW_SUMS` is set,
+the forward's row sums at head dim 64, `mosaic_eligibility.captured_row_sums`,
 `_accumulate_rows_from_forward`) or, fused, the dK/dV kernel per key from those row sums
 (`_accumulate_pair`, `_pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table

@@ -52,13 +52,11 @@ class KernelOptions:
       Mosaic GPU backward at head dim 64 otherwise sums dQ over key blocks by TMA
       reduce-adds in its dK/dV kernel (`mosaic_eligibility.fuses_dq`; this option runs a
       dQ kernel of its own instead: B8 H16 S2048 D64 fwd+bwd 1.317 against 1.235 ms on
-      the H100; with `mosaic_eligibility.CAPTURED_ROW_SUMS` set, also where
-      arrays a score_mod captured read at indices of b and h only are differentiated).
-      Elsewhere those gradients (ALiBi slopes) and small
-      tables read per element (at most
-      `DETERMINISTIC_MAX_ENTRIES` entries along the axes that vary over a tile: a T5
-      table) always are (each program writes its own partial sums, reduced in a fixed
-      order); larger tables read per element (a relative table [H, 2S-1], a pair bias)
+      the H100; also where arrays a score_mod captured read at indices of b and h only
+      are differentiated). Elsewhere those gradients (ALiBi slopes) and small tables
+      read per element (at most `DETERMINISTIC_MAX_ENTRIES` entries along the axes
+      that vary over a tile: a T5 table) always are (each program writes its own
+      partial sums, reduced in a fixed order); larger tables read per element (a relative table [H, 2S-1], a pair bias)
       are scatter-added with atomics, which this option refuses with a ValueError.
     backward_batch_sum: how the gradient of a large captured table read per element is
       summed over batch rows that share its entries (a pair bias [B, H, S, S] read at

@@ -98,20 +98,33 @@ def named_turn_barriers(head_dim, score_program) -> bool:
     return head_dim == 128 and hand_over_early(head_dim, score_program)
 
 
-# Whether the Mosaic forward returns, for each captured array read at b and h whose
-# gradient is wanted, each row's sum C = sum P g of the score's derivative g with
-# respect to the value read (`mosaic_tiles.weighted_row_sums`), from which the Mosaic
-# backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per key
-# in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array in the
-# dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where it took four (the
-# exact delta's two and two an array). Also closer to float64: interpret mode,
-# bidirectional T5 table + slopes, the slopes' gradient 2.7e-5 off against the exact
-# deltas' 3.8e-4 (tests/kernels/test_backward_mosaic.py). Without it the dQ kernel's
-# sums correct each row to its exact delta (`backward_mosaic._captured_gradients`) and
-# D 64 keeps the two kernels. Off until measured on a GPU (written on 2026-11-29 without device time;
-# `benchmarks/fused_captured_ab.py`).
-CAPTURED_ROW_SUMS = False
-# With CAPTURED_ROW_SUMS, whether D 64 keeps the fused dK/dV/dQ kernel (`fuses_dq`).
+def captured_row_sums(head_dim) -> bool:
+    """Whether the Mosaic forward returns, for each captured array read at b and h whose
+    gradient is wanted, each row's sum C = sum P g of the score's derivative g with
+    respect to the value read (`mosaic_tiles.weighted_row_sums`), from which the Mosaic
+    backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per
+    key in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array
+    in the dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where the exact
+    deltas take four (the delta's two and two an array). Also closer to float64:
+    interpret mode, bidirectional T5 table + slopes, the slopes' gradient 2.7e-5 off
+    against the exact deltas' 3.8e-4 (tests/kernels/test_backward_mosaic.py). Without
+    them the dQ kernel's sums correct each row to its exact delta
+    (`backward_mosaic._captured_gradients`) and D 64 keeps the two kernels.
+
+    At head dim 64 only. H200, causal forward+backward with learnable ALiBi slopes, bf16,
+    paired rounds, ms, exact deltas / row sums in the dQ kernel / row sums fused / the
+    same call without the slopes' gradient: B8 H16 S2048 D64 0.995 / 0.968 / 0.938 /
+    0.854 (1.165x / 1.133x / 1.098x), B2 S8192 3.123 / 3.050 / 2.879 / 2.582 (1.210x /
+    1.182x / 1.115x), GQA 32:8 B4 S4096 3.250 / 3.137 / 3.061 / 2.666 (1.219x / 1.177x /
+    1.148x); at D 128, where nothing fuses, the forward's row sums cost more than the dQ
+    kernel saves: B4 H16 S4096 2.505 / 2.682 / - / 2.298 (1.090x / 1.167x), GQA 32:8
+    4.844 / 5.160 / - / 4.394 (1.102x / 1.174x). Gradients: dk, dv bitwise the exact
+    deltas', dq within 8.1e-4 (fused), d_slopes within 7.4e-5 (relative to the largest
+    entry).
+    """
+    return head_dim == 64
+# With the forward's row sums (`captured_row_sums`), whether D 64 takes the captured
+# arrays' gradients in the fused dK/dV/dQ kernel (`fuses_dq`; figures there).
 # What the fused kernel did before, measured on the H200 (B8 H16 S2048, B2 S8192, GQA
 # 32:8 B4 S4096; D 64 causal ALiBi fwd+bwd, ms, two kernels / fused / without the
 # slopes' gradient): correcting each row to its exact delta by column sums (sum P dP,
@@ -133,7 +146,7 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     read at kv_idx - q_idx (`relative_positions`, T5 tables: their sums by entry need
     each row's exact delta inside the dK/dV kernel, which the dQ kernel's row sums give
     it) and the forward gave each array's row sums C = sum P g (`forward_row_sums`,
-    `CAPTURED_ROW_SUMS`): a row's share of the gradient, sum P (dP - delta*) g with
+    `captured_row_sums`): a row's share of the gradient, sum P (dP - delta*) g with
     delta* = sum P dP, is sum P dP (g - C), summed per key in the dK/dV kernel without
     any delta (`backward_mosaic._accumulate_pair`).
 

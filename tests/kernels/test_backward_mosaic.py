@@ -334,12 +334,12 @@ def test_a_table_read_times_an_index_expression_trains(monkeypatch):
                 ids=["exact_deltas", "row_sums", "row_sums_fused"])
 def fuse_captured(request, monkeypatch):
     """How gradients of captured arrays read at b and h are taken: from the exact deltas
-    the dQ kernel sums (the default), or from the forward's row sums
-    (`mosaic_eligibility.CAPTURED_ROW_SUMS`, off until run on a GPU) in the dQ kernel or
-    in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`). Yields whether it fuses."""
+    the dQ kernel sums (D 128), or from the forward's row sums
+    (`mosaic_eligibility.captured_row_sums`: D 64) in the dQ kernel or in the fused D 64
+    kernel (`FUSE_CAPTURED_GRADIENTS`), whatever the head dim. Yields whether it fuses."""
     from pallas_flex.kernels import mosaic_eligibility
     row_sums, fuse = request.param
-    monkeypatch.setattr(mosaic_eligibility, "CAPTURED_ROW_SUMS", row_sums)
+    monkeypatch.setattr(mosaic_eligibility, "captured_row_sums", lambda head_dim: row_sums)
     monkeypatch.setattr(mosaic_eligibility, "FUSE_CAPTURED_GRADIENTS", fuse)
     # The flags are read when a call is traced: no call traced under other values.
     jax.clear_caches()
@@ -356,7 +356,7 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     length: every gradient matches autodiff of the dense float32 reference, the captured
     ones to float32 precision (the Triton backward's error is 0.9 % on the temperature
     here): the dQ kernel sums the rows' exact deltas (`_captured_gradients`), or with
-    the forward's row sums C (`CAPTURED_ROW_SUMS`) P dP (g - C) per row, or fused (the
+    the forward's row sums C (`captured_row_sums`) P dP (g - C) per row, or fused (the
     dK/dV kernel computing dQ too) per key (`backward_mosaic._pair_gradients`). Two runs
     give the same bits of every gradient but the fused dq (reduce-adds in whatever order
     the programs reach them).
@@ -502,9 +502,9 @@ def test_one_array_trains_beside_constant_ones_the_mod_reads(fuse_captured):
     like tiles and failed to trace). Against autodiff of the dense reference (float32,
     within 3e-7 of float64's here). The slopes' gradient from the exact deltas is 3.8e-4
     off float64 on this bidirectional call, from the forward's row sums 2.7e-5
-    (`CAPTURED_ROW_SUMS`)."""
+    (`captured_row_sums`: D 64, this call's head dim)."""
     from pallas_flex.kernels import mosaic_eligibility
-    row_sums = mosaic_eligibility.CAPTURED_ROW_SUMS
+    row_sums = mosaic_eligibility.captured_row_sums(64)
     q, k, v = random_qkv(31, 1, 130, 200, 2, 1, 64, 64, jnp.bfloat16)
     table = jax.random.normal(jax.random.key(32), (2, 32), jnp.float32)
     slopes = jnp.asarray(masks.alibi_slopes(2))
@@ -565,6 +565,30 @@ def test_fused_dq_rule(monkeypatch):
     assert not fuses_dq(64, (0,), True, forward_row_sums=True)
     for dim in (80, 96, 128):
         assert not fuses_dq(dim, (), False)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_captured_row_sums_by_default_at_head_dim_64_only(head_dim, fused_launches,
+                                                          monkeypatch):
+    """Unpatched, a call training ALiBi slopes takes the forward's row sums and the fused
+    kernel at head dim 64, and the exact deltas in the dQ kernel at 128 (where the
+    forward's sums cost more than they save: `mosaic_eligibility.captured_row_sums`).
+    Traced only: the choice is made when the call is traced."""
+    from pallas_flex import api
+    chosen, choose = [], api._forward_row_sums
+    monkeypatch.setattr(api, "_forward_row_sums",
+                        lambda *args: chosen.append(choose(*args)) or chosen[-1])
+    q, k, v = random_qkv(3, 1, 128, 128, 2, 2, head_dim, head_dim, jnp.bfloat16)
+    slopes = jnp.asarray(masks.alibi_slopes(2))
+
+    def loss(q, k, v, slopes):
+        return jnp.sum(pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
+                                    score_mod=pf.scores.alibi(slopes), backend="interpret",
+                                    kernel_options=MOSAIC).astype(jnp.float32))
+    jax.clear_caches()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, k, v, slopes)
+    assert chosen == [(0,) if head_dim == 64 else ()]
+    assert bool(fused_launches) == (head_dim == 64)
 
 
 # The fused path (deterministic False, the default) runs and is asserted in every D 64
