@@ -72,7 +72,12 @@ _REGISTERS = (232, 40)
 # f908cd9:benchmarks/results/2026-11-23-h100-paged-warp-copies.json.
 WARPS_PER_WARPGROUP = 4
 # K/V tiles in flight per program by head dim: as many as shared memory holds next to
-# the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64).
+# the query/output tiles (2 x 64 KiB of K and V at D 128, 4 x 32 KiB at D 64). At D 64
+# neither this nor the items a program moves the forward: H200, B8 H16 S2048 D64 bf16,
+# 20 paired rounds in both orders, ms, defaults / 5 stages / 4 items where rows are
+# equal / both: noop 0.3335 / 0.3349 / 0.3364 / 0.3334 (the defaults again 0.3358),
+# prefix-LM 1024 0.2665 / 0.2665 / 0.2664 / 0.2662; 3 stages and 2 -> 4 items where rows
+# are not equal no faster either (causal 0.2300 / 0.2300 / 0.2582 with 4 items).
 _STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 # K/V tiles per BlockMask block by head dim (the rest: 1, a tile of 128 keys). At D 192
 # and 256 one 128-row K and V stage is all shared memory holds next to the queries: with
