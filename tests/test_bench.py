@@ -390,3 +390,18 @@ def test_columns_are_timed_in_paired_rounds(monkeypatch):
     timed_already = {"ours": {"ms": 50.0}}  # a quick run: `_measure` timed it
     jax_suites._pair(timed_already, {"ours": (ours, (1,), 1)}, quick)
     assert timed_already == {"ours": {"ms": 50.0}} and len(calls) == 9
+
+
+def test_paired_rounds_alternate_their_order(monkeypatch):
+    """Each round times every call once, every other round in the reverse order (no call
+    always first); the median is over each call's own rounds."""
+    from pallas_flex.bench import timing
+    order, times = [], {"a": [1.0, 5.0, 2.0], "b": [3.0, 4.0, 9.0]}
+    def fake_time_calls(fn, args, iters, repeats):
+        order.append(fn)
+        return {"ms": times[fn].pop(0)}, None
+    monkeypatch.setattr(timing, "time_calls", fake_time_calls)
+    result = timing.time_paired({"a": ("a", ()), "b": ("b", ())}, rounds=3)
+    assert order == ["a", "b", "b", "a", "a", "b"]
+    assert result["a"] == {"ms": 2.0, "rounds_ms": [1.0, 5.0, 2.0]}
+    assert result["b"] == {"ms": 4.0, "rounds_ms": [3.0, 4.0, 9.0]}

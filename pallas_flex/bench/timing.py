@@ -36,10 +36,13 @@ def time_calls(fn, args, *, iters: int = 20, repeats: int = 5, budget_s: float =
 
 def time_paired(calls: dict, *, rounds: int = 9, iters: int = 20) -> dict:
     """{name: {ms (median over rounds), rounds_ms}} for `calls` {name: (fn, args)}, each round
-    timing every call once, so that the H100's clock drift under load hits all alike."""
+    timing every call once, so that the GPU's clock drift under load hits all alike; every
+    other round in the reverse order, so that no call always runs first (an H200 sweep
+    that put the same call first in every round timed it ~3 % slower than its twin)."""
     rounds_ms = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, (fn, args) in calls.items():
+    for round_index in range(rounds):
+        order = list(calls.items())
+        for name, (fn, args) in order[::-1] if round_index % 2 else order:
             entry, _ = time_calls(fn, args, iters=iters, repeats=1)
             rounds_ms[name].append(entry["ms"])
     return {name: {"ms": statistics.median(ms), "rounds_ms": ms}
