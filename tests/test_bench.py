@@ -379,9 +379,10 @@ def test_columns_are_timed_in_paired_rounds(monkeypatch):
     options = types.SimpleNamespace(quick=False, timing={"iters": 4, "repeats": 3})
     row = {"ours": {"ms": 50.0, "compile_s": 1.0}, "peer": {"ms": 60.0}}
     jax_suites._pair(row, {"ours": (ours, (1,), 1), "peer": (peer, (1,), 2)}, options)
-    assert calls == ["ours", "peer"] * 3  # interleaved, one round after another
-    assert row["ours"]["rounds_ms"] == [0.0, 2.0, 4.0] and row["ours"]["ms"] == 2.0
-    assert row["peer"]["rounds_ms"] == [0.5, 1.5, 2.5] and row["peer"]["ms"] == 1.5
+    # Interleaved, one round after another, every other round in the reverse order.
+    assert calls == ["ours", "peer", "peer", "ours", "ours", "peer"]
+    assert row["ours"]["rounds_ms"] == [0.0, 3.0, 4.0] and row["ours"]["ms"] == 3.0
+    assert row["peer"]["rounds_ms"] == [0.5, 1.0, 2.5] and row["peer"]["ms"] == 1.0
     assert row["ours"]["compile_s"] == 1.0 and row["ours"]["timing"] == "paired rounds"
     one = {"ours": {"compile_s": 1.0}}  # one column: timed alone, in rounds as well
     jax_suites._pair(one, {"ours": (ours, (1,), 1)}, options)
