@@ -116,7 +116,8 @@ def _measure(row, name, fn, args, options, ours_out=None, steps=1, timed=None):
 
 def _pair(row, timed, options):
     """Times the calls in `timed` ({column: (fn, args, steps)}, each compiled and run once
-    by `_measure`) in paired rounds, each round running every column once, and makes
+    by `_measure`) in paired rounds, each round running every column once (every other
+    round in the reverse order), and makes
     those rounds' median the entries' ms: the H100's clock drifts under sustained load
     (docs/gpu-notes.md, Measuring), which columns timed one after another would pay
     unequally. A quick run has timed them in `_measure` already."""
