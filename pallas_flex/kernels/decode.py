@@ -113,7 +113,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keys, values, scale_refs,
                 page_table_row(page_table_ref, batch) if paged else None, kv_head,
                 tile_start, tile=block_kv, page_size=page_size, valid_rows=in_length,
-                dtype=q_ref.dtype, interpret=interpret, batch=batch)
+                dtype=q_ref.dtype, batch=batch)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))

@@ -95,7 +95,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keys, v, key_scale, value_scale = quantized_tiles(
                     keys, v, scale_refs, page_table_row(page_table_ref, batch), kv_head,
                     kv_start, tile=block_kv, page_size=page_size, valid_rows=valid,
-                    dtype=q_ref.dtype, interpret=interpret)
+                    dtype=q_ref.dtype)
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=precision)

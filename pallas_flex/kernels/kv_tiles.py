@@ -11,7 +11,6 @@ report) read its last page: whatever a table holds, no load leaves the page pool
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -97,7 +96,7 @@ def load_scales(view, valid_rows):
 
 
 def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, tile: int,
-                    page_size: int, valid_rows, dtype, interpret: bool, batch=None):
+                    page_size: int, valid_rows, dtype, batch=None):
     """A quantized (int8 / float8) cache's tiles ready for the matmuls: (key and value
     column chunks in the queries' 16-bit `dtype`, exact for both formats; the keys'
     scales [1, tile], which multiply the score columns after q.k; the values' scales,
@@ -111,86 +110,9 @@ def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, t
                                 page_size=page_size)
     key_scale, value_scale = (load_scales(view(ref), valid_rows) for ref in scale_refs)
     def converted(tile):
-        tile_16 = widen(tile, dtype, interpret)
+        tile_16 = tile.astype(dtype)
         if valid_rows is None or not _is_float8(tile.dtype):
             return tile_16
         return jnp.where(valid_rows, tile_16, jnp.zeros_like(tile_16))  # see load_rows
     return ([converted(key) for key in keys], [converted(value) for value in values],
             key_scale, value_scale)
-
-
-# Whether 8-bit tiles become 16-bit by the PTX below (`widen`) instead of Triton's
-# conversion (an A/B on the GPU decides; see `widen`).
-BYTE_CONVERSION_BY_PTX = True
-
-# Four int8 (one 32-bit register, $2) to four bfloat16 ($0, $1), exactly: each byte,
-# offset to unsigned (xor 0x80), is placed under the float32 exponent of 2^23
-# (0x4B0000uu = 2^23 + x + 128), 2^23 + 128 subtracted gives x in float32, whose upper
-# 16 bits are x's bfloat16 (exact: |x| <= 128 needs 8 bits of significand).
-_INT8_TO_BF16 = """{
-.reg .b32 u, f0, f1, f2, f3;
-xor.b32 u, $2, 0x80808080;
-prmt.b32 f0, u, 0x4B000000, 0x7650;
-prmt.b32 f1, u, 0x4B000000, 0x7651;
-prmt.b32 f2, u, 0x4B000000, 0x7652;
-prmt.b32 f3, u, 0x4B000000, 0x7653;
-sub.f32 f0, f0, 0f4B000080;
-sub.f32 f1, f1, 0f4B000080;
-sub.f32 f2, f2, 0f4B000080;
-sub.f32 f3, f3, 0f4B000080;
-prmt.b32 $0, f0, f1, 0x7632;
-prmt.b32 $1, f2, f3, 0x7632;
-}"""
-# Four int8 to four float16: the unsigned byte under float16's exponent of 2^10
-# (0x64uu = 1024 + x + 128), two at a time, minus 1152.
-_INT8_TO_F16 = """{
-.reg .b32 u, h01, h23;
-xor.b32 u, $2, 0x80808080;
-prmt.b32 h01, u, 0x64646464, 0x4140;
-prmt.b32 h23, u, 0x64646464, 0x4342;
-sub.f16x2 $0, h01, 0x64806480;
-sub.f16x2 $1, h23, 0x64806480;
-}"""
-# Four float8 e4m3 to four bfloat16: Hopper's conversion to float16 pairs, each widened
-# to float32 (exact), whose upper 16 bits are the bfloat16 (exact: every e4m3 value is
-# one).
-_FLOAT8_TO_BF16 = """{
-.reg .b16 lo, hi, e0, e1, e2, e3;
-.reg .b32 h01, h23, f0, f1, f2, f3;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 h01, lo;
-cvt.rn.f16x2.e4m3x2 h23, hi;
-mov.b32 {e0, e1}, h01;
-mov.b32 {e2, e3}, h23;
-cvt.f32.f16 f0, e0;
-cvt.f32.f16 f1, e1;
-cvt.f32.f16 f2, e2;
-cvt.f32.f16 f3, e3;
-prmt.b32 $0, f0, f1, 0x7632;
-prmt.b32 $1, f2, f3, 0x7632;
-}"""
-# Four float8 e4m3 to four float16.
-_FLOAT8_TO_F16 = """{
-.reg .b16 lo, hi;
-mov.b32 {lo, hi}, $2;
-cvt.rn.f16x2.e4m3x2 $0, lo;
-cvt.rn.f16x2.e4m3x2 $1, hi;
-}"""
-
-
-def widen(tile, dtype, interpret: bool):
-    """An int8 or float8 (e4m3) tile as `dtype` (bfloat16 or float16), exactly. On the
-    GPU four elements at a time by the PTX above, where Triton's conversion (int8: one
-    integer-to-float conversion per element; float8 to bfloat16: through float32) is
-    issued at the conversion units' rate, slower than the H200's HBM delivers bytes."""
-    source = jnp.dtype(tile.dtype)
-    target = jnp.dtype(dtype)
-    asm = {("int8", "bfloat16"): _INT8_TO_BF16, ("int8", "float16"): _INT8_TO_F16,
-           ("float8_e4m3fn", "bfloat16"): _FLOAT8_TO_BF16,
-           ("float8_e4m3fn", "float16"): _FLOAT8_TO_F16}.get((source.name, target.name))
-    if interpret or asm is None or not BYTE_CONVERSION_BY_PTX:
-        return tile.astype(dtype)
-    [converted] = plgpu.elementwise_inline_asm(
-        asm, args=[tile], constraints="=r,=r,r", pack=4,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(tile.shape, target)])
-    return converted

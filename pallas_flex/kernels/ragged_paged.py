@@ -131,8 +131,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
         if quantized:
             keys, values, key_scale, value_scale = quantized_tiles(
                 keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
-                page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype,
-                interpret=interpret)
+                page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype)
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
