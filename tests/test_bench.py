@@ -406,3 +406,26 @@ def test_paired_rounds_alternate_their_order(monkeypatch):
     assert order == ["a", "b", "b", "a", "a", "b"]
     assert result["a"] == {"ms": 2.0, "rounds_ms": [1.0, 5.0, 2.0]}
     assert result["b"] == {"ms": 4.0, "rounds_ms": [3.0, 4.0, 9.0]}
+
+
+def test_git_provenance_names_the_tree_that_ran_under_a_stale_head(tmp_path, monkeypatch):
+    """A copy of a working tree whose HEAD is an older commit: git_commit is that HEAD,
+    git_tree the tree of the files present (the newer commit's), not HEAD's."""
+    def git(*args):
+        return subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True,
+                              text=True).stdout.strip()
+    git("init", "-q")
+    git("config", "user.email", "t@t")
+    git("config", "user.name", "t")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("commit", "-qm", "old")
+    old = git("rev-parse", "--short", "HEAD")
+    (tmp_path / "a.py").write_text("x = 2\n")
+    git("commit", "-qam", "new")
+    new_tree = git("rev-parse", "--short=7", "HEAD^{tree}")
+    git("update-ref", "HEAD", old)  # HEAD stale, files the new commit's
+    monkeypatch.chdir(tmp_path)
+    assert cli.git_provenance() == {"git_commit": old, "git_tree": new_tree}
+    monkeypatch.chdir(tmp_path.parent)  # not a repository: nothing to name
+    assert cli.git_provenance() == {"git_commit": None, "git_tree": None}

@@ -155,9 +155,26 @@ def _with_torch(args, result, workdir: Path) -> None:
         row["torch_flex"] = entry
 
 
-def _git_commit():
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                          text=True).stdout.strip() or None
+def _git(*args, env=None):
+    result = subprocess.run(["git", *args], capture_output=True, text=True,
+                            env={**os.environ, **(env or {})})
+    return result.stdout.strip() if result.returncode == 0 else ""
+
+
+def git_provenance() -> dict:
+    """{git_commit, git_tree}: the checkout's HEAD and the tree of the files the run
+    used (tracked and untracked, less the ignored), hashed through a scratch index. A copy
+    of a working tree can carry a stale HEAD (the device tool's did): its git_tree still
+    equals `git rev-parse --short COMMIT^{tree}` of the commit whose files ran (`git log
+    --format='%h %t'` finds it)."""
+    commit = _git("rev-parse", "--short", "HEAD") or None
+    tree = None
+    with tempfile.TemporaryDirectory() as scratch:
+        env = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
+        if commit is not None and _git("read-tree", "HEAD", env=env) == "" and \
+                _git("add", "-A", env=env) == "":
+            tree = _git("write-tree", env=env)[:7] or None
+    return {"git_commit": commit, "git_tree": tree}
 
 
 def gpu_name(device_kind: str) -> str:
@@ -210,7 +227,7 @@ def main(argv=None) -> int:
             result = json.loads(child_out.read_text())
             _with_torch(args, result, Path(workdir))
             result.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), git_commit=_git_commit(), commands=[command])
+                timespec="seconds"), **git_provenance(), commands=[command])
             print("\n".join(report.table(result)) + "\n", flush=True)
             if out is not None:
                 print(f"wrote {write(out, result)}", flush=True)

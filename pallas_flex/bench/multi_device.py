@@ -33,7 +33,6 @@ import argparse
 import datetime
 import importlib.metadata
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -45,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 
 import pallas_flex as pf
 from pallas_flex import masks
-from pallas_flex.bench.cli import gpu_name
+from pallas_flex.bench.cli import git_provenance, gpu_name
 from pallas_flex.bench.timing import error_entry, time_calls
 
 # name: (strategy, layout, head_chunks); the ring's head groups: None = "auto" (the fewest
@@ -171,8 +170,7 @@ class Suite:
             "versions": {"jax": jax.__version__, "jaxlib": importlib.metadata.version("jaxlib"),
                          "pallas_flex": pf.__version__},
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "git_commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                         capture_output=True, text=True).stdout.strip() or None,
+            **git_provenance(),
             "command": "python -m pallas_flex.bench.multi_device " + " ".join(args.argv)}
 
     def left_s(self):

@@ -52,6 +52,13 @@ def ratio(row, column, ours, metric):
     return a / b if a is not None and b else None
 
 
+def _provenance(result) -> str:
+    """'commit C' or 'commit C (tree T)': the tree of the files that ran
+    (`cli.git_provenance`; a copied checkout's HEAD may be stale)."""
+    tree = result.get("git_tree")
+    return f"commit {result.get('git_commit')}" + (f" (tree {tree})" if tree else "")
+
+
 def table(result: dict) -> list[str]:
     """One results file as a Markdown table: each column's value, then, for timings, each
     peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (every column's
@@ -73,7 +80,7 @@ def table(result: dict) -> list[str]:
     header += ([f"TB/s {c}" for c in columns] if own_bytes else
                [{"flops": "TFLOP/s", "bytes": "TB/s"}[rate]] if rate else [])
     lines = [f"### {result['suite']} — {result['device']}",
-             "", f"{result['date']}, commit {result.get('git_commit')}, "
+             "", f"{result['date']}, {_provenance(result)}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + f"; `{'`, `'.join(result['commands'])}`", ""]
     lines += [LEGENDS[result["suite"]], ""] if result["suite"] in LEGENDS else []
@@ -129,7 +136,7 @@ def multi_device_table(result: dict) -> list[str]:
     rows = result["rows"]
     lines = [f"### multi_device — {result['device']}, machines of up to "
              f"{result['device_count']} (each row: its device count N)", "",
-             f"{result['date']}, commit {result.get('git_commit')}, "
+             f"{result['date']}, {_provenance(result)}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + f"; `{result['command']}` (and runs of its parts)", ""]
 
