@@ -243,7 +243,7 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
     # thousands (relative error 0.37 at 3000 bidirectional tokens in bfloat16, against
     # 0.005 for plain JAX attention). So for the Triton backward the forward keeps its
     # float32 output as the residual and rounds a copy for the caller. (The Mosaic GPU
-    # backward sums each row's exact delta itself: `backward_mosaic._captured_gradients`.)
+    # backward sums each row's exact delta itself: `captured_gradients_mosaic.captured_gradients`.)
     out_unrounded, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
                                                  out_dtype=jnp.float32, with_max=with_max,
                                                  sinks=sinks)

@@ -41,13 +41,13 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
-which the dQ kernel sums per query row (`_accumulate_rows`, `_captured_gradients`; from
+which the dQ kernel sums per query row (`accumulate_rows`, `captured_gradients`; from
 the forward's row sums at head dim 64, `mosaic_eligibility.captured_row_sums`,
-`_accumulate_rows_from_forward`) or, fused, the dK/dV kernel per key from those row sums
-(`_accumulate_pair`, `_pair_gradients`), or at
+`accumulate_rows_from_forward`) or, fused, the dK/dV kernel per key from those row sums
+(`accumulate_pair`, `pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
-entry (`_accumulate_runs`, `_relative_gradient`) with each row's exact delta from the dQ
-kernel's row sums (`_exact_delta`: the dQ kernel then runs first);
+entry (`accumulate_runs`, `relative_gradient`) with each row's exact delta from the dQ
+kernel's row sums (`exact_delta`: the dQ kernel then runs first);
 `pallas_flex.dispatch.choose_backward` sends the others to the Triton backward.
 Accumulating those row sums after dQ's wgmma issue (P and dS' live beside its 16-bit
 operand) cost 29 % at B4 S4096 D128 ALiBi (2.98 ms against 2.30 without the slopes'
@@ -60,27 +60,25 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
+from pallas_flex.kernels.backward import prepare_operands
+from pallas_flex.kernels.captured_gradients_mosaic import (
+    TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
+    accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys, pair_gradients,
+    relative_gradient)
 from pallas_flex.kernels.forward_mosaic import tile_transforms
-from pallas_flex.kernels.backward import (
-    fixed_order_scatter_sum, flat_index, prepare_operands)
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
-from pallas_flex.kernels.padding import pad_axis
-from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
     issue, load_vector, materialize, reads_index, result, run_per_element_under_vmap,
-    score_parts, split_rows,
-    split_tile_refs, tile_inputs, to_tile, vector_layout, weighted_row_sums,
-    with_accumulators)
-from pallas_flex.kernels.tile_mods import (
-    CaptureLog, CapturedRef, evaluate_jaxpr_on_tiles)
+    score_parts, split_tile_refs, tile_inputs, to_tile, vector_layout, with_accumulators)
+from pallas_flex.kernels.padding import pad_axis
+from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
@@ -88,7 +86,6 @@ COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # [64, D] dK and dV accumulators fit the compute warpgroups' registers at D 128, where
 # 128 query rows would not.
 Q_TILE = 64
-TILES_PER_BLOCK = BLOCK // Q_TILE
 # The run spans of a table's gradient are listed for 64 x 64 dK/dV tiles.
 assert Q_TILE == ROWS_PER_WARPGROUP == TILE
 # Tiles in flight per program by head dim, within the shared memory left next to each
@@ -120,8 +117,8 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     base-2 term that depends on the query only, left out of the logits, or None: the
     caller subtracts it from the lse instead, once per query, as the forward added it,
     the derivatives of the values the mod read from the differentiated captured arrays,
-    as they came out: `mosaic_tiles.split_rows` takes them apart). score_program computes the mod and its derivatives
-    (`with_score_derivative` or `with_read_derivatives`)."""
+    as they came out: `mosaic_tiles.split_rows` takes them apart). score_program computes
+    the mod and its derivatives (`with_score_derivative` or `with_read_derivatives`)."""
     if score_program is None:
         return raw * (scale * online_softmax.LOG2_E), None, None, []
     scores, derivative, *read_derivatives = evaluate(
@@ -146,16 +143,16 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
-    (`_accumulate_runs`) and written per query head to its run_sums_ref
+    (`accumulate_runs`) and written per query head to its run_sums_ref
     [B, Hq, 2 num_kv_blocks, entries, 64]. dump_offsets: per such array, None or the
     (first, count) of its `relative_reads.Dump`, whose tiles go to its dump_ref
     [B Hq 2 num_kv_blocks count, 64 keys, 64 queries] instead. delta_ref then holds each
-    row's exact delta (`_exact_delta`).
+    row's exact delta (`exact_delta`).
     fuse_dq: dQ too, added into the float32 dq_ref after the outputs (`_fused_dq`).
     pair_sites (with fuse_dq only): how many captured arrays read at indices of b and h
     (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
     in registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks,
-    1, 64] (`_accumulate_pair`); C, each row's sum P g from the forward, comes in
+    1, 64] (`accumulate_pair`); C, each row's sum P g from the forward, comes in
     row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
@@ -308,9 +305,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start,
                              pair_terms):
             """dS' g of each differentiated read at kv_idx - q_idx summed by table entry
-            (`_accumulate_runs`; the states: two per dumped table), then P dP (g - C) of
+            (`accumulate_runs`; the states: two per dumped table), then P dP (g - C) of
             each read at b and h into per-key register sums (one state each,
-            `_accumulate_pair`; pair_terms: P^T, dP^T and the stage of the tile's C)."""
+            `accumulate_pair`; pair_terms: P^T, dP^T and the stage of the tile's C)."""
             states = iter(states)
             for site, derivative in enumerate(read_derivatives[:sites]):
                 dump = None
@@ -321,7 +318,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
                             ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count,
                             (next(states), next(states)))
-                _accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
+                accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
                                  entry_refs[site], dump, batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
                                  interpret=interpret)
@@ -329,7 +326,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 probabilities_t, d_probabilities_t, slot = pair_terms
                 products = probabilities_t * d_probabilities_t
                 for index, derivative in enumerate(read_derivatives[sites:]):
-                    _accumulate_pair(next(states), products, derivative,
+                    accumulate_pair(next(states), products, derivative,
                                      load_vector(row_sums_smem.at[slot, index], 1, interpret),
                                      tile)
 
@@ -367,13 +364,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
         carry = (plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
                  plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA))
-        # Per dumped array, two key sums carried in registers (`_dump_or_add`), then one
-        # per pair site (`_accumulate_pair`).
+        # Per dumped array, two key sums carried in registers
+        # (`captured_gradients_mosaic._dump_or_add`), then one per pair site
+        # (`accumulate_pair`).
         no_sums = plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP,)), vector_layout(0))
         carry += (no_sums,) * (2 * sum(ref is not None for ref in dump_refs) + pair_sites)
         for site in range(sites):
             if dump_refs[site] is None:
-                _clear(entry_smem[site].at[warpgroup])
+                clear_rows(entry_smem[site].at[warpgroup])
 
         def flush(head, carry):
             """The head's entry sums to its slot of run_sums_ref (a dumped array's from
@@ -395,7 +393,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             for site in range(sites):
                 if dump_refs[site] is None:
-                    _clear(entry_smem[site].at[warpgroup])
+                    clear_rows(entry_smem[site].at[warpgroup])
             return list(carry[:2]) + [no_sums] * (len(carry) - 2)
 
         _, (d_k, d_v, *_) = walk(visit, list(carry), flush if summed_sites else None)
@@ -437,150 +435,6 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
         _drain((consumed,), num_steps, num_stages)
 
 
-def _clear(rows_ref):
-    """Zeros [n, 64] float32 rows of shared memory, one row vector at a time."""
-    zeros = plgpu.layout_cast(jnp.full((ROWS_PER_WARPGROUP,), 0.0, jnp.float32),
-                              vector_layout(0))
-
-    def clear_row(row, carry):
-        rows_ref.at[row][...] = zeros
-        return carry
-
-    lax.fori_loop(0, rows_ref.shape[0], clear_row, 0)
-
-
-def _accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, head,
-                     q_start, kv_start, tile, interpret):
-    """sums_ref[e] [64 keys] += sum over the tile's queries of dS' g where kv_idx - q_idx
-    lies in a run of entry e (g: the read's derivative, as `_scores_to_logits` returns
-    it), from the tile's block diagonal's runs by entry (`relative_reads.entry_tables`:
-    starts, entries, and the span of runs the tile reaches). A dK/dV tile has
-    keys on the rows.
-
-    Suffix sums: the tile's row sum, then for each later run r the sum over the elements
-    at or past its start (one compare, select and add per element and run, as
-    `mosaic_tiles.relative_read_tile` reads the values); run r - 1 gets the difference of
-    two consecutive suffixes. A block diagonal past the table's last bucket has one run:
-    its tiles cost a row sum (a branch of its own, without the loop's index tiles).
-
-    Each tile loops over the runs its differences reach only (the table's spans). This
-    loop is what runs where the entries are traced (no `relative_reads.Dump`); with a
-    `dump` (dump_ref, staging [64, 64] float32 shared memory, the Dump's first offset and
-    count, the key tile's first slot, refs to the two key sums the walk carries)
-    `_dump_or_add` takes the tile instead.
-
-    H100, causal + one-way T5 [Hq, 32] forward+backward with the run loop (`pallas-flex
-    bench captured_gradients`; ms, with the table's gradient / without): B4 H16 S4096
-    D128 4.36 / 3.16, B1 S16384 12.5 / 9.35, B8 S2048 D64 2.11 / 1.66, GQA 32:8 8.63 /
-    6.14: almost all in the loop on the tiles near the diagonal (some 30 runs a block
-    diagonal, ~1000 cycles a run) and in each tile's two dependent table reads (span,
-    then entry). A/B probes of the loop (AOT-compiled, paired rounds, before the spans):
-    two runs a step 4.56 against 4.62 ms, the table loads a step ahead 4.67, the sums
-    after dK's wgmma instead of beside it 4.64."""
-    weighted = _weighted_by_derivative(d_scores_t, derivative, tile)
-    if weighted is None:
-        return  # the read does not change the score
-    if dump is not None:
-        _dump_or_add(weighted, dump, kv_start=kv_start, q_start=q_start)
-        return
-
-    def add(entry, sums):
-        sums_ref.at[entry][...] = load_vector(sums_ref.at[entry], 0, interpret) + sums
-
-    starts_ref, entries_ref, spans_ref = tables
-    blocks = (spans_ref.shape[2] + 1) // 2
-    row = (0 if spans_ref.shape[0] == 1 else batch, head,
-           lax.div(kv_start, BLOCK) - lax.div(q_start, BLOCK) + blocks - 1)
-    # The runs this tile reaches: its keys' start less its queries' start is the block
-    # diagonal's -64, 0 or 64.
-    span = row + (lax.div(lax.rem(kv_start, BLOCK) - lax.rem(q_start, BLOCK), TILE) + 1,)
-    first, end = spans_ref[span + (0,)], spans_ref[span + (1,)]
-
-    def single():
-        add(entries_ref[row + (first,)], weighted.sum(axis=1))
-
-    def several():
-        queries = index_vector(q_start, tile[1], 1)
-        keys = to_tile(index_vector(kv_start, tile[0], 0), tile)
-
-        def suffix(run, previous):
-            threshold = to_tile(Vector(queries.value + starts_ref[row + (run,)], 1), tile)
-            current = jnp.where(keys >= threshold, weighted, 0.0).sum(axis=1)
-            add(entries_ref[row + (run - 1,)], previous - current)
-            return current
-
-        last = lax.fori_loop(first + 1, end, suffix, weighted.sum(axis=1))
-        add(entries_ref[row + (end - 1,)], last)
-
-    lax.cond(end - first > 1, several, single)
-
-
-def _weighted_by_derivative(d_scores_t, derivative, tile):
-    """dS' g on a dK/dV tile (keys on the rows), g a read's derivative as
-    `_scores_to_logits` returns it, taken apart by `split_rows` into a part that varies
-    along the keys and one that depends on the query only (a vector along the columns):
-    g is their sum. None where the read does not change the score."""
-    varying, per_row = split_rows(derivative, tile, q_axis=1)
-    if per_row is not None and constant_value(per_row) == 0.0:
-        per_row = None
-    if per_row is not None and jnp.ndim(per_row):
-        per_row = to_tile(Vector(per_row, 1), tile)
-    if varying is None and per_row is None:
-        return None
-    if varying is None:
-        return d_scores_t if constant_value(per_row) == 1.0 else d_scores_t * per_row
-    return d_scores_t * (varying if per_row is None else varying + per_row)
-
-
-def _accumulate_pair(sums, products, derivative, row_sums, tile):
-    """sums [64 keys] += the tile's P dP (g - C) summed over its queries (products:
-    P^T dP^T; row_sums: C [64 queries], each row's sum P g over all its keys, from the
-    forward), for a captured array read at indices of b and h (ALiBi slopes, a
-    temperature): every element of a (batch, head)'s walk reaches the same entry, so
-    per-key sums flushed per head are all its gradient needs (`_pair_gradients`). A row
-    sum within each warp, in registers: no delta, no sum across the warps."""
-    varying, per_row = split_rows(derivative, tile, q_axis=1)
-    # g - C = the part of g that varies along the keys + (its query-only part - C).
-    offset = -row_sums if per_row is None else per_row - row_sums
-    weights = to_tile(Vector(offset, 1), tile)
-    if varying is not None:
-        weights = weights + varying
-    sums[...] = sums[...] + (products * weights).sum(axis=1)
-
-
-def _dump_or_add(weighted, dump, *, kv_start, q_start):
-    """A tile at one of the dump's offsets to HBM; the others, which reach one entry
-    each, the same on every tile before the dumped offsets and on every tile past them
-    (`relative_reads.Dump`), summed per key into the two register vectors the walk
-    carries (dump's last element), which go to rows 0 and 1 of the sums per head: no
-    table read and no shared-memory sum in the kernel. `_relative_gradient` sums the
-    dumped tiles by diagonal, then by entry.
-
-    H100, the same cases as `_accumulate_runs`' figures (ms, with the table's gradient /
-    without), with these sums in shared memory: B4 3.76 / 3.19, B1 S16384 11.2 / 9.59, B8
-    D64 1.90 / 1.69, GQA 7.47 / 6.23 (1.13-1.20x). Where the cost went at B4 when the
-    call took 3.84 ms, before they shrank from 34 rows to 2 (probes, paired rounds, parts
-    left out in turn): the summing of the dumps outside 0.09, their writes 0.12, the
-    other tiles' row sums 0.13, the dQ kernel's row sums for the exact deltas 0.13, the
-    rest (the dK/dV program with the read's derivative, the per-head flushes of the 34
-    rows, the entry tables computed per call) 0.21."""
-    dump_ref, staging, first_offset, count, first_slot, (before, after) = dump
-    offset = lax.div(kv_start - q_start, TILE) - first_offset
-    sums = weighted.sum(axis=1)
-    # Selected by a factor, not a branch: the sums stay in registers.
-    before[...] = before[...] + sums * (offset < 0).astype(jnp.float32)
-    after[...] = after[...] + sums * (offset >= count).astype(jnp.float32)
-
-    @pl.when((offset >= 0) & (offset < count))
-    def _():
-        # The last tile's copy has read the staging tile by now, or soon: tiles at the
-        # dumped offsets are a few steps apart.
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        staging[...] = weighted
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
-
-
 def _drain(consumed, num_steps, num_stages):
     """Waits for the last `num_stages` steps' releases, so that every phase of the release
     barriers is waited on once (Mosaic GPU's interpreter checks that; the hardware only
@@ -600,10 +454,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     arrays read at indices of b and h whose gradients the program accumulates (the score
     program's read derivatives g):
     per query row, sums over the row's keys written to rows_ref [row_count, B, Hq, S]
-    (`_accumulate_rows`, `_captured_gradients`, `_exact_delta`).
+    (`accumulate_rows`, `captured_gradients`, `exact_delta`).
     forward_sites: n > 0 where the forward gave those arrays' row sums C (the last input,
     [B, Hq, n, S]): then the rows are sum P dP if row_count is n + 1, and per array
-    sum P dP (g - C) (`_accumulate_rows_from_forward`, `_pair_gradients`)."""
+    sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     forward_sums_ref = rest[0] if forward_sites else None
@@ -715,12 +569,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             d_scores = probabilities * (d_probabilities
                                         - lax.broadcast_in_dim(delta, tile, [0]))
             if rows and forward_sites:
-                _accumulate_rows_from_forward(rows, probabilities * d_probabilities,
+                accumulate_rows_from_forward(rows, probabilities * d_probabilities,
                                               read_derivatives, forward_sums, tile)
             elif rows:
                 # Before dQ's wgmma: after it, P and dS' would stay live next to the
                 # 16-bit dS it reads from registers.
-                _accumulate_rows(rows, probabilities, d_probabilities, d_scores,
+                accumulate_rows(rows, probabilities, d_probabilities, d_scores,
                                  read_derivatives, tile)
             if score_derivative is not None:
                 d_scores = d_scores * score_derivative
@@ -775,114 +629,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
         _drain((k_consumed, v_consumed), num_steps, num_stages)
-
-
-def _accumulate_rows(rows, probabilities, d_probabilities, d_scores, read_derivatives, tile):
-    """rows[0] += sum dS' and rows[1] += sum P over the tile's keys, per query row, with
-    dS' = P (dP - delta) before the score derivative; per read derivative g,
-    rows[2 + 2i] += sum dS' g and rows[3 + 2i] += sum P g (see `_captured_gradients`).
-    g's part that depends on the query only multiplies the first two sums instead of
-    every element (`mosaic_tiles.split_rows`). With one row only (the exact deltas of a
-    call without those reads), rows[0] += sum P dP: one sum in place of two."""
-    if len(rows) == 1:
-        rows[0][...] = rows[0][...] + (probabilities * d_probabilities).sum(axis=1)
-        return
-    d_sum, p_sum = d_scores.sum(axis=1), probabilities.sum(axis=1)
-    rows[0][...] = rows[0][...] + d_sum
-    rows[1][...] = rows[1][...] + p_sum
-    for index, derivative in enumerate(read_derivatives):
-        varying, per_row = split_rows(derivative, tile, q_axis=0)
-        first = second = 0.0
-        if varying is not None:
-            first, second = (d_scores * varying).sum(axis=1), (probabilities * varying).sum(axis=1)
-        if per_row is not None:
-            first, second = first + per_row * d_sum, second + per_row * p_sum
-        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + first
-        rows[3 + 2 * index][...] = rows[3 + 2 * index][...] + second
-
-
-def _accumulate_rows_from_forward(rows, products, read_derivatives, forward_sums, tile):
-    """With the forward's row sums C of the n read derivatives g (`forward_sums`, vectors
-    along the queries): per query row, rows[-n + i] += sum P dP (g_i - C_i) over the
-    tile's keys (products: P dP), and before them, where there is one more row (a table
-    read at kv_idx - q_idx wants the exact deltas too), rows[0] += sum P dP."""
-    mass = products.sum(axis=1)
-    extra = len(rows) - len(forward_sums)
-    if extra:
-        rows[0][...] = rows[0][...] + mass
-    for row, derivative, row_sum in zip(rows[extra:], read_derivatives, forward_sums):
-        row[...] = (row[...] + weighted_row_sums(products, mass, derivative, tile)
-                    - mass * row_sum)
-
-
-def _captured_gradients(rows, delta, d_lse, score_program, positions, q_len):
-    """Per captured array at `positions`, its gradient from the dQ kernel's row sums
-    rows [2 + 2 n, B, Hq, S] (D = sum dS', E = sum P, then per array A = sum dS' g and
-    B = sum P g; `_accumulate_rows`) and the kernel's delta [B, Hq, S].
-
-    A row's cotangent of the value it read is sum P (dP - delta*) g, taken with the row's
-    exact delta* = sum P dP - dlse rather than the kernel's delta = rowsum(dO * out) -
-    dlse, from the output rounded to 16 bits: a row's rounding error there would be
-    multiplied by g (an ALiBi slope's: key distances in the thousands; with it the
-    Triton backward keeps a float32 output). With sum P dP = D + delta E that is
-    A + (delta (1 - E) + dlse - D) B. E is summed, not taken as 1 (nor as 1 less a
-    sink's weight): the lse holds the mod's query-only term (ALiBi's, thousands at
-    S 16384), which its float32 rounding leaves in E - 1 at up to 1e-3, and with E = 1
-    the slopes' gradient moved 0.8 % (B1 H16 S16384 D128 on the H100) where the summed
-    E keeps it at float32 precision. Summed over the rows of each (batch, head), then
-    into the table entry that pair reads, in a fixed order (`fixed_order_scatter_sum`):
-    bitwise reproducible."""
-    rows, delta = rows[..., :q_len], delta[..., :q_len]
-    d_sum, p_sum = rows[0], rows[1]
-    correction = delta * (1.0 - p_sum) - d_sum
-    if d_lse is not None:
-        correction = correction + d_lse.astype(jnp.float32)
-    batch, heads = delta.shape[:2]
-    flat = _read_entries(score_program, positions, batch, heads)
-    grads = []
-    for index, position in enumerate(positions):
-        per_pair = jnp.sum(rows[2 + 2 * index] + correction * rows[3 + 2 * index], axis=-1)
-        grads.append(_into_entries(flat[index].reshape(per_pair.shape), per_pair,
-                                   score_program.consts[position]))
-    return grads
-
-
-def _into_entries(flat, sums, const):
-    """The gradient of captured array `const`: `sums` added into the flat entries
-    `flat` (broadcast to sums' shape) in a fixed order (`fixed_order_scatter_sum`), in const's shape
-    and dtype."""
-    flat = jnp.broadcast_to(flat, sums.shape)
-    gradient = fixed_order_scatter_sum(flat.reshape(-1), sums.reshape(-1), jnp.size(const))
-    return gradient.reshape(jnp.shape(const)).astype(const.dtype)
-
-
-def _over_keys(run_sums, kv_len):
-    """The dK/dV kernel's per-key sums [B, Hq, key tiles, rows, 64] summed over the keys
-    (padded ones left out): [B, Hq, rows]."""
-    batch, heads, slots, rows, keys = run_sums.shape
-    per_key = jnp.moveaxis(run_sums, 3, 2).reshape(batch, heads, rows, slots * keys)
-    return jnp.sum(per_key[..., :kv_len], axis=-1)
-
-
-def _read_entries(score_program, positions, batch, heads):
-    """Per captured array at `positions`, the flat entry each (batch, head) pair's read
-    of it reaches, [B * Hq] int32: the mod evaluated once per pair (its reads there are
-    at indices of b and h only)."""
-    def entries(b, h):
-        log = CaptureLog()
-        consts = [CapturedRef(jnp.reshape(c, (-1,)) if jnp.ndim(c) == 0 else c,
-                              jnp.shape(c), i, log)
-                  for i, c in enumerate(score_program.consts)]
-        evaluate_jaxpr_on_tiles(score_program.jaxpr, consts,
-                                [jnp.float32(0), b, h, jnp.int32(0), jnp.int32(0)],
-                                score_program.name)
-        sites = dict(log.sites)  # each array at `positions` is read once
-        return [flat_index(sites[p], jnp.shape(score_program.consts[p]),
-                           range(jnp.ndim(score_program.consts[p]))) for p in positions]
-
-    per_pair = jax.vmap(jax.vmap(entries, (None, 0)), (0, None))(
-        jnp.arange(batch, dtype=jnp.int32), jnp.arange(heads, dtype=jnp.int32))
-    return [entry.reshape(-1) for entry in per_pair]
 
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
@@ -948,113 +694,20 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     grads = []
     if pair_positions and stacked_row_sums is not None:
         # Per (b, h), sum P dP (g - C): the fused kernel's per key, the dQ kernel's per row.
-        per_pair = ([_over_keys(sums, k.shape[1])[..., 0] for sums in pair_sums] if fuse_dq
+        per_pair = ([over_keys(sums, k.shape[1])[..., 0] for sums in pair_sums] if fuse_dq
                     else list(jnp.sum(rows[-len(pair_positions):, :, :, :q.shape[1]],
                                       axis=-1)))
-        grads = _pair_gradients(per_pair, row_sums, d_lse, score_program, pair_positions)
+        grads = pair_gradients(per_pair, row_sums, d_lse, score_program, pair_positions)
     elif pair_positions:
-        grads = _captured_gradients(rows, launch.delta, d_lse, score_program, pair_positions,
+        grads = captured_gradients(rows, launch.delta, d_lse, score_program, pair_positions,
                                     q.shape[1])
     for position, grad in zip(pair_positions, grads):
         const_grads[position] = grad
     for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
-        const_grads[position] = _relative_gradient(
+        const_grads[position] = relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
             score_program.consts[position], block_mask, k.shape[1])
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
-
-
-def _pair_gradients(per_pair, row_sums, d_lse, score_program, positions):
-    """Per captured array at `positions` (read at indices of b and h), its gradient from
-    the sums of P dP (g - C) per (b, h) (per_pair: one [B, Hq] per array; per key in the
-    fused kernel, `_accumulate_pair`, or per row in the dQ kernel,
-    `_accumulate_rows_from_forward`) and the forward's row sums C = sum P g (row_sums:
-    one [B, Hq, Sq] per array). A row's share of the gradient,
-    sum P (dP - delta*) g with its exact delta* = sum P dP - dlse, is
-    sum P dP g - (sum P dP) C + dlse C = sum P dP (g - C) + dlse C: no delta at all,
-    so none of the 16-bit output's rounding (`_captured_gradients` has why that
-    matters). The kernel's P carries its row's lse rounding (the mod's query-only term,
-    thousands at long rows, lives in the lse) as one factor per row, which scales that
-    row's share alike rather than leaving a difference of large sums. Then into the
-    entry each (b, h) reads, in a fixed order (`fixed_order_scatter_sum`): bitwise
-    reproducible."""
-    batch, heads = per_pair[0].shape
-    flat = _read_entries(score_program, positions, batch, heads)
-    grads = []
-    for index, (position, sums, row_sum) in enumerate(zip(positions, per_pair, row_sums)):
-        if d_lse is not None:
-            sums = sums + jnp.sum(d_lse.astype(jnp.float32) * row_sum, axis=-1)
-        grads.append(_into_entries(flat[index].reshape(batch, heads), sums,
-                                   score_program.consts[position]))
-    return grads
-
-
-def _relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
-    """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
-    kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]), or
-    with a `relative_reads.Dump`, its sums per key of the tiles before and past the
-    dumped offsets (2 rows in place of E) and its `dumped` tiles: summed over the keys
-    (padded ones left out) per (b, h, local entry), then into the array's entries by
-    `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`)."""
-    per_row = _over_keys(run_sums, kv_len)
-    if dump is None:
-        per_entry = per_row
-    else:
-        entries = flat.shape[-1]
-        per_entry = _dumped_entry_sums(dumped, dump, _visited_tiles(block_mask, dump),
-                                       entries, kv_len)
-        # Every tile before the dumped offsets reaches the first dumped diagonal's entry,
-        # every tile past them the last one's.
-        for row, entry in ((0, dump.entries[:, :, 0, 0]), (1, dump.entries[:, :, -1, -1])):
-            per_entry = per_entry + jnp.where(entry[..., None] == np.arange(entries),
-                                              per_row[..., row, None], 0.0)
-    return _into_entries(flat, per_entry, const)
-
-
-def _visited_tiles(block_mask, dump):
-    """[Bt, Ht, key tiles, dump.count] bool: whether the dK/dV kernel visits (and so
-    dumps) the tile of each key tile at each of the dump's offsets: those of the blocks
-    the BlockMask computes."""
-    per_block = jnp.swapaxes(block_mask.to_dense() > 0, -1, -2)  # [Bt, Ht, nKV, nQ]
-    q_blocks = per_block.shape[-1]
-    key_tiles = jnp.arange(per_block.shape[2] * TILES_PER_BLOCK, dtype=jnp.int32)
-    query_tiles = (key_tiles[:, None]
-                   - (dump.first_offset + jnp.arange(dump.count, dtype=jnp.int32))[None, :])
-    inside = (query_tiles >= 0) & (query_tiles < q_blocks * TILES_PER_BLOCK)
-    query_blocks = jnp.clip(query_tiles // TILES_PER_BLOCK, 0, q_blocks - 1)
-    return per_block[:, :, (key_tiles // TILES_PER_BLOCK)[:, None], query_blocks] & inside
-
-
-def _dumped_entry_sums(dumped, dump, visited, entries, kv_len):
-    """[B, Hq, entries]: the dumped tiles dS' g (dumped [B Hq key_tiles count, 64 keys,
-    64 queries], `relative_reads.Dump`) summed by local entry. Tiles the kernel did not
-    visit hold whatever the buffer held: `visited` [Bt, Ht, key tiles, count] selects
-    the others; padded keys are left out. Summed over the key tiles, then along each
-    diagonal (a skewed view: the tile's queries reversed and padded to a pitch of 128,
-    read at a pitch of 127, puts diagonal kv_idx - q_idx = TILE o + m - 63 in column m),
-    then by entry in a fixed order: bitwise reproducible."""
-    key_tiles, count = visited.shape[2:]
-    heads = dump.entries.shape[1]
-    batch = dumped.shape[0] // (heads * key_tiles * count)
-    tiles = dumped.reshape(batch, heads, key_tiles, count, TILE, TILE)
-    keys = (jnp.arange(key_tiles)[:, None] * TILE + jnp.arange(TILE)[None, :]) < kv_len
-    keep = visited[:, :, :, :, None, None] & keys[None, None, :, None, :, None]
-    summed = jnp.sum(jnp.where(keep, tiles, 0.0), axis=2)  # [B, Hq, count, keys, queries]
-    skewed = jnp.pad(summed[..., ::-1], [(0, 0)] * 4 + [(0, TILE)])
-    skewed = skewed.reshape(batch, heads, count, TILE * 2 * TILE)[..., :TILE * (2 * TILE - 1)]
-    diagonals = skewed.reshape(batch, heads, count, TILE, 2 * TILE - 1).sum(axis=3)
-    one_hot = dump.entries[..., None] == np.arange(entries)  # [Bm, Hq, count, 127, E]
-    return jnp.sum(jnp.where(one_hot, diagonals[..., None], 0.0), axis=(2, 3))
-
-
-def _exact_delta(rows, delta, d_lse):
-    """Each row's delta* = sum P dP - dlse from the dQ kernel's row sums: sum P dP itself
-    (one row), or D = sum dS' and E = sum P, sum P dP = D + delta E (`_accumulate_rows`).
-    The kernels' delta takes rowsum(dO * out) from the output rounded to 16 bits; a
-    table's gradient sums dS over many rows, each of which would keep its rounding error
-    (see `_captured_gradients`)."""
-    exact = rows[0] if rows.shape[0] == 1 else rows[0] + delta * rows[1]
-    return exact if d_lse is None else exact - d_lse
 
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
@@ -1155,7 +808,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         # The dQ kernel also differentiates the values read at indices of b and h from
         # the arrays whose gradients are wanted, the dK/dV kernel those read at indices
         # of kv_idx - q_idx; else d score_mod / d score only.
-        # Fused, the dK/dV kernel takes those at b and h too (`_pair_gradients`).
+        # Fused, the dK/dV kernel takes those at b and h too (`pair_gradients`).
         dq_program = (with_read_derivatives(score_program, pair_positions)
                       if pair_positions else with_score_derivative(score_program))
         dkv_positions = relative_positions + (pair_positions if fuse_dq else ())
@@ -1268,7 +921,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         num_smem=6 + len(rows_smem))
 
     if relative_positions:
-        delta = _exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
+        delta = exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
                             score_reads=dkv_reads, relative_entries=relative_entries,

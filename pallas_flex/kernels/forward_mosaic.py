@@ -714,7 +714,7 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     output, each row's sum over its keys of P g, P the softmax's probabilities (sinks
     included) and g the score's derivative with respect to the value read (0 on rows
     without keys). The fused Mosaic backward takes a captured array's gradient from
-    them (`backward_mosaic._pair_gradients`)."""
+    them (`captured_gradients_mosaic.pair_gradients`)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None

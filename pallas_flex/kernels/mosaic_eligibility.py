@@ -28,7 +28,7 @@ PAGED_HEAD_DIMS = (64, 128)
 # by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
 GRADIENT_TABLE_ENTRIES = 1 << 16
 # A T5 table's gradient is summed per (b, h) pair into one shared-memory row of 64 keys
-# per entry it reaches (`backward_mosaic._accumulate_runs`): 64 entries take 32 KiB of
+# per entry it reaches (`captured_gradients_mosaic.accumulate_runs`): 64 entries take 32 KiB of
 # the dK/dV kernel's shared memory.
 RELATIVE_GRADIENT_ENTRIES = 64
 # Pages must hold a multiple of this many rows (one TMA copy per page and tile).
@@ -104,12 +104,12 @@ def captured_row_sums(head_dim) -> bool:
     respect to the value read (`mosaic_tiles.weighted_row_sums`), from which the Mosaic
     backward takes that gradient, sum P dP (g - C) + dlse C, with no delta at all: per
     key in the fused D 64 kernel (`FUSE_CAPTURED_GRADIENTS`), else one row sum an array
-    in the dQ kernel (`backward_mosaic._accumulate_rows_from_forward`) where the exact
+    in the dQ kernel (`captured_gradients_mosaic.accumulate_rows_from_forward`) where the exact
     deltas take four (the delta's two and two an array). Also closer to float64:
     interpret mode, bidirectional T5 table + slopes, the slopes' gradient 2.7e-5 off
     against the exact deltas' 3.8e-4 (tests/kernels/test_backward_mosaic.py). Without
     them the dQ kernel's sums correct each row to its exact delta
-    (`backward_mosaic._captured_gradients`) and D 64 keeps the two kernels.
+    (`captured_gradients_mosaic.captured_gradients`) and D 64 keeps the two kernels.
 
     At head dim 64 only. H200, causal forward+backward with learnable ALiBi slopes, bf16,
     paired rounds, ms, exact deltas / row sums in the dQ kernel / row sums fused / the
@@ -148,7 +148,7 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     it) and the forward gave each array's row sums C = sum P g (`forward_row_sums`,
     `captured_row_sums`): a row's share of the gradient, sum P (dP - delta*) g with
     delta* = sum P dP, is sum P dP (g - C), summed per key in the dK/dV kernel without
-    any delta (`backward_mosaic._accumulate_pair`).
+    any delta (`captured_gradients_mosaic.accumulate_pair`).
 
     H100, bf16 fwd+bwd, paired rounds, ms, fused / two kernels: B8 H16 S2048 D64 noop
     1.235 / 1.317 (cuDNN ~1.30). At D 128 the fused kernel spilled 450-540 bytes of

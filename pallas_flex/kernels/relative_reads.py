@@ -235,7 +235,7 @@ class Dump(NamedTuple):
     """The 64 x 64 dK/dV tiles whose differences reach more than one entry for some
     (b, h): those whose keys' start less their queries' start is TILE * o for o in
     [first_offset, first_offset + count). The dK/dV kernel writes each such tile's dS' g
-    to HBM, and `backward_mosaic._dumped_entry_sums` sums it by diagonal, then by entry:
+    to HBM, and `captured_gradients_mosaic._dumped_entry_sums` sums it by diagonal, then by entry:
     in the kernel, one compare, select and cross-thread sum per element and run cost
     ~1000 cycles a run (some 30 runs a T5 tile on the diagonal). entries [Bm, H, count,
     2 TILE - 1] int32: the local entry of each (b, h, tile offset, diagonal), the

@@ -357,7 +357,7 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     ones to float32 precision (the Triton backward's error is 0.9 % on the temperature
     here): the dQ kernel sums the rows' exact deltas (`_captured_gradients`), or with
     the forward's row sums C (`captured_row_sums`) P dP (g - C) per row, or fused (the
-    dK/dV kernel computing dQ too) per key (`backward_mosaic._pair_gradients`). Two runs
+    dK/dV kernel computing dQ too) per key (`captured_gradients_mosaic.pair_gradients`). Two runs
     give the same bits of every gradient but the fused dq (reduce-adds in whatever order
     the programs reach them).
     (XLA's optimizations on: unoptimized XLA:CPU gives NaN in the reference's dq,
