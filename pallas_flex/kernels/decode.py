@@ -51,7 +51,11 @@ _TARGET_PROGRAMS = 528
 # B8 S16384 / B1 S131072: int8 0.129 / 0.130 ms against 0.138 / 0.133 with ~528
 # programs, float8 0.168 / 0.171 against 0.191 / 0.177; one wave 0.171-0.253); 16-bit
 # pages keep ~528 (0.191 / 0.200 ms against 0.220 / 0.227 in two waves, 0.349 / 0.356 in
-# one). Latent attention (D 576) lost with fewer programs (B8 S8192: 0.329 ms at 264
+# one). On the H200 the same settings stayed best for 8-bit pages (B8 S16384, pages of 64,
+# paired rounds, ms a step; tiles 64 / 128 / 256 rows x 2 / 3 stages x 4 / 8 warps x 1 /
+# 2x the splits): int8 0.122-0.127 at 128 or 256 rows, 2 stages, 4 warps (2.2-2.3 TB/s),
+# 0.144 at 64 rows, 0.166 with 3 stages, 0.195-0.205 with 8 warps, 2x the splits +1-3 %;
+# float8 0.171-0.174 (1.6 TB/s) likewise, the rest 0.178-0.300. Latent attention (D 576) lost with fewer programs (B8 S8192: 0.329 ms at 264
 # against 0.234 at 528).
 
 
