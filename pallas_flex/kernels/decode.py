@@ -55,7 +55,8 @@ _TARGET_PROGRAMS = 528
 # paired rounds, ms a step; tiles 64 / 128 / 256 rows x 2 / 3 stages x 4 / 8 warps x 1 /
 # 2x the splits): int8 0.122-0.127 at 128 or 256 rows, 2 stages, 4 warps (2.2-2.3 TB/s),
 # 0.144 at 64 rows, 0.166 with 3 stages, 0.195-0.205 with 8 warps, 2x the splits +1-3 %;
-# float8 0.171-0.174 (1.6 TB/s) likewise, the rest 0.178-0.300. Latent attention (D 576) lost with fewer programs (B8 S8192: 0.329 ms at 264
+# float8 0.171-0.174 (1.6 TB/s) likewise, the rest 0.178-0.300. Latent attention
+# (D 576) lost with fewer programs (B8 S8192: 0.329 ms at 264
 # against 0.234 at 528).
 
 
