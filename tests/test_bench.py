@@ -429,3 +429,24 @@ def test_git_provenance_names_the_tree_that_ran_under_a_stale_head(tmp_path, mon
     assert cli.git_provenance() == {"git_commit": old, "git_tree": new_tree}
     monkeypatch.chdir(tmp_path.parent)  # not a repository: nothing to name
     assert cli.git_provenance() == {"git_commit": None, "git_tree": None}
+
+
+def test_every_context_parallel_strategy_on_eight_host_devices(tmp_path):
+    """Issue 19's correctness check at 8 devices, on 8 host devices (a process of its own:
+    this one has 4): ring with the zig-zag layout, ring without it, all-gather K/V and
+    all-to-all heads, causal and document + causal, out, lse, dq, dk, dv against one
+    device (XLA backend, tiny shapes)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pallas_flex.bench.multi_device", "--quick", "--parts",
+         "correctness", "--strategies", "ring,ring_contiguous,all_gather,all_to_all",
+         "--out", str(tmp_path)], env=env, cwd=REPO_ROOT, capture_output=True, text=True,
+        timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = json.loads((tmp_path / "cpu" / "multi_device.json").read_text())["rows"]
+    assert {(row["strategy"], row["mask"].split("64")[0], row["devices"]) for row in rows} == {
+        (strategy, mask, 8) for strategy in ("ring", "ring_contiguous", "all_gather",
+                                             "all_to_all") for mask in ("causal", "document")}
+    for row in rows:
+        assert row["status"] == "ok" and max(row["max_diff_over_max"].values()) < 2e-2, row

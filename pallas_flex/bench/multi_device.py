@@ -397,7 +397,8 @@ def parse_args(argv):
     args.batch_shape, args.head_shape = (8, 4096, 16, 16, 128), (1, 16384, 32, 32, 128)
     if args.quick:
         args.lengths, args.check_length = [256], 256
-        args.max_single_length, args.heads, args.dim = 256, 4, 32
+        # 8 heads: all-to-all splits them over up to 8 host devices.
+        args.max_single_length, args.heads, args.dim = 256, 8, 32
         args.batch_shape, args.head_shape = (4, 128, 4, 4, 32), (1, 128, 8, 8, 32)
         args.backend = args.backend or "xla"
         args.iters, args.repeats = 1, 1
