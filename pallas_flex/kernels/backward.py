@@ -36,12 +36,12 @@ The launch has two kinds of programs (as PyTorch's FlexAttention backward has):
   - large tables whose entries many batch rows share (issue 21's Evoformer pair bias
     [B, H, S, S] read at b // rows by 256 folded MSA rows, a bias [H, S, S] shared by
     the batch): there every row's atomics hit the same addresses. These go to a launch
-    of their own instead (`_batch_loop_gradients`, KernelOptions.backward_batch_sum): a
-    program owns one table tile and walks a run of rows, recomputing their P and dS on
-    it and summing in registers, one scatter-add per program.
+    of their own instead (`backward_batch_loop.py`, KernelOptions.backward_batch_sum):
+    a program owns one table tile and walks a run of rows, recomputing their P and dS
+    on it and summing in registers, one scatter-add per program.
 
 The score_mod's own derivative is `jax.vjp` of the mod traced on the tile: no
-hand-written rules.
+hand-written rules. What both launches compute on a tile is in `backward_tiles.py`.
 """
 
 from __future__ import annotations
@@ -59,93 +59,16 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import loop_value, walk_listed_tiles
+from pallas_flex.kernels.backward_batch_loop import batch_loop_gradients
+from pallas_flex.kernels.backward_tiles import (
+    SitePlan, flat_index, scatter_add, tile_probabilities, tile_score_gradients)
 from pallas_flex.kernels.config import (
-    BATCH_LOOP_MIN_SHARING, BATCH_LOOP_TARGET_PROGRAMS, DETERMINISTIC_MAX_ENTRIES,
-    KernelOptions, planned_shared_memory)
+    BATCH_LOOP_MIN_SHARING, DETERMINISTIC_MAX_ENTRIES, KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.padding import pad_axis, padded_head_dim
 from pallas_flex.kernels.tile_mods import (
-    CaptureLog, TileFrame, apply_mask_on_tile, captured_inputs, captured_read_batch_axes,
-    captured_read_blocks, captured_read_positions, captured_read_sites,
-    captured_read_varying_axes, padded_for_blocks, score_vjp_on_tile, split_captured_refs,
-    unpadded_gradient)
-from pallas_flex.masks.block_mask import EMPTY, FULL
-
-
-def _tile_probabilities(q, k, lse_log2, *, q_idx, kv_idx, batch, head, masked, mask_program,
-                        mask_refs, score_program, score_refs, scale, q_len, kv_len,
-                        mask_block_kv, precision, transposed=False, block_state=None,
-                        capture_log=None, frame=None):
-    """Recomputes one tile's probabilities: (P, score_vjp, sites).
-
-    q [bq, D], k [bk, D], lse_log2 [bq, 1]; q_idx [bq, 1], kv_idx [1, bk] (unclamped).
-    `score_vjp`/`sites` (None/() without a score_mod) give the score_mod's derivative
-    and the captured-array reads for `_tile_score_gradients`.
-
-    transposed=True computes P^T [bk, bq] instead (lse_log2 [1, bq], q_idx [1, bq],
-    kv_idx [bk, 1]): the dK/dV programs then feed P^T and dS^T to their matmuls as they
-    are, where transposing a [bq, bk] accumulator would go through shared memory.
-
-    block_state (with masked=True): the tile's BlockMask block state, traced (EMPTY,
-    PARTIAL or FULL): the mask_mod applies to partial blocks only, empty ones get P = 0
-    (the batch loop's programs visit every block). capture_log: the CaptureLog the
-    score_mod's reads are recorded in (`tile_mods.score_vjp_on_tile`). frame: the tile's
-    TileFrame (the mods' reads at exactly q_idx / kv_idx load blocks), or None.
-    """
-    q_idx_in_range = q_idx  # the caller clamps query indices; padded rows have P = 0
-    kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
-    indices_below = max(q_len, kv_len)
-    rows, columns = (k, q) if transposed else (q, k)
-    scores = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32, precision=precision)
-    score_vjp, sites = None, ()
-    if score_program is None:
-        logits = scores * (scale * online_softmax.LOG2_E)  # one multiply per score
-    else:
-        scores, score_vjp, sites = score_vjp_on_tile(score_program, score_refs, scores * scale,
-                                                     batch, head, q_idx_in_range,
-                                                     kv_idx_in_range,
-                                                     indices_below=indices_below,
-                                                     log=capture_log, frame=frame,
-                                                     select_small_tables=True)
-        logits = scores * online_softmax.LOG2_E
-    if masked:
-        keep = apply_mask_on_tile(mask_program, mask_refs, batch, head, q_idx_in_range,
-                                  kv_idx_in_range, indices_below=indices_below, frame=frame,
-                                  select_small_tables=True)
-        if block_state is not None:
-            keep = (keep | (block_state == FULL)) & (block_state != EMPTY)
-        if kv_len % mask_block_kv:  # else no tile reaches past the keys
-            keep = keep & (kv_idx < kv_len)
-        logits = jnp.where(keep, logits, -jnp.inf)
-    probabilities = jnp.exp2(logits - lse_log2)  # lse_log2 = +inf on rows to ignore
-    return probabilities, score_vjp, sites
-
-
-def _tile_score_gradients(probabilities, v, d_out, delta, score_vjp, *, precision,
-                          transposed=False):
-    """(dS, the captured-array cotangents) of one tile from its probabilities.
-
-    v [bk, Dv], d_out [bq, Dv], delta [bq, 1] ([1, bq] and dS^T when transposed). dS
-    includes the score_mod's derivative but not `scale`: the callers multiply their
-    dQ/dK accumulators by it once, after the loop, instead of every tile."""
-    rows, columns = (v, d_out) if transposed else (d_out, v)
-    d_probabilities = lax.dot_general(rows, columns, (((1,), (1,)), ((), ())),
-                                      preferred_element_type=jnp.float32, precision=precision)
-    d_modded = probabilities * (d_probabilities - delta)
-    if score_vjp is None:
-        return d_modded, ()
-    return score_vjp(d_modded)
-
-
-def _scatter_add(target_ref, indices, value, interpret):
-    """target[indices] += value, with repeated indices accumulating."""
-    if interpret:
-        # Interpret mode runs programs one after another; a whole-array scatter-add is
-        # exact where the atomic's interpret rule would drop repeated indices.
-        full = target_ref[...]
-        target_ref[...] = full.at[indices if indices else (0,)].add(value)
-    else:
-        plgpu.atomic_add(target_ref, indices if indices else (0,), value)
+    CaptureLog, TileFrame, captured_inputs, captured_read_batch_axes,
+    captured_read_positions, captured_read_varying_axes, padded_for_blocks,
+    split_captured_refs, unpadded_gradient)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,7 +92,7 @@ class _Refs:
     dk: object
     dv: object
     grads: list        # per captured score array, its float32 gradient buffer or None
-    partials: list     # per summed site (_SitePlan mode "sum"/"one_hot"): (values, bases)
+    partials: list     # per summed site (SitePlan mode "sum"/"one_hot"): (values, bases)
 
 
 def _walk_order(full_tables, masked_tables, masked_first: bool):
@@ -178,51 +101,7 @@ def _walk_order(full_tables, masked_tables, masked_first: bool):
     return walks[::-1] if masked_first else walks
 
 
-@dataclasses.dataclass(frozen=True)
-class _SitePlan:
-    """How one differentiated read of a captured array accumulates its cotangents.
-
-    mode: "sum" (indices of b and h only: a register sum per program), "one_hot"
-    (deterministic: a register row over the `entries` table entries the varying axes
-    reach) or "atomic" (scatter-added into the float32 gradient buffer). `offsets`:
-    the flat table offset of each of the `width` (a power of two >= entries) row
-    slots, relative to the flat index of the read's non-varying axes."""
-    site: int
-    position: int
-    mode: str
-    varying: tuple
-    table_shape: tuple
-    entries: int = 1
-    width: int = 1
-
-    @property
-    def offsets(self):
-        strides = np.cumprod((1,) + self.table_shape[::-1][:-1])[::-1]
-        varying_sizes = [size for size, varies in zip(self.table_shape, self.varying) if varies]
-        varying_strides = [stride for stride, varies in zip(strides, self.varying) if varies]
-        offsets = np.zeros(self.width, np.int64)
-        for entry in range(self.entries):
-            digits = np.unravel_index(entry, varying_sizes) if varying_sizes else ()
-            offsets[entry] = sum(int(d) * int(st) for d, st in zip(digits, varying_strides))
-        return offsets
-
-
-def flat_index(indices, shape, axes):
-    """The flat (row-major) offset in an array of `shape` of the index on `axes`
-    (scalar int32; the other axes count as 0)."""
-    flat = jnp.int32(0)
-    if not indices:  # a 0-d array
-        return flat
-    strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
-    for axis in axes:
-        index = indices[axis]
-        if jnp.ndim(index):  # the same value across the tile: any element
-            index = jnp.max(index)
-        flat = flat + index.astype(jnp.int32) * jnp.int32(strides[axis])
-    return flat
-
-
-def _one_hot_row(plan: _SitePlan, cotangent, indices, row):
+def _one_hot_row(plan: SitePlan, cotangent, indices, row):
     """row [width] plus, per table entry, the sum of `cotangent` (a tile) over the
     elements whose varying indices reach it. Only the entries between the tile's least
     and greatest are visited: a T5 bucket or a clipped relative position takes one or
@@ -269,13 +148,13 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
         v = refs.v[pl.ds(kv_start, block_kv), :]
         kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         log = CaptureLog()
-        probabilities, score_vjp, sites = _tile_probabilities(
+        probabilities, score_vjp, sites = tile_probabilities(
             q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=batch, head=head,
             masked=masked, mask_program=mask_program, mask_refs=refs.mask,
             score_program=score_program, score_refs=refs.score, scale=scale, q_len=q_len,
             kv_len=kv_len, mask_block_kv=mask_block_kv, precision=precision,
             capture_log=log, frame=TileFrame(q_tile * block_q, kv_start, block_q, block_kv))
-        d_scores, site_cotangents = _tile_score_gradients(
+        d_scores, site_cotangents = tile_score_gradients(
             probabilities, v, d_out, delta, score_vjp, precision=precision)
         new_sums, new_bases = [], []
         for plan in site_plans:
@@ -286,7 +165,7 @@ def _dq_program(q_tile, member, kv_head, batch, refs: _Refs, *, mask_program, sc
                 if block is not None:  # a read at q_idx / kv_idx: one block's atomic add
                     block.scatter_add(refs.grads[plan.position], cotangent)
                 else:
-                    _scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
+                    scatter_add(refs.grads[plan.position], indices, cotangent, interpret)
                 continue
             fixed_axes = [axis for axis, varies in enumerate(plan.varying) if not varies]
             new_bases.append(loop_value(flat_index(indices, plan.table_shape, fixed_axes),
@@ -347,14 +226,14 @@ def _dkdv_program(kv_tile, kv_head, batch, refs: _Refs, *, mask_program, score_p
         delta = refs.delta[member, q_rows][None, :]
         q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (1, block_q), 1),
                             q_len - 1)
-        probabilities_t, score_vjp, _ = _tile_probabilities(
+        probabilities_t, score_vjp, _ = tile_probabilities(
             q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=batch,
             head=kv_head * group + member, masked=masked, mask_program=mask_program,
             mask_refs=refs.mask, score_program=score_program, score_refs=refs.score,
             scale=scale, q_len=q_len, kv_len=kv_len, mask_block_kv=mask_block_kv,
             precision=precision, transposed=True,
             frame=TileFrame(q_start, kv_tile * block_kv, block_q, block_kv, transposed=True))
-        d_scores_t, _ = _tile_score_gradients(probabilities_t, v, d_out, delta, score_vjp,
+        d_scores_t, _ = tile_score_gradients(probabilities_t, v, d_out, delta, score_vjp,
                                               precision=precision, transposed=True)
         # dV's dot issued here, next to dK's, rather than before dP's as PyTorch orders
         # them: that was 2-3 % slower on the H100 (noop 3.67 vs 3.60 ms).
@@ -416,10 +295,10 @@ def _backward_kernel(*refs, num_kv_tiles, num_q_tiles, group, first_program, unp
 
 def _site_plans(score_program, wanted=None, deterministic=False, batch=1,
                 batch_sum="atomic") -> tuple:
-    """A _SitePlan per read of a captured array that needs a gradient: reads of floating
+    """A SitePlan per read of a captured array that needs a gradient: reads of floating
     captured arrays that are differentiated (`wanted`: one bool per captured array, None
     = all). Large tables read per element are "atomic", or "batch_loop" (summed over the
-    batch by `_batch_loop_gradients`) as `batch_sum` (KernelOptions.backward_batch_sum)
+    batch by `batch_loop_gradients`) as `batch_sum` (KernelOptions.backward_batch_sum)
     says, for `batch` rows."""
     if score_program is None:
         return ()
@@ -435,16 +314,16 @@ def _site_plans(score_program, wanted=None, deterministic=False, batch=1,
         shape = tuple(jnp.shape(array)) or (1,)
         varying = tuple(varying) or (False,)
         if not any(varying):
-            plans.append(_SitePlan(site, position, "sum", varying, shape))
+            plans.append(SitePlan(site, position, "sum", varying, shape))
             continue
         entries = int(np.prod([size for size, v in zip(shape, varying) if v]))
         if entries <= DETERMINISTIC_MAX_ENTRIES:
-            plans.append(_SitePlan(site, position, "one_hot", varying, shape, entries,
+            plans.append(SitePlan(site, position, "one_hot", varying, shape, entries,
                                    max(1, 1 << (entries - 1).bit_length())))
         elif not deterministic:
             if batch_axes is None:
                 batch_axes = captured_read_batch_axes(score_program)
-            plans.append(_SitePlan(site, position, _large_table_mode(
+            plans.append(SitePlan(site, position, _large_table_mode(
                 shape, varying, batch_axes[site] or (False,), batch, batch_sum),
                 varying, shape))
         else:
@@ -473,7 +352,7 @@ def _large_table_mode(shape, varying, batch_dependent, batch, batch_sum) -> str:
     return "batch_loop" if sharing >= BATCH_LOOP_MIN_SHARING else "atomic"
 
 
-def _reduce_partials(plan: _SitePlan, values, bases, size: int):
+def _reduce_partials(plan: SitePlan, values, bases, size: int):
     """The flat [size] gradient from per-program partial rows: values [P, width] at flat
     indices bases [P, 1] + plan.offsets. A fixed-order sum (a compare-and-select reduce,
     no scatter: XLA's scatter-add on the GPU uses atomics)."""
@@ -491,242 +370,6 @@ def fixed_order_scatter_sum(flat, values, size: int):
     and so whose last bits, vary from run to run)."""
     return jnp.sum(jnp.where(flat[:, None] == jnp.arange(size, dtype=jnp.int32)[None, :],
                              values[:, None], 0.0), axis=0)
-
-
-def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state_ref, *refs,
-                       plans, site_shapes, positions, mask_program, score_program, scale,
-                       q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
-                       num_kv_tiles, group, batch, rows_per_program, broadcast_batch,
-                       broadcast_heads, interpret, block_positions=frozenset()):
-    """Grid (tile, query head, row chunk): the program owns the [block_q, block_kv] tile
-    `tile` of one query head and walks the rows [chunk * rows_per_program, ...) in order,
-    recomputing each row's P and dS on the tile (as a dQ program does) and summing the
-    cotangents of the `plans` sites elementwise in registers. While the table entries
-    the tile reaches stay the same from row to row (the flat index of the axes the site
-    does not vary along: b // rows, h), the sum goes on; it is scatter-added into the
-    site's float32 buffer when they change and after the last row. The buffers of the
-    positions in `block_positions` have the table's shape, and their sites (all reads at
-    exactly q_idx / kv_idx, `tile_mods.block_reads`) add the tile as one block; the
-    others are flat, added per element."""
-    mask_refs, score_refs, rest = split_captured_refs(refs, mask_program, score_program)
-    buffers = dict(zip(positions, rest[len(positions):]))  # after the aliased inputs
-    tile, head, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    q_tile, kv_tile = lax.div(tile, jnp.int32(num_kv_tiles)), lax.rem(
-        tile, jnp.int32(num_kv_tiles))
-    q_start, kv_start = q_tile * block_q, kv_tile * block_kv
-    q_block = lax.div(q_start, jnp.int32(mask_block_q))
-    kv_block = lax.div(kv_start, jnp.int32(mask_block_kv))
-    table_head = 0 if broadcast_heads else head
-    kv_head = lax.div(head, jnp.int32(group))
-    precision = online_softmax.dot_precision(q_ref.dtype, interpret)
-    q_idx = jnp.minimum(q_start + lax.broadcasted_iota(jnp.int32, (block_q, 1), 0), q_len - 1)
-    kv_idx = kv_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
-    first = chunk * rows_per_program
-    last = jnp.minimum(first + rows_per_program, batch)
-    q_rows, kv_rows = pl.ds(q_start, block_q), pl.ds(kv_start, block_kv)
-
-    def row(b, carry):
-        sums, bases = carry
-        q = q_ref[b, q_rows, head, :]
-        d_out = d_out_ref[b, q_rows, head, :]
-        k = k_ref[b, kv_rows, kv_head, :]
-        v = v_ref[b, kv_rows, kv_head, :]
-        lse_log2 = lse_ref[b, head, q_rows][:, None]
-        delta = delta_ref[b, head, q_rows][:, None]
-        block_state = state_ref[0 if broadcast_batch else b, table_head, q_block, kv_block]
-        log = CaptureLog()
-        probabilities, score_vjp, _ = _tile_probabilities(
-            q, k, lse_log2, q_idx=q_idx, kv_idx=kv_idx, batch=b, head=head, masked=True,
-            mask_program=mask_program, mask_refs=mask_refs, score_program=score_program,
-            score_refs=score_refs, scale=scale, q_len=q_len, kv_len=kv_len,
-            mask_block_kv=mask_block_kv, precision=precision, block_state=block_state,
-            capture_log=log, frame=TileFrame(q_start, kv_start, block_q, block_kv))
-        _, cotangents = _tile_score_gradients(probabilities, v, d_out, delta, score_vjp,
-                                              precision=precision)
-        new_sums, new_bases = [], []
-        for plan, shape, total, previous in zip(plans, site_shapes, sums, bases):
-            indices = log.unbroadcast[plan.site]
-            fixed = [axis for axis, varies in enumerate(plan.varying) if not varies]
-            base = flat_index(indices, plan.table_shape, fixed)
-            cotangent = jnp.broadcast_to(cotangents[plan.site].astype(jnp.float32), shape)
-            buffer = buffers[plan.position]
-            changed = (b > first) & (base != previous)
-            if plan.position in block_positions:
-                block = log.blocks[plan.site]
-
-                def flush(total, lead=None, buffer=buffer, block=block):
-                    block.scatter_add(buffer, total, lead=lead)
-                flush_previous = functools.partial(
-                    flush, lead=_unflat_index(previous, plan.table_shape, fixed))
-                flush_current = flush
-            else:
-                offsets = jnp.broadcast_to(_flat_offsets(indices, plan), shape)
-
-                def flush(total, target, buffer=buffer):
-                    _scatter_add(buffer, (target,), total, interpret)
-                flush_previous = functools.partial(flush, target=previous + offsets)
-                flush_current = functools.partial(flush, target=base + offsets)
-
-            @pl.when(changed)
-            def _(flush_previous=flush_previous, total=total):
-                flush_previous(total)
-
-            total = jnp.where(changed, 0.0, total) + cotangent
-
-            @pl.when(b == last - 1)
-            def _(flush_current=flush_current, total=total):
-                flush_current(total)
-
-            new_sums.append(total)
-            new_bases.append(loop_value(base, b))
-        return tuple(new_sums), tuple(new_bases)
-
-    carry = (tuple(jnp.zeros(shape, jnp.float32) for shape in site_shapes),
-             tuple(jnp.int32(0) for _ in plans))
-    lax.fori_loop(first, last, row, carry)
-
-
-def _unflat_index(flat, shape, axes):
-    """The indices on `axes` of the flat offset `flat` (`flat_index`'s inverse; None on
-    the other axes)."""
-    strides = np.cumprod((1,) + tuple(shape[::-1][:-1]))[::-1]
-    indices = [None] * len(shape)
-    for axis in axes:
-        indices[axis] = lax.rem(lax.div(flat, jnp.int32(strides[axis])), jnp.int32(shape[axis]))
-    return tuple(indices)
-
-
-def _flat_offsets(indices, plan: _SitePlan):
-    """The flat offset of a read's indices along the axes it varies on (a tile)."""
-    strides = np.cumprod((1,) + tuple(plan.table_shape[::-1][:-1]))[::-1]
-    offsets = jnp.int32(0)
-    for axis, varies in enumerate(plan.varying):
-        if varies:
-            offsets = offsets + indices[axis].astype(jnp.int32) * jnp.int32(strides[axis])
-    return offsets
-
-
-def _batch_loop_bytes(dtype, head_dim, value_dim, block_q, block_kv, num_stages, reads):
-    """Shared memory of a batch-loop program: every operand tile is streamed (q and dO
-    [block_q, D / Dv], K and V [block_kv, D / Dv]), plus the layout-conversion scratch of
-    per-element reads and scatter-adds (kernels/shared_memory.py)."""
-    size = jnp.dtype(dtype).itemsize
-    copies = 2 if jnp.dtype(dtype) == jnp.float32 else 1
-    streamed = (block_q + block_kv) * (head_dim + value_dim) * size * copies
-    scratch = 4 * block_q * block_kv * (2 * reads.tile_reads + reads.tile_gradients)
-    return max(num_stages, 1) * streamed + scratch + 1024
-
-
-def _fit_batch_loop(options: KernelOptions, launch, differentiated):
-    """(block_q, block_kv, num_stages) of the batch-loop launch within the shared-memory
-    budget: stages down to 1, then the tiles down to 16 rows, fields the user gave kept
-    (a ValueError if they cannot fit)."""
-    block_mask = launch.block_mask
-    reads = shared_memory.mod_reads(block_mask.mask_mod, launch.score_program,
-                                    differentiated)
-    settings = {"backward_batch_block_q": min(options.backward_batch_block_q,
-                                              block_mask.block_size[0]),
-                "backward_batch_block_kv": min(options.backward_batch_block_kv,
-                                               block_mask.block_size[1]),
-                "backward_batch_num_stages": options.backward_batch_num_stages}
-
-    def estimate():
-        return _batch_loop_bytes(launch.q.dtype, launch.q.shape[3], launch.v.shape[3],
-                                 settings["backward_batch_block_q"],
-                                 settings["backward_batch_block_kv"],
-                                 settings["backward_batch_num_stages"], reads)
-
-    budget = planned_shared_memory(options)
-    steps = (("backward_batch_num_stages", 1), ("backward_batch_block_kv", 16),
-             ("backward_batch_block_q", 16))
-    while estimate() > budget:
-        for field, floor in steps:
-            if field not in options.given and settings[field] > floor:
-                settings[field] = (settings[field] - 1 if field.endswith("stages")
-                                   else settings[field] // 2)
-                break
-        else:
-            raise ValueError(
-                f"the backward's batch-loop launch needs about {estimate() // 1024} KiB of "
-                f"shared memory with {settings}, more than the {budget // 1024} KiB this "
-                "GPU has: give smaller backward_batch_* tiles, or backward_batch_sum "
-                "'atomic'")
-    return (settings["backward_batch_block_q"], settings["backward_batch_block_kv"],
-            settings["backward_batch_num_stages"])
-
-
-def _batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bool):
-    """{position among the score_mod's captured arrays: float32 flat gradient} of the
-    "batch_loop" sites `plans` (see `_batch_loop_kernel`): one launch for all of them,
-    apart from the dQ and dK/dV programs, which then skip those sites."""
-    q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
-    batch, padded_q_len, q_heads, _ = q.shape
-    padded_kv_len, kv_heads = k.shape[1], k.shape[2]
-    block_mask, score_program = launch.block_mask, launch.score_program
-    block_q, block_kv, num_stages = _fit_batch_loop(
-        options, launch, {plan.position for plan in plans})
-    num_q_tiles, num_kv_tiles = padded_q_len // block_q, padded_kv_len // block_kv
-    tiles = num_q_tiles * num_kv_tiles
-    rows = options.backward_batch_rows
-    if not rows:
-        chunks = max(1, -(-BATCH_LOOP_TARGET_PROGRAMS // (tiles * q_heads)))
-        rows = -(-batch // chunks)
-    rows = min(rows, batch)
-    num_chunks = -(-batch // rows)
-
-    # Each site's cotangent tile: the dummy tile's [4, 8] axes are the kernel's
-    # [block_q, block_kv] (a read varying along the keys only has [1, block_kv]).
-    dummy_sites = captured_read_sites(score_program)
-    site_shapes = []
-    for plan in plans:
-        shape = np.broadcast_shapes(*(jnp.shape(i) for i in dummy_sites[plan.site][1]))
-        site_shapes.append(tuple({4: block_q, 8: block_kv}.get(size, size) for size in shape))
-    # Arrays the mods read as blocks reach every tile (edge-padded where they do not).
-    score_inputs = padded_for_blocks(score_program, padded_q_len, padded_kv_len)
-    mask_inputs = padded_for_blocks(block_mask.mask_mod, padded_q_len, padded_kv_len)
-    positions = tuple(sorted({plan.position for plan in plans}))
-    # Tables all of whose sites here are reads at exactly q_idx / kv_idx take their
-    # tiles' sums as blocks, into a buffer of the (padded) table's shape; the others flat.
-    blocks = captured_read_blocks(score_program)
-    block_positions = frozenset(
-        position for position in positions
-        if all(blocks[plan.site] is not None for plan in plans if plan.position == position))
-    buffers = [jnp.zeros(score_inputs[position].shape if position in block_positions
-                         else int(np.prod(jnp.shape(score_program.consts[position]))),
-                         jnp.float32)
-               for position in positions]
-    state = block_mask.block_state().astype(jnp.int32)
-    inputs = (q, k, v, d_out, launch.lse_log2, launch.delta, state, *mask_inputs,
-              *score_inputs)
-    settings = launch.kernel_settings
-    kernel = functools.partial(
-        _batch_loop_kernel, plans=plans, site_shapes=site_shapes, positions=positions,
-        mask_program=settings["mask_program"], score_program=score_program,
-        scale=settings["scale"], q_len=settings["q_len"], kv_len=settings["kv_len"],
-        block_q=block_q, block_kv=block_kv, mask_block_q=settings["mask_block_q"],
-        mask_block_kv=settings["mask_block_kv"], num_kv_tiles=num_kv_tiles,
-        group=q_heads // kv_heads, batch=batch, rows_per_program=rows,
-        broadcast_batch=state.shape[0] == 1, broadcast_heads=state.shape[1] == 1,
-        interpret=interpret, block_positions=block_positions)
-    whole = pl.no_block_spec
-    outputs = pl.pallas_call(
-        kernel,
-        # Tiles fastest: programs running together share a head's rows in L2.
-        grid=(tiles, q_heads, num_chunks),
-        in_specs=[whole] * (len(inputs) + len(buffers)),
-        out_specs=[whole] * len(buffers),
-        out_shape=sharding.typed_like(
-            [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers], inputs, buffers),
-        input_output_aliases={len(inputs) + slot: slot for slot in range(len(buffers))},
-        compiler_params=plgpu.CompilerParams(num_warps=options.backward_batch_num_warps,
-                                             num_stages=num_stages),
-        interpret=interpret,
-        name="flex_attention_backward_batch_loop",
-    )(*inputs, *buffers)
-    return {position: unpadded_gradient(output, jnp.shape(score_program.consts[position])
-                                        if position in block_positions else output.shape
-                                        ).reshape(-1)
-            for position, output in zip(positions, outputs)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -832,7 +475,7 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     # Sites summed over the batch by a launch of their own: the dQ programs skip them.
     loop_plans = tuple(plan for plan in site_plans if plan.mode == "batch_loop")
     site_plans = tuple(plan for plan in site_plans if plan.mode != "batch_loop")
-    loop_grads = (_batch_loop_gradients(launch, loop_plans, options=options,
+    loop_grads = (batch_loop_gradients(launch, loop_plans, options=options,
                                         interpret=interpret) if loop_plans else {})
     options = _fit_to_shared_memory(options, launch, site_plans)
     mask_block_q, mask_block_kv = block_mask.block_size

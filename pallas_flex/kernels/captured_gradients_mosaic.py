@@ -32,7 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels.backward import fixed_order_scatter_sum, flat_index
+from pallas_flex.kernels.backward import fixed_order_scatter_sum
+from pallas_flex.kernels.backward_tiles import flat_index
 from pallas_flex.kernels.mosaic_eligibility import BLOCK
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Vector, constant_value, index_vector, load_vector, split_rows,

@@ -63,12 +63,12 @@ class KernelOptions:
       b // rows by the folded rows of an MSA, a bias [H, S, S] shared by the batch).
       "atomic": every row's dQ programs scatter-add their cotangent tiles into it (all
       rows add into the same addresses). "loop": a launch of its own
-      (`backward._batch_loop_gradients`) in which a program owns one table tile and walks
-      `backward_batch_rows` rows (0 = enough programs to fill the GPU), recomputing their
-      dS tiles and summing them in registers: one scatter-add per program instead of one
-      per row. "auto": "loop" where at least BATCH_LOOP_MIN_SHARING rows share each
-      entry (by the table's extent along the axes indexed by b). Reads whose
-      per-element indices depend on b stay "atomic".
+      (`backward_batch_loop.batch_loop_gradients`) in which a program owns one table
+      tile and walks `backward_batch_rows` rows (0 = enough programs to fill the GPU),
+      recomputing their dS tiles and summing them in registers: one scatter-add per
+      program instead of one per row. "auto": "loop" where at least
+      BATCH_LOOP_MIN_SHARING rows share each entry (by the table's extent along the
+      axes indexed by b). Reads whose per-element indices depend on b stay "atomic".
     backward_batch_block_q, backward_batch_block_kv, backward_batch_num_warps,
       backward_batch_num_stages: the tiles and launch parameters of that launch.
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized

@@ -47,8 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, PAGE_ROWS_MULTIPLE, exp2_fma_share, hand_over_early, named_turn_barriers,
-    tile_reads)
+    BLOCK, exp2_fma_share, hand_over_early, named_turn_barriers, tile_reads)
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
