@@ -6,10 +6,12 @@ after recording the answer in docs/gpu-notes.md (Decode).
     PYTHONPATH=$PWD python3 -m benchmarks.device_time          # on the GPU
     python -m benchmarks.device_time --quick                   # the parsing, on the CPU
 
-B8 S16384 Hq 32 Hkv 8 D 128, pages of 64, 8 chained decode steps a call (as `bench
-quantized`), 5 calls under `jax.profiler.trace`: per cache dtype, the device time a step
-of each kernel (the trace's events on the GPU's streams, summed by name, divided by the
-steps) and their total, against the wall time a step."""
+B8 S16384 Hq 32 Hkv 8 D 128, pages of 64 and of 128 (a 128-row decode tile then lies in
+one page: its K/V, scales and page-table entry are slices, not per-row gathers), 8
+chained decode steps a call (as `bench quantized`), 5 calls under `jax.profiler.trace`:
+per cache dtype, the device time a step of each kernel (the trace's events on the GPU's
+streams, summed by name, divided by the steps) and their total, against the wall time a
+step."""
 import collections
 import glob
 import gzip
@@ -53,8 +55,8 @@ def device_time_by_kernel(fn, args, calls=CALLS):
 
 
 def main(quick=False):
-    batch, length, q_heads, kv_heads, dim, page = ((2, 1024, 8, 2, 64, 64) if quick else
-                                                    (8, 16384, 32, 8, 128, 64))
+    batch, length, q_heads, kv_heads, dim = ((2, 1024, 8, 2, 64) if quick else
+                                             (8, 16384, 32, 8, 128))
     backend = "xla" if quick else "pallas"
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (batch, 1, q_heads, dim), jnp.bfloat16)
@@ -63,7 +65,6 @@ def main(quick=False):
     block_mask = pf.create_block_mask(
         pf.masks.offset(pf.masks.causal_mask, jnp.full((batch,), length - 1)), batch, None,
         1, length)
-    (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, page) for x in (k, v))
     lengths = jnp.full((batch,), length, jnp.int32)
 
     @jax.jit
@@ -74,18 +75,20 @@ def main(quick=False):
                                                 backend=backend)
         return out
 
-    for name in ("bfloat16", "int8", "float8_e4m3fn"):
-        if name == "bfloat16":
-            cache = pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner)
-        else:
-            (kq, ks), (vq, vs) = (quantize(x, jnp.dtype(name)) for x in (k_pages, v_pages))
-            cache = pf.paged.PagedKVCache(kq, vq, table, lengths, owner, ks, vs)
-        totals, wall_ms = device_time_by_kernel(steps, (q, cache, block_mask))
-        per_step = CALLS * STEPS
-        print(f"{name}: wall {wall_ms / per_step:.4f} ms a step, device "
-              f"{sum(totals.values()) / per_step:.4f}", flush=True)
-        for kernel, ms in totals.most_common(8):
-            print(f"    {ms / per_step:.4f}  {kernel[:100]}", flush=True)
+    for page in (64, 128):
+        (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, page) for x in (k, v))
+        for name in ("bfloat16", "int8", "float8_e4m3fn"):
+            if name == "bfloat16":
+                cache = pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner)
+            else:
+                (kq, ks), (vq, vs) = (quantize(x, jnp.dtype(name)) for x in (k_pages, v_pages))
+                cache = pf.paged.PagedKVCache(kq, vq, table, lengths, owner, ks, vs)
+            totals, wall_ms = device_time_by_kernel(steps, (q, cache, block_mask))
+            per_step = CALLS * STEPS
+            print(f"pages of {page}, {name}: wall {wall_ms / per_step:.4f} ms a step, "
+                  f"device {sum(totals.values()) / per_step:.4f}", flush=True)
+            for kernel, ms in totals.most_common(8):
+                print(f"    {ms / per_step:.4f}  {kernel[:100]}", flush=True)
 
 
 if __name__ == "__main__":
