@@ -42,16 +42,22 @@ def lower(args) -> None:
     if size:
         q_len = args.q_len or min(2048, length)
         pages = batch * (-(-length // size))
-        cache = PagedKVCache(shape(pages, kv_heads, size, dim), shape(pages, kv_heads, size, dim),
+        cache_dtype = jnp.dtype(args.cache_dtype or dtype)
+        scales = (() if args.cache_dtype is None else
+                  (shape(pages, kv_heads, size, dtype=jnp.float32),) * 2)
+        cache = PagedKVCache(shape(pages, kv_heads, size, dim, dtype=cache_dtype),
+                             shape(pages, kv_heads, size, dim, dtype=cache_dtype),
                              shape(batch, pages // batch, dtype=jnp.int32),
-                             shape(batch, dtype=jnp.int32), shape(pages, dtype=jnp.int32))
+                             shape(batch, dtype=jnp.int32), shape(pages, dtype=jnp.int32),
+                             *scales)
         block_mask = pf.create_block_mask(masks.offset(masks.causal_mask, length - q_len),
                                           None, None, q_len, length)
         run = lambda q, cache: pf.paged.paged_flex_attention(  # noqa: E731
             q, cache, block_mask=block_mask, score_mod=score_mod, backend="pallas",
             kernel_options=options)
         _write_ttir(args, [(run, (shape(batch, q_len, args.q_heads, dim), cache))],
-                    suffix=f"{args.variant}_page{size}")
+                    suffix=f"{args.variant}_page{size}" + (
+                        f"_{args.cache_dtype}" if args.cache_dtype else ""))
         return
     q_shape, kv_shape = shape(batch, length, args.q_heads, dim), shape(batch, length,
                                                                         kv_heads, dim)
@@ -352,6 +358,8 @@ def main(argv=None) -> None:
                               help="lower paged_flex_attention on pages of this many rows")
     lower_parser.add_argument("--q-len", type=int, default=0, help="with --page-size: new "
                               "tokens (1: the decode kernel; 0: min(2048, seq-len))")
+    lower_parser.add_argument("--cache-dtype", choices=["int8", "float8_e4m3fn"],
+                              help="with --page-size: a quantized cache (per-token scales)")
     compile_parser = commands.add_parser("compile", help="compile TTIR files (pip triton)")
     compile_parser.add_argument("files", nargs="+")
     compile_parser.add_argument("--arch", type=int, default=90, help="compute capability")

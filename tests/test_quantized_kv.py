@@ -91,16 +91,30 @@ def test_quantized_kv_equals_float64_model_of_the_dequantized_values(backend, q_
     np.testing.assert_allclose(aux.max_scores, want_max, atol=tolerance * 10, rtol=tolerance)
 
 
-def test_decode_runs_the_kernel_on_the_8_bit_values_without_dequantizing():
-    """The decode kernel reads the int8 arrays themselves: no dequantized [B, S, Hkv, D]
-    array is made."""
-    q, k, v, k_scales, v_scales, _ = _case(jnp.int8, 1, jnp.bfloat16)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
+def test_decode_runs_the_kernel_on_the_8_bit_values_without_dequantizing(dtype):
+    """The decode kernel reads the 8-bit arrays themselves: no dequantized [B, S, Hkv, D]
+    array is made; float8 ones as int8 of the same bits (`kv_tiles.as_int8_bits`: a
+    bitcast, no float8 load in the kernel)."""
+    q, k, v, k_scales, v_scales, _ = _case(dtype, 1, jnp.bfloat16)
     jaxpr = jax.make_jaxpr(lambda *a: pf.flex_attention(*a[:3], k_scales=a[3], v_scales=a[4],
                                                          backend="interpret"))(
         q, k, v, k_scales, v_scales)
     text = str(jaxpr)
     assert "pallas_call" in text
     assert f"bf16[{B},{KV_LEN},{HKV},{D}]" not in text and f"f32[{B},{KV_LEN},{HKV},{D}]" not in text
+
+    def pallas_calls(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                yield eqn
+            for param in eqn.params.values():
+                inner = getattr(param, "jaxpr", param)
+                if hasattr(inner, "eqns"):
+                    yield from pallas_calls(inner)
+    [call] = pallas_calls(jaxpr.jaxpr)
+    kernel_inputs = [str(var.aval.dtype) for var in call.invars]
+    assert "int8" in kernel_inputs and not any("float8" in name for name in kernel_inputs)
 
 
 def test_under_jit_and_split_over_kv_heads_equals_one_device():

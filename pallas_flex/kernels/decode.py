@@ -35,7 +35,7 @@ from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import (
-    load_rows, page_table_row, paged_tile_view, quantized_tiles)
+    as_int8_bits, load_rows, page_table_row, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -65,11 +65,13 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                    score_program, scale, q_len, kv_len, rows, heads_per_program, group,
                    block_kv, mask_block_kv, broadcast_batch, broadcast_heads, num_splits,
                    dim_chunks, value_chunks, page_size, mask_every_tile, interpret,
-                   with_max=False, quantized=False):
+                   with_max=False, quantized=None):
     paged = page_size is not None
     if paged:
         page_table_ref, lengths_ref, *refs = refs
-    if quantized:  # int8 / float8 K/V with per-token scales: [num_pages, Hkv, page_size]
+    # quantized: None, or an 8-bit cache's dtype name (K/V arrive as int8 bits,
+    # `kv_tiles.as_int8_bits`), with per-token scales: [num_pages, Hkv, page_size]
+    if quantized:
         scale_refs, refs = refs[:2], refs[2:]  # (paged) or [B, Skv, Hkv] (contiguous)
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
@@ -118,7 +120,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keys, values, scale_refs,
                 page_table_row(page_table_ref, batch) if paged else None, kv_head,
                 tile_start, tile=block_kv, page_size=page_size, valid_rows=in_length,
-                dtype=q_ref.dtype, batch=batch)
+                dtype=q_ref.dtype, cache_dtype=quantized, batch=batch)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
@@ -249,6 +251,9 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         head_dim=tile_extent(padded_dim), value_dim=padded_value_dim,
         reads=shared_memory.mod_reads(block_mask.mask_mod, score_program))
 
+    quantized = jnp.dtype(k.dtype).name if k_scales is not None else None
+    if quantized:
+        k, v = as_int8_bits(k), as_int8_bits(v)
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)
@@ -280,7 +285,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         num_splits=num_splits, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), page_size=page_size,
         mask_every_tile=kv_len % block_kv != 0, interpret=interpret, with_max=with_max,
-        quantized=k_scales is not None)
+        quantized=quantized)
     scales = () if k_scales is None else (k_scales, v_scales)
     whole = pl.no_block_spec
     row_shape = jax.ShapeDtypeStruct((batch, num_head_programs, num_splits, padded_rows),

@@ -25,7 +25,7 @@ from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import (
-    load_rows, page_table_row, paged_tile_view, quantized_tiles)
+    as_int8_bits, load_rows, page_table_row, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     TileFrame, apply_mask_on_tile, apply_score_on_tile, padded_for_blocks, split_captured_refs)
@@ -35,12 +35,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     full_kv_num_blocks_ref, full_kv_indices_ref, *refs,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
-                    interpret, group=1, paged=None, with_max=False, quantized=False,
+                    interpret, group=1, paged=None, with_max=False, quantized=None,
                     with_sinks=False, select_small_tables=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables. with_sinks: a float32 ref
-    [Hq] of sink logits (natural units) follows them (and a quantized cache's scales)."""
+    [Hq] of sink logits (natural units) follows them (and a quantized cache's scales).
+    quantized: None, or a quantized cache's dtype name: its pages arrive as int8 bits
+    (`kv_tiles.as_int8_bits`)."""
     if paged is not None:
         page_table_ref, lengths_ref, *refs = refs
     if quantized:  # int8 / float8 pages with per-token scales [num_pages, Hkv, page_size]
@@ -95,7 +97,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keys, v, key_scale, value_scale = quantized_tiles(
                     keys, v, scale_refs, page_table_row(page_table_ref, batch), kv_head,
                     kv_start, tile=block_kv, page_size=page_size, valid_rows=valid,
-                    dtype=q_ref.dtype)
+                    dtype=q_ref.dtype, cache_dtype=quantized)
             scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                          preferred_element_type=jnp.float32,
                                          precision=precision)
@@ -222,6 +224,9 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     # place instead, as power-of-two column chunks (only dims not a multiple of 16 pad).
     padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, num_q_blocks * mask_block_q)
+    quantized = jnp.dtype(k.dtype).name if k_scales is not None else None
+    if quantized:
+        k, v = as_int8_bits(k), as_int8_bits(v)
     if paged:
         chunk_dim, chunk_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
         k, v = pad_axis(k, 3, chunk_dim), pad_axis(v, 3, chunk_value_dim)
@@ -253,7 +258,7 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         broadcast_batch=block_mask.kv_num_blocks.shape[0] == 1,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
         paged=paged_config, interpret=interpret, with_max=with_max,
-        quantized=k_scales is not None, with_sinks=sinks is not None,
+        quantized=quantized, with_sinks=sinks is not None,
         select_small_tables=options.forward_selects_small_tables)
     scales = () if k_scales is None else (k_scales, v_scales)
     sink_inputs = () if sinks is None else (sinks.astype(jnp.float32),)

@@ -57,22 +57,28 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
 
 
-def _is_float8(dtype) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits == 8
-
-
 def load_rows(view, valid_rows):
     """Loads a `[rows, width]` view; rows where valid_rows [rows, 1] is False read 0 (and
-    are not read at all, so a view past the end of an array is safe). Float8 rows there
-    are left undefined: `quantized_tiles` zeroes them after converting the tile (Pallas's
-    Triton lowering casts a load's fill value to 16/32/64-bit floats only: "cannot cast
-    ... to f8E4M3FN" on the H100)."""
+    are not read at all, so a view past the end of an array is safe)."""
     if valid_rows is None:
         return view[...]
-    mask = jnp.broadcast_to(valid_rows, view.shape)
-    if _is_float8(view.dtype):
-        return plgpu.load(view, mask=mask)
-    return plgpu.load(view, mask=mask, other=0)
+    return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)
+
+
+def as_int8_bits(pages):
+    """An 8-bit cache's pages (or contiguous K/V) as the kernels load them: int8 as it
+    is, float8 as int8 of the same bits (a bitcast: no copy), which `quantized_tiles`
+    reinterprets after the load. Loaded as float8, a tile could not be filled with 0
+    past the row's length (Pallas's Triton lowering casts a load's fill value to 16/32/64-
+    bit floats only), and zeroing those rows after the conversion made Triton stage both
+    converted tiles through shared memory: the float8 decode kernel (B8 S16384 Hq 32 Hkv
+    8 D 128, pages of 64, as pip triton 3.6.0 compiles it for sm_90) took 103424 B of
+    shared memory and 197 registers a thread, against int8's 41984 B and 168; read as
+    bits, 41984 B and 171 (`python -m benchmarks.inspect_kernels lower --page-size 64
+    --q-len 1 --cache-dtype float8_e4m3fn`, then `compile`)."""
+    if jnp.dtype(pages.dtype) == jnp.dtype(jnp.int8):
+        return pages
+    return lax.bitcast_convert_type(pages, jnp.int8)
 
 
 def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int):
@@ -96,13 +102,14 @@ def load_scales(view, valid_rows):
 
 
 def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, tile: int,
-                    page_size: int, valid_rows, dtype, batch=None):
+                    page_size: int, valid_rows, dtype, cache_dtype, batch=None):
     """A quantized (int8 / float8) cache's tiles ready for the matmuls: (key and value
     column chunks in the queries' 16-bit `dtype`, exact for both formats; the keys'
     scales [1, tile], which multiply the score columns after q.k; the values' scales,
-    which multiply P's columns before P.v). scale_refs: (k_scales, v_scales)
-    [num_pages, Hkv, page_size]; or, with page_of None, contiguous K/V's scales
-    [B, Skv, Hkv], read at row `batch`."""
+    which multiply P's columns before P.v). keys, values: int8 tiles holding the bits of
+    `cache_dtype` (`as_int8_bits`; rows past the length 0, which is 0.0 in both formats).
+    scale_refs: (k_scales, v_scales) [num_pages, Hkv, page_size]; or, with page_of None,
+    contiguous K/V's scales [B, Skv, Hkv], read at row `batch`."""
     def view(ref):
         if page_of is None:
             return ref.at[batch, pl.ds(tile_start, tile), kv_head]
@@ -110,9 +117,8 @@ def quantized_tiles(keys, values, scale_refs, page_of, kv_head, tile_start, *, t
                                 page_size=page_size)
     key_scale, value_scale = (load_scales(view(ref), valid_rows) for ref in scale_refs)
     def converted(tile):
-        tile_16 = tile.astype(dtype)
-        if valid_rows is None or not _is_float8(tile.dtype):
-            return tile_16
-        return jnp.where(valid_rows, tile_16, jnp.zeros_like(tile_16))  # see load_rows
+        if jnp.dtype(cache_dtype) != jnp.dtype(jnp.int8):
+            tile = lax.bitcast_convert_type(tile, cache_dtype)
+        return tile.astype(dtype)
     return ([converted(key) for key in keys], [converted(value) for value in values],
             key_scale, value_scale)

@@ -37,7 +37,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_flex import sharding
 from pallas_flex.kernels import device, online_softmax, shared_memory
-from pallas_flex.kernels.kv_tiles import load_rows, paged_tile_view, quantized_tiles
+from pallas_flex.kernels.kv_tiles import (
+    as_int8_bits, load_rows, paged_tile_view, quantized_tiles)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
@@ -70,9 +71,10 @@ def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
 def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, block_indices_ref,
                    block_begins_ref, scale_ref, window_ref, slopes_ref, q_ref, k_ref, v_ref,
                    *refs, group, tokens_per_item, rows, block_kv, page_size,
-                   dim_chunks, value_chunks, num_splits, interpret, quantized=False):
+                   dim_chunks, value_chunks, num_splits, interpret, quantized=None):
     """refs: (k_scales, v_scales: a quantized cache's [num_blocks, Hkv, block_size],)
-    out, lse."""
+    out, lse. quantized: None, or a quantized cache's dtype name: its blocks arrive as
+    int8 bits (`kv_tiles.as_int8_bits`)."""
     scale_refs, (out_ref, lse_ref) = refs[:-2], refs[-2:]
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
@@ -131,7 +133,8 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
         if quantized:
             keys, values, key_scale, value_scale = quantized_tiles(
                 keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
-                page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype)
+                page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype,
+                cache_dtype=quantized)
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
@@ -251,6 +254,9 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                                     requested=num_splits, block_kv=block_kv)
     work_seq, work_first = work_items(subsequence_begins, tokens_per_item, num_items)
 
+    quantized = jnp.dtype(key_cache.dtype).name if cache_scales is not None else None
+    if quantized:
+        key_cache, value_cache = as_int8_bits(key_cache), as_int8_bits(value_cache)
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
     query = pad_axis(query, 2, padded_dim)
     key_cache = pad_axis(key_cache, 3, padded_dim)
@@ -263,7 +269,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
         block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), num_splits=num_splits,
-        interpret=interpret, quantized=cache_scales is not None)
+        interpret=interpret, quantized=quantized)
     scales = tuple(cache_scales or ())
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
