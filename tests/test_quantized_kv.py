@@ -117,8 +117,9 @@ def test_decode_runs_the_kernel_on_the_8_bit_values_without_dequantizing(dtype):
     assert "int8" in kernel_inputs and not any("float8" in name for name in kernel_inputs)
 
 
-def test_under_jit_and_split_over_kv_heads_equals_one_device():
-    q, k, v, k_scales, v_scales, _ = _case(jnp.int8, 1, jnp.float32)
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
+def test_under_jit_and_split_over_kv_heads_equals_one_device(dtype):
+    q, k, v, k_scales, v_scales, _ = _case(dtype, 1, jnp.float32)
     mask = pf.create_block_mask(pf.masks.offset(_causal, POSITIONS), B, None, 1, KV_LEN)
 
     @jax.jit
