@@ -425,10 +425,17 @@ def test_git_provenance_names_the_tree_that_ran_under_a_stale_head(tmp_path, mon
     git("commit", "-qam", "new")
     new_tree = git("rev-parse", "--short=7", "HEAD^{tree}")
     git("update-ref", "HEAD", old)  # HEAD stale, files the new commit's
-    monkeypatch.chdir(tmp_path)
-    assert cli.git_provenance() == {"git_commit": old, "git_tree": new_tree}
-    monkeypatch.chdir(tmp_path.parent)  # not a repository: nothing to name
-    assert cli.git_provenance() == {"git_commit": None, "git_tree": None}
+    (tmp_path / "package").mkdir()  # from a directory inside the checkout
+    assert cli.git_provenance(tmp_path / "package") == {"git_commit": old,
+                                                        "git_tree": new_tree}
+    outside = tmp_path.parent / f"{tmp_path.name}-outside"
+    outside.mkdir()  # not a repository: nothing to name
+    assert cli.git_provenance(outside) == {"git_commit": None, "git_tree": None}
+    # By default the checkout of the package itself, whatever the working directory.
+    monkeypatch.chdir(outside)
+    assert cli.git_provenance()["git_commit"] == (subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+        text=True).stdout.strip() or None)
 
 
 def test_every_context_parallel_strategy_on_eight_host_devices(tmp_path):

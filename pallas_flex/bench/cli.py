@@ -155,25 +155,28 @@ def _with_torch(args, result, workdir: Path) -> None:
         row["torch_flex"] = entry
 
 
-def _git(*args, env=None):
-    result = subprocess.run(["git", *args], capture_output=True, text=True,
-                            env={**os.environ, **(env or {})})
+def _git(directory, *args, env=None):
+    result = subprocess.run(["git", "-C", str(directory), *args], capture_output=True,
+                            text=True, env={**os.environ, **(env or {})})
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def git_provenance() -> dict:
-    """{git_commit, git_tree}: the checkout's HEAD and the tree of the files the run
-    used (tracked and untracked, less the ignored), hashed through a scratch index. A copy
-    of a working tree can carry a stale HEAD (the device tool's did): its git_tree still
-    equals `git rev-parse --short COMMIT^{tree}` of the commit whose files ran (`git log
-    --format='%h %t'` finds it)."""
-    commit = _git("rev-parse", "--short", "HEAD") or None
+def git_provenance(directory=None) -> dict:
+    """{git_commit, git_tree} of the checkout holding `directory` (default: this
+    package's, so the library that ran, not the caller's working directory; None for
+    both outside a checkout, as a pip install is): its HEAD and the tree of the files
+    the run used (tracked and untracked, less the ignored), hashed through a scratch
+    index. A copy of a working tree can carry a stale HEAD (the device tool's did): its
+    git_tree still equals `git rev-parse --short COMMIT^{tree}` of the commit whose files
+    ran (`git log --format='%h %t'` finds it)."""
+    directory = directory or Path(__file__).resolve().parent
+    commit = _git(directory, "rev-parse", "--short", "HEAD") or None
     tree = None
     with tempfile.TemporaryDirectory() as scratch:
         env = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
-        if commit is not None and _git("read-tree", "HEAD", env=env) == "" and \
-                _git("add", "-A", env=env) == "":
-            tree = _git("write-tree", env=env)[:7] or None
+        if commit is not None and _git(directory, "read-tree", "HEAD", env=env) == "" and \
+                _git(directory, "add", "-A", env=env) == "":
+            tree = _git(directory, "write-tree", env=env)[:7] or None
     return {"git_commit": commit, "git_tree": tree}
 
 
