@@ -203,14 +203,11 @@ def accumulate_rows(rows, probabilities, d_probabilities, d_scores, read_derivat
     rows[0][...] = rows[0][...] + d_sum
     rows[1][...] = rows[1][...] + p_sum
     for index, derivative in enumerate(read_derivatives):
-        varying, per_row = split_rows(derivative, tile, q_axis=0)
-        first = second = 0.0
-        if varying is not None:
-            first, second = (d_scores * varying).sum(axis=1), (probabilities * varying).sum(axis=1)
-        if per_row is not None:
-            first, second = first + per_row * d_sum, second + per_row * p_sum
-        rows[2 + 2 * index][...] = rows[2 + 2 * index][...] + first
-        rows[3 + 2 * index][...] = rows[3 + 2 * index][...] + second
+        parts = split_rows(derivative, tile, q_axis=0)
+        rows[2 + 2 * index][...] = (rows[2 + 2 * index][...]
+                                    + weighted_row_sums(d_scores, d_sum, parts))
+        rows[3 + 2 * index][...] = (rows[3 + 2 * index][...]
+                                    + weighted_row_sums(probabilities, p_sum, parts))
 
 
 def accumulate_rows_from_forward(rows, products, read_derivatives, forward_sums, tile):
@@ -223,8 +220,8 @@ def accumulate_rows_from_forward(rows, products, read_derivatives, forward_sums,
     if extra:
         rows[0][...] = rows[0][...] + mass
     for row, derivative, row_sum in zip(rows[extra:], read_derivatives, forward_sums):
-        row[...] = (row[...] + weighted_row_sums(products, mass, derivative, tile)
-                    - mass * row_sum)
+        parts = split_rows(derivative, tile, q_axis=0)
+        row[...] = row[...] + weighted_row_sums(products, mass, parts) - mass * row_sum
 
 
 def captured_gradients(rows, delta, d_lse, score_program, positions, q_len):

@@ -52,7 +52,8 @@ from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, reads_index, score_parts, split_tile_refs, tile_inputs, weighted_row_sums)
+    matmul, reads_index, score_parts, split_rows, split_tile_refs, tile_inputs,
+    weighted_row_sums)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import score_bounds, with_read_derivatives
 
@@ -349,14 +350,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                     tile=tile, q_axis=0, q_start=q_start, kv_start=kv_start,
                                     interpret=interpret)
 
+            def weighted_by_reads(p, row_mass):  # each read's row sums P g
+                return [weighted_row_sums(p, row_mass, split_rows(derivative, tile, q_axis=0))
+                        for derivative in read_derivatives]
+
             if fixed_max is not None:  # a bounded score_mod: no max, no rescaling
                 new_max = running_max
                 p = fma_exp2.exp2(logits * logit_scale - fixed_max, exp2_share,
                                   interpret=interpret)
                 row_mass = p.sum(axis=1)
                 running_sum = running_sum + row_mass
-                row_sums = tuple(total + weighted_row_sums(p, row_mass, derivative, tile)
-                                 for total, derivative in zip(row_sums, read_derivatives))
+                row_sums = tuple(total + weighted for total, weighted in
+                                 zip(row_sums, weighted_by_reads(p, row_mass)))
             else:
                 new_max = jnp.maximum(running_max, logits.max(axis=1) * logit_scale)
                 # A row that has seen only masked scores keeps max -inf: subtract 0
@@ -372,9 +377,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                 scaled_sum = running_sum * correction
                 row_mass = p.sum(axis=1)
                 running_sum = scaled_sum + row_mass
-                row_sums = tuple(total * correction
-                                 + weighted_row_sums(p, row_mass, derivative, tile)
-                                 for total, derivative in zip(row_sums, read_derivatives))
+                row_sums = tuple(total * correction + weighted for total, weighted in
+                                 zip(row_sums, weighted_by_reads(p, row_mass)))
             p = p.astype(dtype)
             # The ordering barrier keeps the softmax ahead of the turn handover below
             # (without it the compiler may sink work past it, serializing the two

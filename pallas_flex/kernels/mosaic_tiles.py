@@ -341,12 +341,13 @@ def split_rows(x, shape, q_axis: int):
     return x, None
 
 
-def weighted_row_sums(x, x_row_sums, derivative, tile):
-    """The row sums of x g over a [queries, keys] tile, g a captured read's derivative as
-    `evaluate` returns it and x_row_sums x's own row sums: g's part that varies along the
-    keys takes a product per element, its query-only part multiplies x_row_sums
-    (`split_rows`). The forward's row sums P g, the dQ kernel's P dP g."""
-    varying, per_row = split_rows(derivative, tile, q_axis=0)
+def weighted_row_sums(x, x_row_sums, parts):
+    """The row sums of x g over a [queries, keys] tile, g a captured read's derivative
+    taken apart as `split_rows(g, tile, q_axis=0)` (`parts`) and x_row_sums x's own row
+    sums: g's part that varies along the keys takes a product per element, its
+    query-only part multiplies x_row_sums. The forward's row sums P g, the dQ kernel's
+    P dP g and dS' g (one split serves several x)."""
+    varying, per_row = parts
     total = 0.0
     if varying is not None:
         total = (x * varying).sum(axis=1)
