@@ -251,9 +251,7 @@ def flex_decode(q, k, v, block_mask, score_program, *, scale: float, options: Ke
         head_dim=tile_extent(padded_dim), value_dim=padded_value_dim,
         reads=shared_memory.mod_reads(block_mask.mask_mod, score_program))
 
-    quantized = jnp.dtype(k.dtype).name if k_scales is not None else None
-    if quantized:
-        k, v = as_int8_bits(k), as_int8_bits(v)
+    k, v, quantized = as_int8_bits(k, v, k_scales)
     # Column chunks need widths of at least 16: other head dims are padded (a copy).
     k = pad_axis(k, 3, padded_dim)
     v = pad_axis(v, 3, padded_value_dim)

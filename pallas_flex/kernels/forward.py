@@ -224,9 +224,7 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     # place instead, as power-of-two column chunks (only dims not a multiple of 16 pad).
     padded_dim, padded_value_dim = padded_head_dim(head_dim), padded_head_dim(value_dim)
     q = pad_axis(pad_axis(q, 3, padded_dim), 1, num_q_blocks * mask_block_q)
-    quantized = jnp.dtype(k.dtype).name if k_scales is not None else None
-    if quantized:
-        k, v = as_int8_bits(k), as_int8_bits(v)
+    k, v, quantized = as_int8_bits(k, v, k_scales)
     if paged:
         chunk_dim, chunk_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
         k, v = pad_axis(k, 3, chunk_dim), pad_axis(v, 3, chunk_value_dim)

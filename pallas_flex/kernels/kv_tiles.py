@@ -65,20 +65,25 @@ def load_rows(view, valid_rows):
     return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)
 
 
-def as_int8_bits(pages):
-    """An 8-bit cache's pages (or contiguous K/V) as the kernels load them: int8 as it
-    is, float8 as int8 of the same bits (a bitcast: no copy), which `quantized_tiles`
-    reinterprets after the load. Loaded as float8, a tile could not be filled with 0
-    past the row's length (Pallas's Triton lowering casts a load's fill value to 16/32/64-
-    bit floats only), and zeroing those rows after the conversion made Triton stage both
-    converted tiles through shared memory: the float8 decode kernel (B8 S16384 Hq 32 Hkv
+def as_int8_bits(k, v, scales):
+    """(k, v, quantized) as the kernels take K/V: with scales (an 8-bit cache's pages or
+    contiguous K/V), int8 as it is and float8 as int8 of the same bits (a bitcast: no
+    copy), and quantized the stored dtype's name, with which `quantized_tiles`
+    reinterprets the loaded tiles; without scales, k and v as they are and None.
+
+    Loaded as float8, a tile could not be filled with 0 past the row's length (Pallas's
+    Triton lowering casts a load's fill value to 16/32/64-bit floats only), and zeroing
+    those rows after the conversion made Triton stage both converted tiles through
+    shared memory: the float8 decode kernel (B8 S16384 Hq 32 Hkv
     8 D 128, pages of 64, as pip triton 3.6.0 compiles it for sm_90) took 103424 B of
     shared memory and 197 registers a thread, against int8's 41984 B and 168; read as
     bits, 41984 B and 171 (`python -m benchmarks.inspect_kernels lower --page-size 64
     --q-len 1 --cache-dtype float8_e4m3fn`, then `compile`)."""
-    if jnp.dtype(pages.dtype) == jnp.dtype(jnp.int8):
-        return pages
-    return lax.bitcast_convert_type(pages, jnp.int8)
+    if scales is None:
+        return k, v, None
+    return (*(x if jnp.dtype(x.dtype) == jnp.dtype(jnp.int8)
+              else lax.bitcast_convert_type(x, jnp.int8) for x in (k, v)),
+            jnp.dtype(k.dtype).name)
 
 
 def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int):

@@ -254,9 +254,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                                     requested=num_splits, block_kv=block_kv)
     work_seq, work_first = work_items(subsequence_begins, tokens_per_item, num_items)
 
-    quantized = jnp.dtype(key_cache.dtype).name if cache_scales is not None else None
-    if quantized:
-        key_cache, value_cache = as_int8_bits(key_cache), as_int8_bits(value_cache)
+    key_cache, value_cache, quantized = as_int8_bits(key_cache, value_cache, cache_scales)
     padded_dim, padded_value_dim = round_up(head_dim, 16), round_up(value_dim, 16)
     query = pad_axis(query, 2, padded_dim)
     key_cache = pad_axis(key_cache, 3, padded_dim)
