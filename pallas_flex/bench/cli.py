@@ -156,9 +156,10 @@ def _with_torch(args, result, workdir: Path) -> None:
 
 
 def _git(directory, *args, env=None):
+    """git's output, stripped, or None where it failed."""
     result = subprocess.run(["git", "-C", str(directory), *args], capture_output=True,
                             text=True, env={**os.environ, **(env or {})})
-    return result.stdout.strip() if result.returncode == 0 else ""
+    return result.stdout.strip() if result.returncode == 0 else None
 
 
 def git_provenance(directory=None) -> dict:
@@ -174,9 +175,9 @@ def git_provenance(directory=None) -> dict:
     tree = None
     with tempfile.TemporaryDirectory() as scratch:
         env = {"GIT_INDEX_FILE": os.path.join(scratch, "index")}
-        if commit is not None and _git(directory, "read-tree", "HEAD", env=env) == "" and \
-                _git(directory, "add", "-A", env=env) == "":
-            tree = _git(directory, "write-tree", env=env)[:7] or None
+        if (commit is not None and _git(directory, "read-tree", "HEAD", env=env) is not None
+                and _git(directory, "add", "-A", env=env) is not None):
+            tree = (_git(directory, "write-tree", env=env) or "")[:7] or None
     return {"git_commit": commit, "git_tree": tree}
 
 

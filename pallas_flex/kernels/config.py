@@ -56,8 +56,9 @@ class KernelOptions:
       are differentiated). Elsewhere those gradients (ALiBi slopes) and small tables
       read per element (at most `DETERMINISTIC_MAX_ENTRIES` entries along the axes
       that vary over a tile: a T5 table) always are (each program writes its own
-      partial sums, reduced in a fixed order); larger tables read per element (a relative table [H, 2S-1], a pair bias)
-      are scatter-added with atomics, which this option refuses with a ValueError.
+      partial sums, reduced in a fixed order); larger tables read per element (a
+      relative table [H, 2S-1], a pair bias) are scatter-added with atomics, which this
+      option refuses with a ValueError.
     backward_batch_sum: how the gradient of a large captured table read per element is
       summed over batch rows that share its entries (a pair bias [B, H, S, S] read at
       b // rows by the folded rows of an MSA, a bias [H, S, S] shared by the batch).
