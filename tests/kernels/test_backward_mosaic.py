@@ -355,7 +355,7 @@ def test_captured_arrays_read_per_head_train_on_the_mosaic_backward(backend, fus
     [Hq / 2], all differentiated at once with a loss on out and lse, GQA, a ragged
     length: every gradient matches autodiff of the dense float32 reference, the captured
     ones to float32 precision (the Triton backward's error is 0.9 % on the temperature
-    here): the dQ kernel sums the rows' exact deltas (`_captured_gradients`), or with
+    here): the dQ kernel sums the rows' exact deltas (`captured_gradients`), or with
     the forward's row sums C (`captured_row_sums`) P dP (g - C) per row, or fused (the
     dK/dV kernel computing dQ too) per key (`captured_gradients_mosaic.pair_gradients`). Two runs
     give the same bits of every gradient but the fused dq (reduce-adds in whatever order
@@ -463,7 +463,7 @@ def test_a_t5_table_and_slopes_train_together(backend, fuse_captured, fused_laun
     """A T5 table (read at kv_idx - q_idx: its sums by entry take the exact deltas) and
     ALiBi slopes (read at h) differentiated in one call: the dQ kernel's rows are sum
     P dP for the exact deltas and, with the forward's row sums, then one row for the
-    slopes (`_accumulate_rows_from_forward`); never fused (a relative read). Both
+    slopes (`accumulate_rows_from_forward`); never fused (a relative read). Both
     gradients against float64 autodiff of the dense reference, ragged Sq != Skv, GQA."""
     q_len, kv_len, q_heads, kv_heads = ((200, 250, 2, 1) if backend == "interpret"
                                         else (1000, 1500, 4, 2))
