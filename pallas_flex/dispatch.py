@@ -10,7 +10,8 @@ order the rules are tried:
 | backend "xla"                                                  | xla_blockwise   |
 | Sq <= decode_max_q_len and one BlockMask query block: latent attention (one query, one KV head, D 128-640, Dv 128-512, contiguous or paged) that the Mosaic GPU latent decode takes (`decode_latent_mosaic.unsupported_reason`), decode_kernel "auto" (not under backend "interpret") or "mosaic" | mosaic_latent_decode |
 | Sq <= decode_max_q_len and one BlockMask query block            | decode          |
-| forward_kernel "triton"                                         | triton_forward  |
+| a quantized (int8 / float8) paged cache, quantized_prefill "dequantize" (the default): the rows' pages dequantized to the queries' dtype, then these rules again for the 16-bit pages | dequantized_pages |
+| forward_kernel "triton", or a quantized cache read in place (quantized_prefill "in_kernel") | triton_forward  |
 | backend "interpret", forward_kernel "auto"                      | triton_forward  |
 | the Mosaic GPU forward takes the call (`mosaic_unsupported_reason`) | mosaic_forward |
 | otherwise (forward_kernel "mosaic" then raises a ValueError)    | triton_forward  |
@@ -44,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from pallas_flex import sharding
@@ -59,15 +61,17 @@ from pallas_flex.masks.row_reads import precompute_row_reads
 from pallas_flex.sinks import merge_sinks
 
 FORWARD_KERNELS = ("xla_blockwise", "decode", "mosaic_latent_decode", "triton_forward",
-                   "mosaic_forward")
+                   "mosaic_forward", "dequantized_pages")
 BACKWARD_KERNELS = ("triton_backward", "mosaic_backward")
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """The kernel a call runs (one of `FORWARD_KERNELS`) and why, in a sentence."""
+    """The kernel a call runs (one of `FORWARD_KERNELS`) and why, in a sentence; for
+    "dequantized_pages", `then` is the choice for the 16-bit pages it makes."""
     kernel: str
     reason: str
+    then: "Choice | None" = None
 
 
 def mask_for_kernels(program, batch: int, heads: int, q_len: int, kv_len: int):
@@ -135,15 +139,25 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     if uses_decode_kernel(q_len, block_mask, options):
         return _choose_decode(q, k, v, block_mask, score_program, options=options,
                               interpret=interpret, paged=paged, with_max=with_max)
+    if quantized and options.quantized_prefill == "dequantize":
+        pages = jax.ShapeDtypeStruct(k.shape, q.dtype)
+        then = choose_forward(q, pages, jax.ShapeDtypeStruct(v.shape, q.dtype), block_mask,
+                              score_program, backend=backend, options=options, paged=True,
+                              out_dtype=out_dtype, with_max=with_max)
+        return Choice("dequantized_pages", f"a quantized cache, quantized_prefill "
+                                           f"'dequantize': the rows' pages dequantized to "
+                                           f"{q.dtype} first, then {then.kernel} ({then.reason})",
+                      then)
     if options.forward_kernel == "triton":
         return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
     named = options.forward_kernel == "mosaic"
     if quantized:
         if named:
             raise ValueError("kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
-                             "GPU forward does not read quantized (int8 / float8) caches")
-        return Choice("triton_forward", "a quantized cache: the Triton forward applies its "
-                                        "scales")
+                             "GPU forward does not read quantized (int8 / float8) caches in "
+                             "place (quantized_prefill 'in_kernel')")
+        return Choice("triton_forward", "a quantized cache, quantized_prefill 'in_kernel': "
+                                        "the Triton forward applies its scales")
     if interpret and not named:
         # What the CPU suite tests; the Mosaic kernel's interpret mode is asked by name.
         return Choice("triton_forward", 'backend "interpret" runs the Triton kernel unless '
@@ -209,6 +223,15 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     paging = dict(page_table=page_table, lengths=lengths)
     if k_scales is not None:
         paging.update(k_scales=k_scales, v_scales=v_scales)
+    if choice.kernel == "dequantized_pages":
+        # (imported here: the paged package's entry points import this module)
+        from pallas_flex.paged.quantize import dequantized_pages
+        k, table = dequantized_pages(k, k_scales, page_table, q.dtype)
+        v, _ = dequantized_pages(v, v_scales, page_table, q.dtype)
+        return run_forward(choice.then, q, k, v, block_mask, score_program, scale=scale,
+                           options=options, interpret=interpret, page_table=table,
+                           lengths=lengths, out_dtype=out_dtype, with_max=with_max,
+                           sinks=sinks)
     if choice.kernel == "xla_blockwise":
         return blockwise_attention(q, k, v, block_mask, score_program, scale=scale,
                                    out_dtype=out_dtype, with_max=with_max, sinks=sinks)

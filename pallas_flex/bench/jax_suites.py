@@ -708,7 +708,55 @@ def quantized(options):
                         outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
             rows.append(row)
             del caches, calls, outs
-    return columns, "ms", rows
+    rows += _quantized_prefill(options)
+    return columns + [f"{dtype}_in_kernel" for dtype in QUANTIZED_DTYPES], "ms", rows
+
+
+def _quantized_prefill(options):
+    """`quantized`'s prefill rows: new tokens causal after a cached history, on bfloat16
+    pages and on the same pages quantized, read the default way (dequantized first,
+    `KernelOptions.quantized_prefill`) and in the Triton forward's tiles ("_in_kernel"
+    columns); ms a call, paired rounds, and each output's largest difference from the
+    bf16 column's."""
+    batch, heads, new, total, dim, size = ((1, 4, 64, 256, 64, 16) if options.quick else
+                                          (4, 16, 2048, 8192, 128, 64))
+    shape = cases.Shape(f"prefill_b{batch}_new{new}_of{total}", batch, heads, heads, total,
+                        dim, q_len=new)
+    q, k, v, _ = _bf16(*cases.inputs(shape))
+    block_mask = pf.create_block_mask(mods(cases.VARIANTS[1], shape)[0], None, None, new,
+                                      total)
+    (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, size) for x in (k, v))
+    lengths = jnp.full((batch,), total, jnp.int32)
+    caches = {"bf16": (pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner), None)}
+    for dtype in QUANTIZED_DTYPES:
+        (k_values, k_scales), (v_values, v_scales) = (
+            quantize(x, jnp.dtype(dtype)) for x in (k_pages, v_pages))
+        cache = pf.paged.PagedKVCache(k_values, v_values, table, lengths, owner, k_scales,
+                                      v_scales)
+        caches[dtype] = (cache, None)
+        caches[f"{dtype}_in_kernel"] = (cache, {"quantized_prefill": "in_kernel"})
+    print(f"[quantized] {shape.name} page_{size}", flush=True)
+    row = {"case": f"{shape.name} page_{size}", "params": {
+        **dataclasses.asdict(shape), "page_size": size, "mask": "causal at the offset"}}
+    outs, calls = {}, {}
+    for column, (cache, kernel_options) in caches.items():
+        step = jax.jit(functools.partial(
+            pf.paged.paged_flex_attention, block_mask=block_mask, backend=options.backend,
+            kernel_options=kernel_options))
+        try:
+            outs[column] = jax.block_until_ready(step(q, cache))
+            calls[column] = (step, (q, cache))
+        except Exception as error:
+            traceback.print_exc()
+            row[column] = error_entry(error)
+    row.update(time_paired(calls, rounds=3 if options.quick else 9,
+                           iters=3 if options.quick else 20))
+    for column in calls:
+        if column != "bf16" and "bf16" in calls:
+            row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
+            row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
+                outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
+    return [row]
 
 
 def _error_vs_float64(out, q, cache, batch_rows) -> float:

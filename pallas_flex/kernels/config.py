@@ -103,6 +103,14 @@ class KernelOptions:
       forward's set, without gradients of captured arrays), "mosaic" (a ValueError
       saying why where it does not) or "triton". Giving any of the Triton backward's
       tiles, warps or stages without backward_kernel selects "triton".
+    quantized_prefill: how a call of more queries than the decode takes (prefill) reads
+      an int8 / float8 paged cache. "dequantize": the rows' pages are dequantized to the
+      queries' dtype first (`paged.quantize.dequantized_pages`, one XLA fusion) and the
+      16-bit forward runs on them (the Mosaic GPU kernel on Hopper): 1.3-2.5x faster on
+      the H200 from 32 to 2048 new tokens (docs/gpu-notes.md), for transient memory of
+      twice the 16-bit bytes of the rows' reserved pages. "in_kernel": the Triton
+      forward reads the 8-bit pages in place and converts each tile it reads (no extra
+      memory). Decode reads 8-bit pages in place either way.
     """
 
     block_q: int = 128
@@ -137,6 +145,7 @@ class KernelOptions:
     backward_batch_block_kv: int = 64
     backward_batch_num_warps: int = 4
     backward_batch_num_stages: int = 2
+    quantized_prefill: str = "dequantize"
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
     given: frozenset = frozenset()
@@ -201,6 +210,7 @@ BATCH_LOOP_MIN_SHARING = 4
 # many programs (an H100 holds ~8 four-warp programs on each of its 132 SMs).
 BATCH_LOOP_TARGET_PROGRAMS = 1024
 BATCH_SUMS = ("auto", "atomic", "loop")
+QUANTIZED_PREFILLS = ("dequantize", "in_kernel")
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages", "forward_selects_small_tables"})
 TRITON_DECODE_FIELDS = frozenset({"decode_block_kv", "decode_num_warps", "decode_num_stages",
@@ -289,6 +299,9 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
             raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "
                              f"got {kernel_options[name]!r}")
+    if kernel_options.get("quantized_prefill", "dequantize") not in QUANTIZED_PREFILLS:
+        raise ValueError(f"kernel_options['quantized_prefill'] must be one of "
+                         f"{QUANTIZED_PREFILLS}, got {kernel_options['quantized_prefill']!r}")
     if kernel_options.get("backward_batch_sum", "auto") not in BATCH_SUMS:
         raise ValueError(f"kernel_options['backward_batch_sum'] must be one of {BATCH_SUMS}, "
                          f"got {kernel_options['backward_batch_sum']!r}")

@@ -40,3 +40,24 @@ def quantize(x, dtype):
 def dequantize(values, scales, dtype=jnp.float32):
     """values [..., D] times scales [...], in `dtype`."""
     return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+
+def dequantized_pages(pages, scales, page_table, dtype):
+    """A quantized cache's pages that the rows of `page_table` [B, max_pages] hold,
+    dequantized to `dtype` into a pool of their own: (pages [B * max_pages, Hkv,
+    page_size, D], its page table [B, max_pages]: row b's pages in order). One XLA
+    fusion reads the 8-bit pages and their scales and writes the 16-bit ones; entries of
+    -1 read page 0, whose values lie past the row's length (the kernels mask them).
+
+    The prefill over a quantized cache attends to these (`KernelOptions.quantized_prefill`):
+    the 16-bit forward kernels run at their own speed, where converting each 8-bit tile
+    in the Triton forward made every query tile's program pay for it (H200, B4, 32 to
+    2048 new tokens on 8192, D 128, pages of 64, paired rounds: 1.3-2.5x faster with the
+    pages dequantized first; docs/gpu-notes.md). The price is transient memory: 2 x the
+    16-bit bytes of the rows' reserved pages, K and V, during the call."""
+    num_pages = pages.shape[0]
+    batch, max_pages = page_table.shape
+    rows = jnp.clip(page_table, 0, num_pages - 1).reshape(-1)
+    values = dequantize(pages[rows], scales[rows], dtype)  # [B * max_pages, Hkv, page, D]
+    return values, jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)

@@ -4,15 +4,19 @@ the scales inside, and outputs equal dense attention over the dequantized values
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import pallas_flex as pf
+from pallas_flex import dispatch
+from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.paged import PagedKVCache, gather_contiguous, paged_flex_attention
-from pallas_flex.paged.quantize import dequantize, quantize
+from pallas_flex.paged.quantize import dequantize, dequantized_pages, quantize
 
 B, HKV, HQ, D = 2, 2, 4, 64
 LENGTHS = (70, 33)
@@ -79,11 +83,15 @@ def _decode_step(cache, q_len, seed):
 def test_kernels_equal_attention_over_the_dequantized_cache(dtype, page_size, q_len):
     cache, keys, values = _cache(dtype, page_size)
     q, mask_mod, expected = _decode_step(cache, q_len, 5)
-    for backend in ("interpret", "xla"):
-        out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend)
+    # The prefill reads the 8-bit pages dequantized first (the default) or in its kernel.
+    runs = [("xla", None)] + [("interpret", {"quantized_prefill": way})
+                              for way in ("in_kernel", "dequantize")]
+    for backend, options in runs:
+        out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
+                                   kernel_options=options)
         assert out.dtype == jnp.bfloat16
         np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2,
-                                   err_msg=backend)
+                                   err_msg=f"{backend} {options}")
     # Against the unquantized cache: the quantization's own loss, small.
     unquantized = PagedKVCache.create(num_pages=32, page_size=page_size, max_batch=B,
                                       max_pages_per_seq=8, kv_heads=HKV, head_dim=D)
@@ -103,9 +111,50 @@ def test_quantized_cache_errors():
         paged_flex_attention(jnp.zeros((B, 1, HQ, D), jnp.int8), cache, backend="interpret")
     with pytest.raises(ValueError, match="quantized"):
         cache.assign(0, 0, jnp.zeros((1, HKV, D), jnp.int8), jnp.zeros((1, HKV, D), jnp.int8))
-    with pytest.raises(ValueError, match="Mosaic"):
+    with pytest.raises(ValueError, match="Mosaic GPU forward does not read quantized"):
         paged_flex_attention(jnp.zeros((B, 40, HQ, D), jnp.bfloat16), cache,
-                             backend="interpret", kernel_options={"forward_kernel": "mosaic"})
+                             backend="interpret", kernel_options={
+                                 "forward_kernel": "mosaic", "quantized_prefill": "in_kernel"})
+    with pytest.raises(ValueError, match="quantized_prefill"):
+        paged_flex_attention(jnp.zeros((B, 40, HQ, D), jnp.bfloat16), cache,
+                             backend="interpret", kernel_options={"quantized_prefill": "auto"})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dequantized_pages_hold_each_rows_pages_in_order(dtype):
+    cache, _, _ = _cache(dtype, 16)
+    pages, table = dequantized_pages(cache.k_pages, cache.k_scales, cache.page_table,
+                                     jnp.bfloat16)
+    assert pages.dtype == jnp.bfloat16 and table.shape == cache.page_table.shape
+    assert pages.shape == (B * cache.max_pages_per_seq,) + cache.k_pages.shape[1:]
+    k_all, _ = gather_contiguous(cache)  # float32, dequantized, zero past the lengths
+    for b, length in enumerate(LENGTHS):
+        rows = pages[table[b]]  # [max_pages, Hkv, page, D] -> [positions, Hkv, D]
+        rows = jnp.swapaxes(rows, 1, 2).reshape(-1, HKV, D)[:length]
+        np.testing.assert_allclose(rows.astype(jnp.float32), k_all[b, :length],
+                                   rtol=2 ** -8, atol=1e-6)
+
+
+def test_the_prefill_choice_over_a_quantized_cache():
+    cache, _, _ = _cache(jnp.int8)
+    q = jnp.zeros((B, 40, HQ, D), jnp.bfloat16)
+    block_mask = pf.create_block_mask(pf.masks.causal_mask, None, None, 40,
+                                      cache.max_seq_len)
+    choose = functools.partial(dispatch.choose_forward, q, cache.k_pages, cache.v_pages,
+                               block_mask, None, backend="pallas", paged=True, quantized=True)
+    choice = choose(options=resolve_options(None, D, q.dtype))
+    assert choice.kernel == "dequantized_pages" and choice.then is not None
+    assert choice.then.kernel in ("mosaic_forward", "triton_forward")
+    assert choice.then.kernel in choice.reason
+    choice = choose(options=resolve_options({"quantized_prefill": "in_kernel"}, D, q.dtype))
+    assert choice.kernel == "triton_forward" and "in_kernel" in choice.reason
+    # The decode reads the pages in place whatever the option says.
+    decode = dispatch.choose_forward(q[:, :1], cache.k_pages, cache.v_pages,
+                                     pf.create_block_mask(pf.masks.causal_mask, None, None, 1,
+                                                          cache.max_seq_len),
+                                     None, backend="pallas", paged=True, quantized=True,
+                                     options=resolve_options(None, D, q.dtype))
+    assert decode.kernel == "decode"
 
 
 def test_assign_batch_under_jit_quantizes_every_row():
@@ -122,9 +171,11 @@ def test_assign_batch_under_jit_quantizes_every_row():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_len", [1, 40])
-def test_the_gpu_kernels_read_quantized_pages(dtype, q_len):
+@pytest.mark.parametrize("q_len,prefill", [(1, "dequantize"), (40, "dequantize"),
+                                           (40, "in_kernel")])
+def test_the_gpu_kernels_read_quantized_pages(dtype, q_len, prefill):
     cache, _, _ = _cache(dtype)
     q, mask_mod, expected = _decode_step(cache, q_len, 6)
-    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="pallas")
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="pallas",
+                               kernel_options={"quantized_prefill": prefill})
     np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
