@@ -200,10 +200,18 @@ def test_quick_runs_the_quantized_suite(tmp_path):
     bf16's: the kernels add no error of their own) and its distance from bf16's output."""
     assert cli.main(["quantized", "--quick", "--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "cpu" / "quantized.json").read_text())
-    assert written["columns"] == ["bf16", "int8", "float8_e4m3fn"]
-    assert [row["case"] for row in written["rows"]] == ["tiny_b2_s512 page_16",
-                                                        "tiny_b1_s2048 page_16"]
-    for row in written["rows"]:
+    assert written["columns"] == ["bf16", "int8", "float8_e4m3fn", "int8_in_kernel",
+                                  "float8_e4m3fn_in_kernel"]
+    assert [row["case"] for row in written["rows"]] == [
+        "tiny_b2_s512 page_16", "tiny_b1_s2048 page_16", "prefill_b1_new64_of256 page_16"]
+    *decode_rows, prefill = written["rows"]
+    # The prefill row: the 8-bit pages read dequantized first and in the kernel's tiles.
+    for column, loss in (("int8", 0.05), ("float8_e4m3fn", 0.15)):
+        for way in (column, f"{column}_in_kernel"):
+            entry = prefill[way]
+            assert entry["speedup_vs_bf16"] == pytest.approx(prefill["bf16"]["ms"] / entry["ms"])
+            assert 0 < entry["max_abs_diff_vs_bf16"] < loss
+    for row in decode_rows:
         params = row["params"]
         tokens_heads = params["batch"] * params["seq_len"] * params["kv_heads"]
         assert row["bf16"]["bytes"] == params["bytes"] == tokens_heads * 2 * 64 * 2
