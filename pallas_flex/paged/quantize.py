@@ -2,15 +2,14 @@
 (token, head).
 
 A key or value vector x [D] is stored as round(x / s) (int8, |.| <= 127) or x / s cast to
-float8_e4m3fn (|.| <= 448), s = max|x| / 127 or / 448: half the bytes of a 16-bit cache
-(on the H100 the decode kernel reaches 1.4-1.5x bf16's tokens per second on int8 and
-1.0-1.13x on float8, bound by the conversion to 16 bits: docs/gpu-notes.md). Per-token
-scales follow the tokens: a write quantizes exactly the vectors it writes, with no
-rescaling of a page's earlier tokens (a per-page scale would need one, or a bound known
-in advance). The kernels apply the scales where they are cheapest: a key's scale
-multiplies its column of q.k (one multiply per score), a value's scale the probability
-column before P.v (the softmax's sum keeps the unscaled probabilities), so no tile is
-dequantized.
+float8_e4m3fn (|.| <= 448), s = max|x| / 127 or / 448: half the bytes of a 16-bit cache.
+Per-token scales follow the tokens: a write quantizes exactly the vectors it writes, with
+no rescaling of a page's earlier tokens (a per-page scale would need one, or a bound
+known in advance). The decode kernel applies the scales where they are cheapest: a key's
+scale multiplies its column of q.k (one multiply per score), a value's scale the
+probability column before P.v (the softmax's sum keeps the unscaled probabilities), so
+no tile is dequantized. A prefill attends to the pages dequantized first
+(`dequantized_pages`), where converting in its kernel cost more (docs/gpu-notes.md).
 """
 
 from __future__ import annotations
