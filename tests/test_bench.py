@@ -203,8 +203,19 @@ def test_quick_runs_the_quantized_suite(tmp_path):
     assert written["columns"] == ["bf16", "int8", "float8_e4m3fn", "int8_in_kernel",
                                   "float8_e4m3fn_in_kernel"]
     assert [row["case"] for row in written["rows"]] == [
-        "tiny_b2_s512 page_16", "tiny_b1_s2048 page_16", "prefill_b1_new64_of256 page_16"]
+        "tiny_b2_s512 page_16", "tiny_b2_s512 contiguous", "tiny_b1_s2048 page_16",
+        "tiny_b1_s2048 contiguous", "prefill_b1_new64_of256 page_16"]
     *decode_rows, prefill = written["rows"]
+    contiguous = [row for row in decode_rows if row["case"].endswith("contiguous")]
+    decode_rows = [row for row in decode_rows if row not in contiguous]
+    # Contiguous 8-bit K/V with their scales (pf.flex_attention's k_scales, v_scales).
+    for row in contiguous:
+        tokens_heads = row["params"]["batch"] * row["params"]["seq_len"] * row["params"][
+            "kv_heads"]
+        assert row["bf16"]["bytes"] == tokens_heads * 2 * 64 * 2
+        for column, loss in (("int8", 0.05), ("float8_e4m3fn", 0.15)):
+            assert row[column]["bytes"] == tokens_heads * (2 * 64 + 8)
+            assert 0 < row[column]["max_abs_diff_vs_bf16"] < loss
     # The prefill row: the 8-bit pages read dequantized first and in the kernel's tiles.
     for column, loss in (("int8", 0.05), ("float8_e4m3fn", 0.15)):
         for way in (column, f"{column}_in_kernel"):

@@ -631,7 +631,9 @@ QUANTIZED_DTYPES = ("int8", "float8_e4m3fn")
 
 def quantized(options):
     """Decode (one query at the end, causal through the BlockMask) on a paged cache of
-    bfloat16 pages against the same pages quantized to int8 and float8_e4m3fn
+    bfloat16 pages against the same pages quantized to int8 and float8_e4m3fn (and the
+    same on contiguous K/V, `_quantized_contiguous`; then a prefill row,
+    `_quantized_prefill`)
     (pallas_flex/paged/quantize.py: per (token, head) scales), in paired rounds. Each
     entry: ms per decode step, the stored bytes a step reads (every page's values, plus
     the scales), their TB/s, the speedup over bf16, the largest |error| against a float64
@@ -708,8 +710,56 @@ def quantized(options):
                         outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
             rows.append(row)
             del caches, calls, outs
+        rows.append(_quantized_contiguous(options, shape, q, k, v, block_mask, steps))
     rows += _quantized_prefill(options)
     return columns + [f"{dtype}_in_kernel" for dtype in QUANTIZED_DTYPES], "ms", rows
+
+
+def _quantized_contiguous(options, shape, q, k, v, block_mask, steps):
+    """`quantized`'s decode row on contiguous K/V: `pf.flex_attention` on bf16 k, v
+    against int8 / float8 k, v with their scales (`k_scales=`, `v_scales=`), the same
+    chained steps; ms a step, stored bytes, TB/s and each output's largest difference
+    from the bf16 column's."""
+    print(f"[quantized] {shape.name} contiguous", flush=True)
+
+    def steps_of(q, k, v, k_scales, v_scales):
+        outs = [q]
+        for _ in range(steps):
+            outs.append(pf.flex_attention(outs[-1], k, v, block_mask=block_mask,
+                                          backend=options.backend, k_scales=k_scales,
+                                          v_scales=v_scales))
+        return outs[1], outs[-1]
+    step = jax.jit(steps_of)
+    inputs = {"bf16": (k, v, None, None)}
+    for dtype in QUANTIZED_DTYPES:
+        (k_values, k_scales), (v_values, v_scales) = (quantize(x, jnp.dtype(dtype))
+                                                      for x in (k, v))
+        inputs[dtype] = (k_values, v_values, k_scales, v_scales)
+    row = {"case": f"{shape.name} contiguous", "params": {
+        **dataclasses.asdict(shape), "steps_per_call": steps, "bytes": shape.kv_bytes}}
+    outs, calls = {}, {}
+    for column, operands in inputs.items():
+        try:
+            outs[column] = jax.block_until_ready(step(q, *operands))[0]
+            calls[column] = (step, (q, *operands))
+        except Exception as error:
+            traceback.print_exc()
+            row[column] = error_entry(error)
+    for column, entry in time_paired(calls, rounds=3 if options.quick else 9,
+                                     iters=3 if options.quick else 20).items():
+        k_stored = inputs[column][0]
+        stored = shape.batch * shape.seq_len * shape.kv_heads * (
+            2 * shape.head_dim * jnp.dtype(k_stored.dtype).itemsize
+            + (2 * 4 if column != "bf16" else 0))
+        ms = entry["ms"] / steps
+        row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
+                       "bytes": stored, "tb_per_s": stored / ms / 1e9}
+    for column in calls:
+        if column != "bf16" and "bf16" in calls:
+            row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
+            row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
+                outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
+    return row
 
 
 def _quantized_prefill(options):
