@@ -10,8 +10,8 @@ order the rules are tried:
 | backend "xla"                                                  | xla_blockwise   |
 | Sq <= decode_max_q_len and one BlockMask query block: latent attention (one query, one KV head, D 128-640, Dv 128-512, contiguous or paged) that the Mosaic GPU latent decode takes (`decode_latent_mosaic.unsupported_reason`), decode_kernel "auto" (not under backend "interpret") or "mosaic" | mosaic_latent_decode |
 | Sq <= decode_max_q_len and one BlockMask query block            | decode          |
-| a quantized (int8 / float8) paged cache, quantized_prefill "dequantize" (the default): the rows' pages dequantized to the queries' dtype, then these rules again for the 16-bit pages | dequantized_pages |
-| forward_kernel "triton", or a quantized cache read in place (quantized_prefill "in_kernel") | triton_forward  |
+| a quantized (int8 / float8) paged cache, quantized_prefill "dequantize", or "auto" (the default) where the rows' pages take at most QUANTIZED_PREFILL_MAX_BYTES dequantized: those pages dequantized to the queries' dtype, then these rules again for the 16-bit pages | dequantized_pages |
+| forward_kernel "triton", or a quantized cache read in place (quantized_prefill "in_kernel", or "auto" past that size) | triton_forward  |
 | backend "interpret", forward_kernel "auto"                      | triton_forward  |
 | the Mosaic GPU forward takes the call (`mosaic_unsupported_reason`) | mosaic_forward |
 | otherwise (forward_kernel "mosaic" then raises a ValueError)    | triton_forward  |
@@ -52,7 +52,8 @@ from pallas_flex import sharding
 from pallas_flex.kernels import (
     backward_mosaic, decode_latent_mosaic, device, forward_mosaic, mosaic_eligibility)
 from pallas_flex.kernels.backward import flex_attention_backward
-from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
+from pallas_flex.kernels.config import (
+    QUANTIZED_PREFILL_MAX_BYTES, KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.decode import flex_decode
 from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.tile_mods import captured_read_positions
@@ -139,15 +140,16 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
     if uses_decode_kernel(q_len, block_mask, options):
         return _choose_decode(q, k, v, block_mask, score_program, options=options,
                               interpret=interpret, paged=paged, with_max=with_max)
-    if quantized and options.quantized_prefill == "dequantize":
+    way = quantized and _quantized_prefill(q, k, v, block_mask, options)
+    if way == "dequantize":
         pages = jax.ShapeDtypeStruct(k.shape, q.dtype)
         then = choose_forward(q, pages, jax.ShapeDtypeStruct(v.shape, q.dtype), block_mask,
                               score_program, backend=backend, options=options, paged=True,
                               out_dtype=out_dtype, with_max=with_max)
         return Choice("dequantized_pages", f"a quantized cache, quantized_prefill "
-                                           f"'dequantize': the rows' pages dequantized to "
-                                           f"{q.dtype} first, then {then.kernel} ({then.reason})",
-                      then)
+                                           f"'{options.quantized_prefill}': the rows' pages "
+                                           f"dequantized to {q.dtype} first, then "
+                                           f"{then.kernel} ({then.reason})", then)
     if options.forward_kernel == "triton":
         return Choice("triton_forward", "kernel_options['forward_kernel'] is 'triton'")
     named = options.forward_kernel == "mosaic"
@@ -156,8 +158,9 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
             raise ValueError("kernel_options['forward_kernel'] is 'mosaic', but the Mosaic "
                              "GPU forward does not read quantized (int8 / float8) caches in "
                              "place (quantized_prefill 'in_kernel')")
-        return Choice("triton_forward", "a quantized cache, quantized_prefill 'in_kernel': "
-                                        "the Triton forward applies its scales")
+        return Choice("triton_forward", f"a quantized cache, quantized_prefill "
+                                        f"'{options.quantized_prefill}' (in_kernel): the "
+                                        "Triton forward applies its scales")
     if interpret and not named:
         # What the CPU suite tests; the Mosaic kernel's interpret mode is asked by name.
         return Choice("triton_forward", 'backend "interpret" runs the Triton kernel unless '
@@ -173,6 +176,18 @@ def choose_forward(q, k, v, block_mask, score_program, *, backend: str,
         raise ValueError(f"kernel_options['forward_kernel'] is 'mosaic', but the Mosaic GPU "
                          f"forward kernel does not take this call: {reason}")
     return Choice("triton_forward", f"the Mosaic GPU forward does not take {reason}")
+
+
+def _quantized_prefill(q, k, v, block_mask, options: KernelOptions) -> str:
+    """How a prefill reads a quantized paged cache (`KernelOptions.quantized_prefill`):
+    "dequantize" or "in_kernel"; "auto" dequantizes where the rows' reserved pages take
+    at most QUANTIZED_PREFILL_MAX_BYTES in the queries' dtype (pages k, v [num_pages,
+    Hkv, page_size, D / Dv]; the BlockMask's key length is the rows' max_seq_len)."""
+    if options.quantized_prefill != "auto":
+        return options.quantized_prefill
+    dequantized = (q.shape[0] * block_mask.shape[3] * k.shape[1] * (k.shape[3] + v.shape[3])
+                   * jnp.dtype(q.dtype).itemsize)
+    return "dequantize" if dequantized <= QUANTIZED_PREFILL_MAX_BYTES else "in_kernel"
 
 
 def _choose_decode(q, k, v, block_mask, score_program, *, options: KernelOptions,

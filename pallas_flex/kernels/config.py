@@ -108,9 +108,12 @@ class KernelOptions:
       queries' dtype first (`paged.quantize.dequantized_pages`, one XLA fusion) and the
       16-bit forward runs on them (the Mosaic GPU kernel on Hopper): 1.3-2.5x faster on
       the H200 from 32 to 2048 new tokens (docs/gpu-notes.md), for transient memory of
-      twice the 16-bit bytes of the rows' reserved pages. "in_kernel": the Triton
-      forward reads the 8-bit pages in place and converts each tile it reads (no extra
-      memory). Decode reads 8-bit pages in place either way.
+      the rows' reserved pages in 16 bits (B x max_seq_len x Hkv x (D + Dv) x 2 bytes).
+      "in_kernel": the Triton forward reads the 8-bit pages in place and converts each
+      tile it reads (no extra memory). "auto": "dequantize" where those pages take at
+      most QUANTIZED_PREFILL_MAX_BYTES (1 GiB: a 128k-token row of 8 KV heads at D 128
+      takes 0.5 GiB), else "in_kernel", so that a prefill on a cache sized to the
+      GPU's memory does not run out of it. Decode reads 8-bit pages in place either way.
     """
 
     block_q: int = 128
@@ -145,7 +148,7 @@ class KernelOptions:
     backward_batch_block_kv: int = 64
     backward_batch_num_warps: int = 4
     backward_batch_num_stages: int = 2
-    quantized_prefill: str = "dequantize"
+    quantized_prefill: str = "auto"
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
     given: frozenset = frozenset()
@@ -210,7 +213,8 @@ BATCH_LOOP_MIN_SHARING = 4
 # many programs (an H100 holds ~8 four-warp programs on each of its 132 SMs).
 BATCH_LOOP_TARGET_PROGRAMS = 1024
 BATCH_SUMS = ("auto", "atomic", "loop")
-QUANTIZED_PREFILLS = ("dequantize", "in_kernel")
+QUANTIZED_PREFILLS = ("auto", "dequantize", "in_kernel")
+QUANTIZED_PREFILL_MAX_BYTES = 1 << 30  # quantized_prefill "auto": dequantized pages at most
 TRITON_FORWARD_FIELDS = frozenset({"block_q", "block_kv", "num_warps", "num_stages",
                                    "paged_num_stages", "forward_selects_small_tables"})
 TRITON_DECODE_FIELDS = frozenset({"decode_block_kv", "decode_num_warps", "decode_num_stages",
@@ -299,7 +303,7 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         if kernel_options.get(name, "auto") not in FORWARD_KERNELS:
             raise ValueError(f"kernel_options[{name!r}] must be one of {FORWARD_KERNELS}, "
                              f"got {kernel_options[name]!r}")
-    if kernel_options.get("quantized_prefill", "dequantize") not in QUANTIZED_PREFILLS:
+    if kernel_options.get("quantized_prefill", "auto") not in QUANTIZED_PREFILLS:
         raise ValueError(f"kernel_options['quantized_prefill'] must be one of "
                          f"{QUANTIZED_PREFILLS}, got {kernel_options['quantized_prefill']!r}")
     if kernel_options.get("backward_batch_sum", "auto") not in BATCH_SUMS:

@@ -53,8 +53,8 @@ def dequantized_pages(pages, scales, page_table, dtype):
     the 16-bit forward kernels run at their own speed, where converting each 8-bit tile
     in the Triton forward made every query tile's program pay for it (H200, B4, 32 to
     2048 new tokens on 8192, D 128, pages of 64, paired rounds: 1.3-2.5x faster with the
-    pages dequantized first; docs/gpu-notes.md). The price is transient memory: 2 x the
-    16-bit bytes of the rows' reserved pages, K and V, during the call."""
+    pages dequantized first; docs/gpu-notes.md). The price is transient memory: the
+    rows' reserved pages, K and V, in 16 bits during the call (which "auto" bounds)."""
     num_pages = pages.shape[0]
     batch, max_pages = page_table.shape
     rows = jnp.clip(page_table, 0, num_pages - 1).reshape(-1)

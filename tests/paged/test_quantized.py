@@ -117,7 +117,7 @@ def test_quantized_cache_errors():
                                  "forward_kernel": "mosaic", "quantized_prefill": "in_kernel"})
     with pytest.raises(ValueError, match="quantized_prefill"):
         paged_flex_attention(jnp.zeros((B, 40, HQ, D), jnp.bfloat16), cache,
-                             backend="interpret", kernel_options={"quantized_prefill": "auto"})
+                             backend="interpret", kernel_options={"quantized_prefill": "sometimes"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -135,7 +135,7 @@ def test_dequantized_pages_hold_each_rows_pages_in_order(dtype):
                                    rtol=2 ** -8, atol=1e-6)
 
 
-def test_the_prefill_choice_over_a_quantized_cache():
+def test_the_prefill_choice_over_a_quantized_cache(monkeypatch):
     cache, _, _ = _cache(jnp.int8)
     q = jnp.zeros((B, 40, HQ, D), jnp.bfloat16)
     block_mask = pf.create_block_mask(pf.masks.causal_mask, None, None, 40,
@@ -148,6 +148,15 @@ def test_the_prefill_choice_over_a_quantized_cache():
     assert choice.then.kernel in choice.reason
     choice = choose(options=resolve_options({"quantized_prefill": "in_kernel"}, D, q.dtype))
     assert choice.kernel == "triton_forward" and "in_kernel" in choice.reason
+    # "auto" (the default) reads in place where the dequantized pages would pass the
+    # limit: B x max_seq_len x Hkv x (D + Dv) x 2 bytes = 2 x 128 x 2 x 128 x 2 here.
+    dequantized = B * cache.max_seq_len * HKV * 2 * D * 2
+    for limit, kernel in ((dequantized, "dequantized_pages"), (dequantized - 1,
+                                                               "triton_forward")):
+        monkeypatch.setattr(dispatch, "QUANTIZED_PREFILL_MAX_BYTES", limit)
+        assert choose(options=resolve_options(None, D, q.dtype)).kernel == kernel, limit
+        assert choose(options=resolve_options({"quantized_prefill": "dequantize"}, D,
+                                              q.dtype)).kernel == "dequantized_pages"
     # The decode reads the pages in place whatever the option says.
     decode = dispatch.choose_forward(q[:, :1], cache.k_pages, cache.v_pages,
                                      pf.create_block_mask(pf.masks.causal_mask, None, None, 1,
