@@ -282,9 +282,12 @@ def backward_unsupported_reason(score_program, head_dim: int = 128):
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
-    if mod_unsupported_reason(score_program) is not None:  # the forward's blocks
-        return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, "
-                "kv_idx) (the Mosaic forward loads its blocks, the backward does not)")
+    reason = mod_unsupported_reason(score_program)
+    if reason is not None:
+        if mod_unsupported_reason(score_program, blocks=True) is None:  # the forward's
+            return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, "
+                    "kv_idx) (the Mosaic forward loads its blocks, the backward does not)")
+        return reason
     return mod_unsupported_reason(with_score_derivative(score_program))
 
 
