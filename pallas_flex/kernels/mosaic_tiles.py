@@ -499,8 +499,10 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
     def block_reader(axes):
         """A [q, kv] block of a bias tensor at the tile: loaded from GMEM straight into
-        the scores' wgmma layout (issued before the tile's q.k wait, so that its latency
-        hides behind the matmul). The forward's tiles only (queries along axis 0)."""
+        the scores' wgmma layout when the mod runs, after the tile's q.k, so that its
+        latency is the step's (why the Triton forward, which copies bias tiles a step
+        ahead, measured faster: `mosaic_eligibility.unsupported_reason`). The forward's
+        tiles only (queries along axis 0)."""
         if q_axis != 0:
             raise NotImplementedError("block reads load [q, kv] tiles (the forward's)")
 
