@@ -209,7 +209,10 @@ def contiguous_reads(program, blocks: bool = False):
         return {}
     jaxpr = program.jaxpr
     exact = ExactIndices(program)
+    # What varies over a tile: the indices and, for a score_mod, the score.
     depends_on_index = set(exact.kind)
+    if program.kind == "score":
+        depends_on_index.add(jaxpr.invars[0])
     positions = {var: position for position, var in enumerate(jaxpr.constvars)}
 
     def is_var(atom):
