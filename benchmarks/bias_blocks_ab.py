@@ -1,7 +1,8 @@
 """A/B probe (delete after recording): a score_mod adding a bias tensor on the Mosaic
 forward (block reads, `forward_kernel="mosaic"`) against the Triton forward (the
-default), forward only, paired rounds. Measured (H200): Evoformer R256 S256 H8 D64 Mosaic
-0.275 ms, Triton 0.244 (XLA 1.093). Not yet: D128 and the long-sequence rows below,
+default), forward only, paired rounds. Measured (H200), the blocks loaded after the q.k:
+Evoformer R256 S256 H8 D64 Mosaic 0.275 ms, Triton 0.244 (XLA 1.093). Not yet: the
+loads issued during the q.k (`mosaic_tiles.preload_blocks`), D128 and the rows below,
 which decide whether "auto" should take bias tensors to the Mosaic forward
 (`mosaic_eligibility.unsupported_reason`). ~3 minutes of device time with compiles.
 PYTHONPATH=$PWD python3 -m benchmarks.bias_blocks_ab"""
