@@ -313,10 +313,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     turns.scores_issued()
                 return preload_blocks(score_program, score_reads, score_refs, batch, head,
                                       tile=tile, q_start=q_start, kv_start=kv_start,
-                                      interpret=interpret) or None
-            scores = matmul(q_smem, k_tile, shape=tile, interpret=interpret,
-                            transpose_b=True, after_issue=after_scores_issued)
-            raw, blocks = scores if isinstance(scores, tuple) else (scores, None)
+                                      interpret=interpret)
+            raw, blocks = matmul(q_smem, k_tile, shape=tile, interpret=interpret,
+                                 transpose_b=True, after_issue=after_scores_issued,
+                                 with_issued=True)
             if not early_hand_over:
                 turns.scores_issued()
             plgpu.barrier_arrive(k_consumed.at[slot])

@@ -481,14 +481,20 @@ def _load_block(captured, indices, *, axes, q_start, kv_start, tile, interpret):
                       optimized=False)
 
 
+def _captured_refs(program, refs):
+    """The mod's captured arrays as `CapturedRef`s of the kernel's refs."""
+    return [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
+            for position, (ref, c) in enumerate(zip(refs, program.consts))]
+
+
 def preload_blocks(program, reads, refs, batch, head, *, tile, q_start, kv_start,
                    interpret):
     """{read key: its block} of the mod's bias-tensor blocks (`contiguous_reads`' "block"
-    reads) at a [q, kv] tile, loaded from the mod's index arithmetic on b and h alone, so
-    that a kernel can issue them while the tile's q.k is in flight (`matmul`'s
-    after_issue) and hand them to `evaluate` (`preloaded`): loaded when the mod runs,
-    after the q.k, their latency is the step's. Empty where the mod has none, or where a
-    block's other indices need the score (they are then loaded in `evaluate`)."""
+    reads) at a [q, kv] tile, loaded from the mod's index arithmetic on b and h alone
+    (their other indices depend on nothing else: `contiguous_reads`), so that a kernel
+    can issue them while the tile's q.k is in flight (`matmul`'s after_issue) and hand
+    them to `evaluate` (`preloaded`): loaded when the mod runs, after the q.k, their
+    latency is the step's. Empty where the mod has none."""
     keys = [key for key, (_, _, kind) in reads.items() if kind == "block"]
     if program is None or not keys:
         return {}
@@ -499,15 +505,10 @@ def preload_blocks(program, reads, refs, batch, head, *, tile, q_start, kv_start
                                        kv_start=kv_start, tile=tile, interpret=interpret),
                      reads[key][1]) for key in keys}
     first_index_arg = 2 + (program.kind == "score")
-    if any(reads_argument(blocks_only, position, readers)
-           for position in [*range(first_index_arg - 2), first_index_arg,
-                            first_index_arg + 1]):
-        return {}  # an index needs the score, q_idx or kv_idx: not before the mod runs
-    consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
-              for position, (ref, c) in enumerate(zip(refs, program.consts))]
+    # The score, q_idx and kv_idx are dead for these outputs: only b and h are passed.
     args = [None] * (first_index_arg - 2) + [batch, head, None, None]
     values = evaluate_jaxpr_on_tiles(
-        blocks_only, consts, args, program.name,
+        blocks_only, _captured_refs(program, refs), args, program.name,
         small_index_args=(first_index_arg, first_index_arg + 1),
         primitive_overrides=PRIMITIVE_OVERRIDES, captured_reads=readers,
         apply=tile_applier(tile))
@@ -528,8 +529,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     preloaded: {read key: block} of its bias-tensor blocks already loaded
     (`preload_blocks`); the others load here."""
     preloaded = preloaded or {}
-    consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
-              for position, (ref, c) in enumerate(zip(refs, program.consts))]
+    consts = _captured_refs(program, refs)
     first_index_arg = 2 + (program.kind == "score")
 
     def slice_reader(axis, kind):
@@ -727,12 +727,14 @@ def load_vector(ref, axis: int, interpret: bool):
 
 
 def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
-           after_issue=None):
+           after_issue=None, with_issued=False):
     """accumulator (or zeros) + a · b as a float32 [shape] tile, by wgmma: `a` a shared
     memory ref or a 16-bit register tile, `b_smem` a shared memory ref ([K, N], or
-    [N, K] with transpose_b). `after_issue` runs while the wgmma is in flight; where it
-    returns a value (loads issued there: `preload_blocks`), the result is (tile, value)
-    (without an accumulator only)."""
+    [N, K] with transpose_b). `after_issue` runs while the wgmma is in flight; with
+    `with_issued` (and no accumulator) the result is (tile, what after_issue returned:
+    loads issued there, `preload_blocks`)."""
+    if with_issued and accumulator is not None:
+        raise NotImplementedError("with_issued takes no accumulator")
     if interpret:
         issued = after_issue() if after_issue is not None else None
         left = a[...] if not isinstance(a, jax.Array) else a
@@ -740,7 +742,7 @@ def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
                                   (((1,), (1 if transpose_b else 0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
         product = product if accumulator is None else accumulator + product
-        return product if issued is None else (product, issued)
+        return (product, issued) if with_issued else product
     right = b_smem.transpose((1, 0)) if transpose_b else b_smem
 
     def issue(accumulator_ref):
@@ -750,14 +752,9 @@ def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
     if accumulator is None:
         def fresh(accumulator_ref):
             issued = issue(accumulator_ref)
-            return (accumulator_ref[...] if issued is None
-                    else (accumulator_ref[...], issued))
+            return (accumulator_ref[...], issued) if with_issued else accumulator_ref[...]
         return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
-
-    def accumulate(accumulator_ref):
-        if issue(accumulator_ref) is not None:
-            raise NotImplementedError("after_issue returns values without an accumulator only")
-    return pl.run_state(accumulate)(plgpu.ACC.init(accumulator))
+    return pl.run_state(issue)(plgpu.ACC.init(accumulator))
 
 
 class _InterpretedAccumulator:
