@@ -670,27 +670,17 @@ def quantized(options):
             print(f"[quantized] {name} page_{size}", flush=True)
             (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, size)
                                                         for x in (k, v))
-            lengths = jnp.full((batch,), length, jnp.int32)
-            caches = {"bf16": pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner)}
-            for dtype in QUANTIZED_DTYPES:
-                (k_values, k_scales), (v_values, v_scales) = (
-                    quantize(x, jnp.dtype(dtype)) for x in (k_pages, v_pages))
-                caches[dtype] = pf.paged.PagedKVCache(k_values, v_values, table, lengths,
-                                                      owner, k_scales, v_scales)
+            caches = _quantized_caches(k_pages, v_pages, table,
+                                       jnp.full((batch,), length, jnp.int32), owner)
             row = {"case": f"{name} page_{size}", "params": {
                 **dataclasses.asdict(shape), "page_size": size, "steps_per_call": steps,
                 "bytes": shape.kv_bytes, "reference": (
                     f"float64 on the dequantized values of batch rows {reference_rows} of "
                     f"{batch}, all {q_heads} query heads")}}
-            outs, calls = {}, {}
-            for column, cache in caches.items():
-                try:
-                    outs[column] = jax.block_until_ready(
-                        decode_steps(q, cache, block_mask))[0]
-                    calls[column] = (decode_steps, (q, cache, block_mask))
-                except Exception as error:
-                    traceback.print_exc()
-                    row[column] = error_entry(error)
+            calls = {column: (decode_steps, (q, cache, block_mask))
+                     for column, cache in caches.items()}
+            outs = _run_once(row, calls, first_output=True)
+            calls = {column: calls[column] for column in outs}
             for column, entry in time_paired(calls, rounds=3 if options.quick else 9,
                                              iters=3 if options.quick else 20).items():
                 cache = caches[column]
@@ -702,12 +692,7 @@ def quantized(options):
                                "bytes": stored, "tb_per_s": stored / ms / 1e9,
                                "max_abs_error_vs_float64": _error_vs_float64(
                                    outs[column], q, cache, reference_rows)}
-            for column in columns:
-                if "ms" in row.get(column, {}) and "ms" in row.get("bf16", {}):
-                    row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
-                if column != "bf16" and column in outs and "bf16" in outs:
-                    row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
-                        outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
+            _versus_bf16(row, outs)
             rows.append(row)
             del caches, calls, outs
         rows.append(_quantized_contiguous(options, shape, q, k, v, block_mask, steps))
@@ -737,14 +722,9 @@ def _quantized_contiguous(options, shape, q, k, v, block_mask, steps):
         inputs[dtype] = (k_values, v_values, k_scales, v_scales)
     row = {"case": f"{shape.name} contiguous", "params": {
         **dataclasses.asdict(shape), "steps_per_call": steps, "bytes": shape.kv_bytes}}
-    outs, calls = {}, {}
-    for column, operands in inputs.items():
-        try:
-            outs[column] = jax.block_until_ready(step(q, *operands))[0]
-            calls[column] = (step, (q, *operands))
-        except Exception as error:
-            traceback.print_exc()
-            row[column] = error_entry(error)
+    calls = {column: (step, (q, *operands)) for column, operands in inputs.items()}
+    outs = _run_once(row, calls, first_output=True)
+    calls = {column: calls[column] for column in outs}
     for column, entry in time_paired(calls, rounds=3 if options.quick else 9,
                                      iters=3 if options.quick else 20).items():
         k_stored = inputs[column][0]
@@ -754,11 +734,7 @@ def _quantized_contiguous(options, shape, q, k, v, block_mask, steps):
         ms = entry["ms"] / steps
         row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
                        "bytes": stored, "tb_per_s": stored / ms / 1e9}
-    for column in calls:
-        if column != "bf16" and "bf16" in calls:
-            row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
-            row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
-                outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
+    _versus_bf16(row, outs)
     return row
 
 
@@ -776,37 +752,62 @@ def _quantized_prefill(options):
     block_mask = pf.create_block_mask(mods(cases.VARIANTS[1], shape)[0], None, None, new,
                                       total)
     (k_pages, table, owner), (v_pages, _, _) = (_shuffled_pages(x, size) for x in (k, v))
-    lengths = jnp.full((batch,), total, jnp.int32)
-    caches = {"bf16": (pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner), None)}
+    caches = {column: (cache, None) for column, cache in _quantized_caches(
+        k_pages, v_pages, table, jnp.full((batch,), total, jnp.int32), owner).items()}
     for dtype in QUANTIZED_DTYPES:
-        (k_values, k_scales), (v_values, v_scales) = (
-            quantize(x, jnp.dtype(dtype)) for x in (k_pages, v_pages))
-        cache = pf.paged.PagedKVCache(k_values, v_values, table, lengths, owner, k_scales,
-                                      v_scales)
-        caches[dtype] = (cache, None)
-        caches[f"{dtype}_in_kernel"] = (cache, {"quantized_prefill": "in_kernel"})
+        caches[f"{dtype}_in_kernel"] = (caches[dtype][0], {"quantized_prefill": "in_kernel"})
     print(f"[quantized] {shape.name} page_{size}", flush=True)
     row = {"case": f"{shape.name} page_{size}", "params": {
         **dataclasses.asdict(shape), "page_size": size, "mask": "causal at the offset"}}
-    outs, calls = {}, {}
-    for column, (cache, kernel_options) in caches.items():
-        step = jax.jit(functools.partial(
-            pf.paged.paged_flex_attention, block_mask=block_mask, backend=options.backend,
-            kernel_options=kernel_options))
+    calls = {column: (jax.jit(functools.partial(
+        pf.paged.paged_flex_attention, block_mask=block_mask, backend=options.backend,
+        kernel_options=kernel_options)), (q, cache))
+        for column, (cache, kernel_options) in caches.items()}
+    outs = _run_once(row, calls)
+    row.update(time_paired({column: calls[column] for column in outs},
+                           rounds=3 if options.quick else 9,
+                           iters=3 if options.quick else 20))
+    _versus_bf16(row, outs)
+    return [row]
+
+
+def _quantized_caches(k_pages, v_pages, table, lengths, owner):
+    """{"bf16": the cache of these pages, and per QUANTIZED_DTYPES the same pages
+    quantized (per-token scales)}."""
+    caches = {"bf16": pf.paged.PagedKVCache(k_pages, v_pages, table, lengths, owner)}
+    for dtype in QUANTIZED_DTYPES:
+        (k_values, k_scales), (v_values, v_scales) = (
+            quantize(x, jnp.dtype(dtype)) for x in (k_pages, v_pages))
+        caches[dtype] = pf.paged.PagedKVCache(k_values, v_values, table, lengths, owner,
+                                              k_scales, v_scales)
+    return caches
+
+
+def _run_once(row, calls, first_output=False):
+    """{column: output} of each {column: (fn, args)} run once (the first of the outputs
+    where first_output); a failure becomes the row's entry for its column instead."""
+    outs = {}
+    for column, (fn, args) in calls.items():
         try:
-            outs[column] = jax.block_until_ready(step(q, cache))
-            calls[column] = (step, (q, cache))
+            out = jax.block_until_ready(fn(*args))
+            outs[column] = out[0] if first_output else out
         except Exception as error:
             traceback.print_exc()
             row[column] = error_entry(error)
-    row.update(time_paired(calls, rounds=3 if options.quick else 9,
-                           iters=3 if options.quick else 20))
-    for column in calls:
-        if column != "bf16" and "bf16" in calls:
+    return outs
+
+
+def _versus_bf16(row, outs):
+    """Each timed column's speedup over the bf16 column and, for the others, its output's
+    largest |difference| from bf16's (what the 8-bit cache costs in accuracy)."""
+    if "bf16" not in outs or "ms" not in row.get("bf16", {}):
+        return
+    for column, out in outs.items():
+        if "ms" in row.get(column, {}):
             row[column]["speedup_vs_bf16"] = row["bf16"]["ms"] / row[column]["ms"]
+        if column != "bf16":
             row[column]["max_abs_diff_vs_bf16"] = float(jnp.max(jnp.abs(
-                outs[column].astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
-    return [row]
+                out.astype(jnp.float32) - outs["bf16"].astype(jnp.float32))))
 
 
 def _error_vs_float64(out, q, cache, batch_rows) -> float:
