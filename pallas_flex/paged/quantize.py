@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_flex.kernels.kv_tiles import in_pool
+
 # Storage dtype -> the largest magnitude it holds.
 QUANTIZED_DTYPES = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
 
@@ -41,7 +43,6 @@ def dequantize(values, scales, dtype=jnp.float32):
     return (values.astype(jnp.float32) * scales[..., None]).astype(dtype)
 
 
-
 def dequantized_pages(pages, scales, page_table, dtype):
     """A quantized cache's pages that the rows of `page_table` [B, max_pages] hold,
     dequantized to `dtype` into a pool of their own: (pages [B * max_pages, Hkv,
@@ -55,8 +56,7 @@ def dequantized_pages(pages, scales, page_table, dtype):
     2048 new tokens on 8192, D 128, pages of 64, paired rounds: 1.3-2.5x faster with the
     pages dequantized first; docs/gpu-notes.md). The price is transient memory: the
     rows' reserved pages, K and V, in 16 bits during the call (which "auto" bounds)."""
-    num_pages = pages.shape[0]
     batch, max_pages = page_table.shape
-    rows = jnp.clip(page_table, 0, num_pages - 1).reshape(-1)
+    rows = in_pool(page_table, pages.shape[0]).reshape(-1)
     values = dequantize(pages[rows], scales[rows], dtype)  # [B * max_pages, Hkv, page, D]
     return values, jnp.arange(batch * max_pages, dtype=jnp.int32).reshape(batch, max_pages)

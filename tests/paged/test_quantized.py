@@ -117,7 +117,8 @@ def test_quantized_cache_errors():
                                  "forward_kernel": "mosaic", "quantized_prefill": "in_kernel"})
     with pytest.raises(ValueError, match="quantized_prefill"):
         paged_flex_attention(jnp.zeros((B, 40, HQ, D), jnp.bfloat16), cache,
-                             backend="interpret", kernel_options={"quantized_prefill": "sometimes"})
+                             backend="interpret",
+                             kernel_options={"quantized_prefill": "sometimes"})
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
