@@ -92,6 +92,20 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         head = first_head + lax.div(row, jnp.int32(q_len))
         q_idx = lax.rem(row, jnp.int32(q_len))
     q_chunks = [q_ref[:, pl.ds(start, width)] for start, width in dim_chunks]
+    # float8 pages under bfloat16 queries: the matmuls run in float16, whose conversion
+    # from e4m3 is one instruction a pair (to bfloat16 it took a scalar F2F per element
+    # more). The queries are scaled by a power of two into float16's range (exact but
+    # for bfloat16 values below float16's normals), undone with the keys' scales.
+    matmul_dtype, query_factor = q_ref.dtype, None
+    if (quantized and jnp.dtype(quantized) != jnp.dtype(jnp.int8)
+            and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.bfloat16)):
+        largest = functools.reduce(jnp.maximum, [jnp.max(jnp.abs(c.astype(jnp.float32)))
+                                                 for c in q_chunks])
+        shift = jnp.maximum(jnp.ceil(jnp.log2(jnp.maximum(largest, 1.0))) - 15.0, 0.0)
+        query_factor = jnp.exp2(shift)
+        q_chunks = [(c.astype(jnp.float32) / query_factor).astype(jnp.float16)
+                    for c in q_chunks]
+        matmul_dtype = jnp.float16
     kv_length = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
     def load_tile(ref, tile_start, valid, column_start, width):
@@ -120,12 +134,12 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 keys, values, scale_refs,
                 page_table_row(page_table_ref, batch) if paged else None, kv_head,
                 tile_start, tile=block_kv, page_size=page_size, valid_rows=in_length,
-                dtype=q_ref.dtype, cache_dtype=quantized, batch=batch)
+                dtype=matmul_dtype, cache_dtype=quantized, batch=batch)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
         if quantized:
-            scores = scores * key_scale
+            scores = scores * (key_scale if query_factor is None else key_scale * query_factor)
         kv_idx = tile_start + lax.broadcasted_iota(jnp.int32, (1, block_kv), 1)
         kv_idx_in_range = jnp.minimum(kv_idx, kv_len - 1)
         if score_program is None:

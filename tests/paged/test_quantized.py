@@ -189,3 +189,22 @@ def test_the_gpu_kernels_read_quantized_pages(dtype, q_len, prefill):
     out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="pallas",
                                kernel_options={"quantized_prefill": prefill})
     np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
+
+
+@pytest.mark.parametrize("magnitude", [3e5, 1e-3])
+def test_float8_decode_takes_bfloat16_queries_of_any_magnitude(magnitude):
+    """Over float8 pages the decode's matmuls run in float16 (`decode._decode_kernel`):
+    bfloat16 queries past float16's range (65504) or far below 1 are scaled by a power
+    of two first, so the output still equals dense attention over the cache's values."""
+    cache, _, _ = _cache(jnp.float8_e4m3fn)
+    q, mask_mod, _ = _decode_step(cache, 1, 8)
+    q = (q.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
+    k_all, v_all = gather_contiguous(cache)
+    lengths = cache.lengths
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - 1 >= kv_idx)
+    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret")
+    assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
