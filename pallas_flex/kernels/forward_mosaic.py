@@ -52,8 +52,8 @@ from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, preload_blocks, reads_index, score_parts, split_rows, split_tile_refs,
-    tile_inputs, weighted_row_sums)
+    matmul, reads_index, score_parts, split_rows, split_tile_refs, tile_inputs,
+    weighted_row_sums)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import score_bounds, with_read_derivatives
 
@@ -301,25 +301,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             tile_number = (consumed + step) * parts_per_block + part
             slot = slot_of(tile_number)
             k_tile, v_tile = k_smem.at[slot], v_smem.at[slot]
+            # Then the other warpgroup's q·kᵀ goes next.
+            raw = matmul(q_smem, k_tile, shape=tile, interpret=interpret,
+                         transpose_b=True,
+                         after_issue=turns.scores_issued if early_hand_over else None)
+            if not early_hand_over:
+                turns.scores_issued()
+            plgpu.barrier_arrive(k_consumed.at[slot])
+
             kv_idx = kv_position = kv_start = None
             needs_kv_vector, needs_kv_start = kv_needs[masked]
             if needs_kv_start:
                 kv_start = block_start + part * tile_rows
-
-            def after_scores_issued():
-                """Then the other warpgroup's q·kᵀ goes next (early hand-over), and the
-                mod's bias-tensor blocks load while this one is in flight."""
-                if early_hand_over:
-                    turns.scores_issued()
-                return preload_blocks(score_program, score_reads, score_refs, batch, head,
-                                      tile=tile, q_start=q_start, kv_start=kv_start,
-                                      interpret=interpret)
-            raw, blocks = matmul(q_smem, k_tile, shape=tile, interpret=interpret,
-                                 transpose_b=True, after_issue=after_scores_issued,
-                                 with_issued=True)
-            if not early_hand_over:
-                turns.scores_issued()
-            plgpu.barrier_arrive(k_consumed.at[slot])
             if needs_kv_vector:
                 kv_position = index_vector(kv_start, tile_rows, 1)
                 # The unclamped positions mask the key tail: one iota for both.
@@ -340,7 +333,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     score_program, score_reads, score_refs,
                     (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
                     q_start=q_start, kv_start=kv_start, interpret=interpret,
-                    keep_affine=True, preloaded=blocks)
+                    keep_affine=True)
                 read_derivatives = derivatives[1:]
                 logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:

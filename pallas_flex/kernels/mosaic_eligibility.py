@@ -349,13 +349,13 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
 
 # A score_mod reading a bias tensor at (q_idx, kv_idx) (`contiguous_reads`' blocks: a
 # pair bias, `scores.bias_lookup`) runs on the Mosaic forward only where kernel_options
-# name it: each warpgroup loads its [64, kv] block from GMEM every step, and with the
-# load issued after the tile's q.k (as the mod ran) that lost to the Triton forward,
+# name it: each warpgroup loads its [64, kv] block from GMEM every step, issued when the
+# mod runs (after the tile's q.k), and that lost to the Triton forward,
 # whose bias tiles are copied a step ahead (H200, gated self-attention R256 S256 H8 D64,
 # forward, paired rounds: 0.275 ms against 0.244; the outputs within 0.012). Correct on
-# the GPU (tests/kernels/test_forward_mosaic.py::test_bias_tensor_blocks). The loads
-# are now issued while the q.k is in flight (`mosaic_tiles.preload_blocks`), not yet
-# timed, nor are long sequences (`benchmarks/bias_blocks_ab.py`).
+# the GPU (tests/kernels/test_forward_mosaic.py::test_bias_tensor_blocks). Issuing the
+# blocks' loads while the q.k was in flight (the blocks held in registers across it) was
+# slower still: 0.345 ms (H200, 2026-11-29), so they load when the mod runs.
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                        paged: bool = False, bias_blocks: bool = False):
     """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).

@@ -18,7 +18,6 @@ there, and everything else is the kernels' own code.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -467,56 +466,8 @@ def reads_index(program, reads, name: str) -> bool:
     return reads_argument(program.jaxpr, position, reads)
 
 
-def _load_block(captured, indices, *, axes, q_start, kv_start, tile, interpret):
-    """A [q, kv] block of a bias tensor at the tile (a `contiguous_reads` block: `axes`
-    its q and kv axes), from GMEM straight into the scores' wgmma layout. The forward's
-    tiles only (queries along axis 0)."""
-    index = [None if i is None else jnp.clip(i, 0, size - 1)
-             for i, size in zip(indices, captured.shape)]
-    index[axes[0]] = pl.ds(q_start, tile[0])
-    index[axes[1]] = pl.ds(kv_start, tile[1])
-    if interpret:
-        return captured.ref[tuple(index)]
-    return plgpu.load(captured.ref.at[tuple(index)], layout=plgpu.Layout.WGMMA,
-                      optimized=False)
-
-
-def _captured_refs(program, refs):
-    """The mod's captured arrays as `CapturedRef`s of the kernel's refs."""
-    return [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
-            for position, (ref, c) in enumerate(zip(refs, program.consts))]
-
-
-def preload_blocks(program, reads, refs, batch, head, *, tile, q_start, kv_start,
-                   interpret):
-    """{read key: its block} of the mod's bias-tensor blocks (`contiguous_reads`' "block"
-    reads) at a [q, kv] tile, loaded from the mod's index arithmetic on b and h alone
-    (their other indices depend on nothing else: `contiguous_reads`), so that a kernel
-    can issue them while the tile's q.k is in flight (`matmul`'s after_issue) and hand
-    them to `evaluate` (`preloaded`): loaded when the mod runs, after the q.k, their
-    latency is the step's. Empty where the mod has none."""
-    keys = [key for key, (_, _, kind) in reads.items() if kind == "block"]
-    if program is None or not keys:
-        return {}
-    jaxpr = program.jaxpr
-    equations = {id(equation): equation for equation in jaxpr.eqns}
-    blocks_only = jaxpr.replace(outvars=[equations[key].outvars[0] for key in keys])
-    readers = {key: (functools.partial(_load_block, axes=reads[key][1], q_start=q_start,
-                                       kv_start=kv_start, tile=tile, interpret=interpret),
-                     reads[key][1]) for key in keys}
-    first_index_arg = 2 + (program.kind == "score")
-    # The score, q_idx and kv_idx are dead for these outputs: only b and h are passed.
-    args = [None] * (first_index_arg - 2) + [batch, head, None, None]
-    values = evaluate_jaxpr_on_tiles(
-        blocks_only, _captured_refs(program, refs), args, program.name,
-        small_index_args=(first_index_arg, first_index_arg + 1),
-        primitive_overrides=PRIMITIVE_OVERRIDES, captured_reads=readers,
-        apply=tile_applier(tile))
-    return dict(zip(keys, values))
-
-
 def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, interpret,
-             keep_affine=False, preloaded=None):
+             keep_affine=False):
     """Runs a mod on a kernel's index vectors and score tile ([64, columns]; queries
     along `q_axis`). args: (score,) b, h, q_idx, kv_idx, the indices clamped into the
     lengths, at most 2**24: an int difference of them converted to float32 is converted
@@ -525,11 +476,9 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     rows as the tile has along that axis), edge-padded by the caller. Returns the mod's
     outputs as scalars, Vectors or tiles, or, with keep_affine, as they came out
     (Affines too: `score_parts` takes those apart). The score arg may be an Affine (the
-    kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one).
-    preloaded: {read key: block} of its bias-tensor blocks already loaded
-    (`preload_blocks`); the others load here."""
-    preloaded = preloaded or {}
-    consts = _captured_refs(program, refs)
+    kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one)."""
+    consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
+              for position, (ref, c) in enumerate(zip(refs, program.consts))]
     first_index_arg = 2 + (program.kind == "score")
 
     def slice_reader(axis, kind):
@@ -548,13 +497,25 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
                           tile_axis)
         return read
 
-    def block_reader(key, axes):
+    def block_reader(axes):
+        """A [q, kv] block of a bias tensor at the tile: loaded from GMEM straight into
+        the scores' wgmma layout when the mod runs, after the tile's q.k, so that its
+        latency is the step's (why the Triton forward, which copies bias tiles a step
+        ahead, measured faster: `mosaic_eligibility.unsupported_reason`). The forward's
+        tiles only (queries along axis 0)."""
         if q_axis != 0:
             raise NotImplementedError("block reads load [q, kv] tiles (the forward's)")
-        if key in preloaded:
-            return lambda captured, indices: preloaded[key]
-        return functools.partial(_load_block, axes=axes, q_start=q_start, kv_start=kv_start,
-                                 tile=tile, interpret=interpret)
+
+        def read(captured, indices):
+            index = [None if i is None else jnp.clip(i, 0, size - 1)
+                     for i, size in zip(indices, captured.shape)]
+            index[axes[0]] = pl.ds(q_start, tile[0])
+            index[axes[1]] = pl.ds(kv_start, tile[1])
+            if interpret:
+                return captured.ref[tuple(index)]
+            return plgpu.load(captured.ref.at[tuple(index)], layout=plgpu.Layout.WGMMA,
+                              optimized=False)
+        return read
 
     def relative_reader(number):
         tables = refs[len(program.consts) + 3 * number:][:3]
@@ -569,7 +530,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
     numbers = numbered(reads)
     readers = {key: (relative_reader(numbers[key]) if key in numbers
-                     else block_reader(key, axis) if kind == "block"
+                     else block_reader(axis) if kind == "block"
                      else slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
     outputs = evaluate_jaxpr_on_tiles(
@@ -727,32 +688,29 @@ def load_vector(ref, axis: int, interpret: bool):
 
 
 def matmul(a, b_smem, *, shape, interpret, transpose_b=False, accumulator=None,
-           after_issue=None, with_issued=False):
+           after_issue=None):
     """accumulator (or zeros) + a · b as a float32 [shape] tile, by wgmma: `a` a shared
     memory ref or a 16-bit register tile, `b_smem` a shared memory ref ([K, N], or
-    [N, K] with transpose_b). `after_issue` runs while the wgmma is in flight; with
-    `with_issued` (and no accumulator) the result is (tile, what after_issue returned:
-    loads issued there, `preload_blocks`)."""
-    if with_issued and accumulator is not None:
-        raise NotImplementedError("with_issued takes no accumulator")
+    [N, K] with transpose_b). `after_issue` runs while the wgmma is in flight."""
     if interpret:
-        issued = after_issue() if after_issue is not None else None
+        if after_issue is not None:
+            after_issue()
         left = a[...] if not isinstance(a, jax.Array) else a
         product = lax.dot_general(left, b_smem[...],
                                   (((1,), (1 if transpose_b else 0,)), ((), ())),
                                   preferred_element_type=jnp.float32)
-        product = product if accumulator is None else accumulator + product
-        return (product, issued) if with_issued else product
+        return product if accumulator is None else accumulator + product
     right = b_smem.transpose((1, 0)) if transpose_b else b_smem
 
     def issue(accumulator_ref):
         plgpu.wgmma(accumulator_ref, a, right)
-        return after_issue() if after_issue is not None else None
+        if after_issue is not None:
+            after_issue()
 
     if accumulator is None:
         def fresh(accumulator_ref):
-            issued = issue(accumulator_ref)
-            return (accumulator_ref[...], issued) if with_issued else accumulator_ref[...]
+            issue(accumulator_ref)
+            return accumulator_ref[...]
         return pl.run_scoped(fresh, plgpu.ACC(shape, jnp.float32))
     return pl.run_state(issue)(plgpu.ACC.init(accumulator))
 

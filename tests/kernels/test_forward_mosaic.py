@@ -220,11 +220,9 @@ def test_gathering_mods_are_refused_with_the_reason():
                          kernel_options=MOSAIC)
 
 
-def test_bias_blocks_load_while_the_scores_matmul_is_in_flight():
-    """`mosaic_tiles.preload_blocks` loads a bias tensor's block from b and h alone (the
-    forward issues it after the tile's q.k, `matmul`'s after_issue); a read whose other
-    index depends on the score is no block (a gather: refused)."""
-    from pallas_flex.kernels.mosaic_tiles import preload_blocks
+def test_a_read_indexed_by_the_score_is_a_gather_not_a_block():
+    """A bias read whose batch index depends on the score varies over the tile in a way
+    no block load can follow: `tile_reads` takes none and the reason names the gather."""
     bias = jnp.arange(2 * 3 * 256 * 256, dtype=jnp.float32).reshape(2, 3, 256, 256)
 
     def by_row(score, b, h, q_idx, kv_idx):
@@ -235,13 +233,8 @@ def test_bias_blocks_load_while_the_scores_matmul_is_in_flight():
     assert not mosaic_eligibility.tile_reads(make_mod_program(by_score, SCORE), blocks=True)
     assert "gather" in mosaic_eligibility.mod_unsupported_reason(
         make_mod_program(by_score, SCORE), blocks=True)
-    program = make_mod_program(by_row, SCORE)
-    reads = mosaic_eligibility.tile_reads(program, blocks=True)
+    reads = mosaic_eligibility.tile_reads(make_mod_program(by_row, SCORE), blocks=True)
     assert [kind for _, _, kind in reads.values()] == ["block"]
-    blocks = preload_blocks(program, reads, [bias], jnp.int32(3), jnp.int32(2),
-                            tile=(64, 128), q_start=64, kv_start=128, interpret=True)
-    [block] = blocks.values()
-    np.testing.assert_array_equal(block, bias[1, 2, 64:128, 128:256])
 
 
 # Bias tensors read at (q_idx, kv_idx) (`bias_lookup`: [B, H, Sq, Skv], B and H shared or
