@@ -4,6 +4,8 @@ gradients (the learnable lambda and both biases included)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -103,6 +105,46 @@ def test_gated_self_attention_matches_plain_jax(backend):
         jax.make_jaxpr(jax.grad(loss(ours), argnums))(*args))
     _assert_close(jax.grad(loss(ours), argnums)(*args), jax.grad(loss(plain), argnums)(*args),
                   2e-4, ["dq", "dk", "dv", "dgate", "dpair_bias", "dkey_bias"])
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("key_bias", [False, True])
+def test_gated_self_attention_with_dq_in_the_batch_loop(backend, key_bias):
+    """backward_batch_dq on Evoformer's shape of call (32 residues: one batch-loop tile
+    spans the keys): with the pair bias alone the batch loop writes dQ and no dQ
+    program runs; a key bias per row is the dQ programs' to sum, so they run as before.
+    Gradients against plain JAX either way."""
+    batch, rows, residues, heads, dim = 1, 8, 32, 2, 16
+    shape = (batch, rows, residues, heads, dim)
+    q, k, v, gate = (_normal(seed, shape) for seed in range(4))
+    pair_bias = _normal(4, (batch, heads, residues, residues))
+    keys = _normal(5, (batch, rows, residues)) if key_bias else jnp.zeros(
+        (batch, rows, residues))
+    d_out = _normal(7, shape)
+
+    def ours(q, k, v, gate, pair_bias, keys):
+        return pf.variants.gated_self_attention(
+            q, k, v, gate, pair_bias=pair_bias, key_bias=keys if key_bias else None,
+            backend=backend, kernel_options={"backward_batch_dq": True})
+
+    def plain(q, k, v, gate, pair_bias, keys):
+        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
+        bias = (jnp.repeat(pair_bias, rows, axis=0)
+                + keys.reshape(batch * rows, 1, 1, residues))
+        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias)
+        return out.reshape(shape) * jax.nn.sigmoid(gate)
+    args = (q, k, v, gate, pair_bias, keys)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)
+    argnums = tuple(range(6 if key_bias else 5))
+    launches = set(re.findall(r"name=(flex_attention_backward\w*)", str(
+        jax.make_jaxpr(jax.grad(loss(ours), argnums))(*args))))
+    # (one launch of dQ and dK/dV programs without GQA, "flex_attention_backward")
+    assert launches == ({"flex_attention_backward", "flex_attention_backward_batch_loop"}
+                        if key_bias else {"flex_attention_backward_dkdv",
+                                          "flex_attention_backward_batch_loop"})
+    names = ["dq", "dk", "dv", "dgate", "dpair_bias", "dkey_bias"][:len(argnums)]
+    _assert_close(jax.grad(loss(ours), argnums)(*args), jax.grad(loss(plain), argnums)(*args),
+                  2e-4, names)
 
 
 def test_variant_arguments_are_checked():
