@@ -99,6 +99,15 @@ def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, pag
                                                                     jnp.int32(page_size))]
 
 
+def first_scale(scales_ref, page_of, kv_head, tile_start, *, page_size: int, batch=None):
+    """The scale of logical row tile_start (a scalar load): `paged_scale_view`'s first
+    entry, or with page_of None contiguous K/V's scales [B, Skv, Hkv] at row `batch`."""
+    if page_of is None:
+        return scales_ref[batch, tile_start, kv_head]
+    page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), scales_ref.shape[0])
+    return scales_ref[page, kv_head, lax.rem(tile_start, jnp.int32(page_size))]
+
+
 def load_scales(view, valid_rows):
     """A `[1, tile]` row of scales; rows where valid_rows [tile, 1] is False read 0."""
     if valid_rows is None:

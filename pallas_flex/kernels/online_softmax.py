@@ -92,11 +92,20 @@ def initial_state_chunks(block_q: int, value_chunks):
 
 
 def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=None,
-                  value_scale=None):
+                  value_scale=None, accumulator_factor=None):
     """`update` for v given as column chunks [block_kv, width_i] (one accumulator each).
 
     value_scale: [1, block_kv] per-key scales of a quantized cache's values: P's columns
-    are scaled before P.v (the row sums keep the unscaled P).
+    are scaled before P.v (the row sums keep the unscaled P). With float16 values they
+    are taken relative to a power of two near the tile's largest scale, given back after
+    the dot, so that the largest P column is near 1 rather than at the scales'
+    magnitude, where float16's subnormals (below 6.1e-5) would round it coarsely: values
+    of magnitude 1e-4 in a float8 cache have scales near 2e-7, and P.v was off by 6 %
+    (bfloat16 keeps 8 bits at any magnitude). That takes a reduction across warps and a
+    multiply of each product; the decode kernel instead gives scales already divided by
+    a power of two of its own and `accumulator_factor`, the ratio of the previous tile's
+    power of two to this one's, which joins the accumulators' rescaling (its
+    accumulators are kept in units of the last tile's power of two).
 
     With `logit_scale` (> 0) the scale is applied inside the exponent, `exp2(s * c - m)`,
     one fused multiply-add per score, and to the row maximum of the raw scores: for
@@ -114,13 +123,24 @@ def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=N
     else:
         probabilities = jnp.exp2(scores_log2 * logit_scale - safe_max[:, None])
     running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
+    product_factor = None
     if value_scale is not None:
+        if (accumulator_factor is None
+                and any(jnp.dtype(v.dtype) == jnp.dtype(jnp.float16) for v in v_chunks)):
+            shift = jnp.ceil(jnp.log2(jnp.maximum(jnp.max(value_scale), 2.0 ** -126)))
+            value_scale = value_scale * jnp.exp2(-shift)
+            product_factor = jnp.exp2(shift)
         probabilities = probabilities * value_scale
-    accumulators = tuple(
-        accumulator * correction[:, None] + jax.lax.dot_general(
+    accumulator_correction = (correction if accumulator_factor is None
+                              else correction * accumulator_factor)
+
+    def weighted_values(v):
+        product = jax.lax.dot_general(
             probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32, precision=precision)
-        for accumulator, v in zip(accumulators, v_chunks))
+        return product if product_factor is None else product * product_factor
+    accumulators = tuple(accumulator * accumulator_correction[:, None] + weighted_values(v)
+                         for accumulator, v in zip(accumulators, v_chunks))
     return new_max, running_sum, accumulators
 
 

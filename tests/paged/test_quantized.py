@@ -191,14 +191,25 @@ def test_the_gpu_kernels_read_quantized_pages(dtype, q_len, prefill):
     np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
 
 
-@pytest.mark.parametrize("magnitude", [3e5, 1e-3])
-def test_float8_decode_takes_bfloat16_queries_of_any_magnitude(magnitude):
+@pytest.mark.parametrize("q_magnitude,v_magnitude", [(3e5, 1.0), (1e-3, 1.0), (1e-7, 1.0),
+                                                      (1.0, 1e-4)])
+def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(q_magnitude, v_magnitude):
     """Over float8 pages the decode's matmuls run in float16 (`decode._decode_kernel`):
-    bfloat16 queries past float16's range (65504) or far below 1 are scaled by a power
-    of two first, so the output still equals dense attention over the cache's values."""
-    cache, _, _ = _cache(jnp.float8_e4m3fn)
+    bfloat16 queries past float16's range (65504) or below its normals (6.1e-5) are
+    scaled by a power of two first, and P's columns times values' scales near 2e-7
+    (values of magnitude 1e-4) are taken relative to a power of two near each tile's
+    first scale (`online_softmax.update_chunks`), so the
+    output still equals dense attention over the cache's values, to 1 % of its largest
+    magnitude (as float16's subnormals, P.v was off by 6 %)."""
+    cache = PagedKVCache.create(num_pages=32, page_size=16, max_batch=B, max_pages_per_seq=8,
+                                kv_heads=HKV, head_dim=D, dtype=jnp.float8_e4m3fn)
+    for b, length in enumerate(LENGTHS):
+        cache = cache.reserve(b, length)
+        k = jax.random.normal(jax.random.key(b), (length, HKV, D))
+        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)) * v_magnitude
+        cache = cache.assign(b, 0, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
     q, mask_mod, _ = _decode_step(cache, 1, 8)
-    q = (q.astype(jnp.float32) * magnitude).astype(jnp.bfloat16)
+    q = (q.astype(jnp.float32) * q_magnitude).astype(jnp.bfloat16)
     k_all, v_all = gather_contiguous(cache)
     lengths = cache.lengths
 
@@ -207,4 +218,34 @@ def test_float8_decode_takes_bfloat16_queries_of_any_magnitude(magnitude):
     expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
     out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret")
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
-    np.testing.assert_allclose(out.astype(jnp.float32), expected, atol=1.5e-2)
+    largest = float(jnp.max(jnp.abs(expected)))
+    np.testing.assert_allclose(out.astype(jnp.float32) / largest, expected / largest,
+                               atol=1e-2)
+
+
+@pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel / the paged prefill's
+def test_float16_queries_over_small_8bit_values(q_len):
+    """float16 queries make every kernel's P.v float16: values of magnitude 1e-4 in an
+    int8 cache (scales near 8e-7) still give dense attention's output to 1 % of its
+    largest magnitude, in the decode kernel (powers of two by tile, carried) and in the
+    prefill's Triton forward reading the pages in its kernel (by tile's largest scale)."""
+    cache = PagedKVCache.create(num_pages=32, page_size=16, max_batch=B, max_pages_per_seq=8,
+                                kv_heads=HKV, head_dim=D, dtype=jnp.int8)
+    for b, length in enumerate(LENGTHS):
+        cache = cache.reserve(b, length)
+        k = jax.random.normal(jax.random.key(b), (length, HKV, D))
+        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)) * 1e-4
+        cache = cache.assign(b, 0, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
+    q, mask_mod, _ = _decode_step(cache, q_len, 9)
+    q = q.astype(jnp.float16)
+    k_all, v_all = gather_contiguous(cache)
+    lengths = cache.lengths
+
+    def dense_mask(b, h, q_idx, kv_idx):
+        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
+    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret",
+                               kernel_options={"quantized_prefill": "in_kernel"})
+    largest = float(jnp.max(jnp.abs(expected)))
+    np.testing.assert_allclose(out.astype(jnp.float32) / largest, expected / largest,
+                               atol=1e-2)
