@@ -97,10 +97,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     # more). The queries are scaled by a power of two that puts their largest magnitude
     # just under 2**15 (up from small queries too: float16's normals end at 6.1e-5),
     # exactly, undone with the keys' scales; P's columns are scaled per tile likewise
-    # (`online_softmax.update_chunks`): each tile's relative to a power of two near its
-    # first row's scale (a scalar load), the accumulators kept in units of the last
-    # tile's power of two (the change joins their rescaling) and given it back at the
-    # end.
+    # (`online_softmax.update_chunks`, near each tile's first row's scale).
     matmul_dtype, query_factor = q_ref.dtype, None
     if (quantized and jnp.dtype(quantized) != jnp.dtype(jnp.int8)
             and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.bfloat16)):
@@ -111,6 +108,8 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         q_chunks = [(c.astype(jnp.float32) / query_factor).astype(jnp.float16)
                     for c in q_chunks]
         matmul_dtype = jnp.float16
+    # float16 P.v over 8-bit values: its scales relative to a power of two a tile
+    value_shift = bool(quantized) and jnp.dtype(matmul_dtype) == jnp.dtype(jnp.float16)
     kv_length = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
     def load_tile(ref, tile_start, valid, column_start, width):
@@ -124,8 +123,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                           pl.ds(column_start, width)]
         return load_rows(view, valid)
 
-    def visit_tile(tile_start, carry, masked):
-        state, value_shift = carry
+    def visit_tile(tile_start, state, masked):
         kv_position = tile_start + lax.broadcasted_iota(jnp.int32, (block_kv, 1), 0)
         # Pages: every tile checks the row's length. Contiguous: only partial tiles, and
         # every tile when the length is not a whole number of tiles.
@@ -134,20 +132,18 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                 for start, width in dim_chunks]
         values = [load_tile(v_ref, tile_start, in_length, start, width)
                   for start, width in value_chunks]
-        value_scale = accumulator_factor = None
+        value_scale = value_scale_reference = None
         if quantized:
             page_of = page_table_row(page_table_ref, batch) if paged else None
             keys, values, key_scale, value_scale = quantized_tiles(
                 keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
                 page_size=page_size, valid_rows=in_length, dtype=matmul_dtype,
                 cache_dtype=quantized, batch=batch)
-            if value_shift is not None:
-                reference = first_scale(scale_refs[1], page_of, kv_head, tile_start,
-                                        page_size=page_size, batch=batch)
-                tile_shift = jnp.ceil(jnp.log2(jnp.maximum(reference, 2.0 ** -126)))
-                value_scale = value_scale * jnp.exp2(-tile_shift)
-                accumulator_factor = jnp.exp2(value_shift - tile_shift)
-                value_shift = tile_shift
+            if value_shift:  # (a first row past the length may hold a stale scale)
+                value_scale_reference = jnp.where(
+                    tile_start < kv_length,
+                    first_scale(scale_refs[1], page_of, kv_head, tile_start,
+                                page_size=page_size, batch=batch), 0.0)
         scores = sum(lax.dot_general(q_chunk, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q_chunk, key in zip(q_chunks, keys))
@@ -173,8 +169,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
             scores = jnp.where(keep, scores, -jnp.inf)
         return online_softmax.update_chunks(state, scores, values, precision,
                                             value_scale=value_scale,
-                                            accumulator_factor=accumulator_factor
-                                            ), value_shift
+                                            value_scale_reference=value_scale_reference)
 
     # This program's share of the row's tiles: numbers [low, high) of the list that has
     # the full tiles first, then the partial ones.
@@ -186,17 +181,14 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     high = jnp.minimum(num_tiles, low + per_split)
 
     walk = functools.partial(walk_listed_tile_range, mask_block=mask_block_kv, tile=block_kv)
-    state = online_softmax.initial_state_chunks(padded_rows, [w for _, w in value_chunks])
-    # The accumulators' power of two (log2) under float16 P.v over 8-bit values.
-    carry = (state, jnp.float32(0.0) if quantized and matmul_dtype == jnp.float16 else None)
-    carry = walk(full_kv_indices_ref, table_index, low, jnp.minimum(high, num_full),
-                 visit=lambda start, carry: visit_tile(start, carry, False), state=carry)
-    state, value_shift = walk(
-        kv_indices_ref, table_index, jnp.maximum(low, num_full) - num_full, high - num_full,
-        visit=lambda start, carry: visit_tile(start, carry, True), state=carry)
+    state = online_softmax.initial_state_chunks(
+        padded_rows, [w for _, w in value_chunks], value_shift=value_shift)
+    state = walk(full_kv_indices_ref, table_index, low, jnp.minimum(high, num_full),
+                 visit=lambda start, state: visit_tile(start, state, False), state=state)
+    state = walk(kv_indices_ref, table_index, jnp.maximum(low, num_full) - num_full,
+                 high - num_full, visit=lambda start, state: visit_tile(start, state, True),
+                 state=state)
     outs, lse = online_softmax.finalize_chunks(state)
-    if value_shift is not None:
-        outs = [out * jnp.exp2(value_shift) for out in outs]
     for (start, width), out in zip(value_chunks, outs):
         out_ref[batch, program_head, split, :, pl.ds(start, width)] = out
     lse_ref[batch, program_head, split, :] = lse

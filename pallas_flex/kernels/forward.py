@@ -145,7 +145,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     if paged is None:
         state = online_softmax.initial_state(block_q, out_ref.shape[-1])
     else:
-        state = online_softmax.initial_state_chunks(block_q, [w for _, w in value_chunks])
+        state = online_softmax.initial_state_chunks(
+            block_q, [w for _, w in value_chunks],
+            value_shift=bool(quantized) and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.float16))
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
     state = walk(kv_num_blocks_ref, kv_indices_ref, state, masked=True)
     # The sink in the running max's units: base-2 logits (the scale is in the scores).

@@ -84,34 +84,36 @@ def dot_precision(dtype, interpret: bool = True):
 # The same recurrence with the value dimension cut into column chunks (the decode kernel
 # reads V as power-of-two column slices, so an unpadded Dv = 512 + 64 needs no copy).
 
-def initial_state_chunks(block_q: int, value_chunks):
-    """(running max, running sum, one accumulator [block_q, width] per chunk width)."""
+def initial_state_chunks(block_q: int, value_chunks, value_shift: bool = False):
+    """(running max, running sum, one accumulator [block_q, width] per chunk width), and
+    with `value_shift` the accumulators' power of two (log2; see `update_chunks`)."""
     running_max, running_sum, _ = initial_state(block_q, 1)
-    return running_max, running_sum, tuple(
+    state = running_max, running_sum, tuple(
         jnp.zeros((block_q, width), jnp.float32) for width in value_chunks)
+    return state + (jnp.float32(0.0),) if value_shift else state
 
 
 def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=None,
-                  value_scale=None, accumulator_factor=None):
+                  value_scale=None, value_scale_reference=None):
     """`update` for v given as column chunks [block_kv, width_i] (one accumulator each).
 
     value_scale: [1, block_kv] per-key scales of a quantized cache's values: P's columns
-    are scaled before P.v (the row sums keep the unscaled P). With float16 values they
-    are taken relative to a power of two near the tile's largest scale, given back after
-    the dot, so that the largest P column is near 1 rather than at the scales'
-    magnitude, where float16's subnormals (below 6.1e-5) would round it coarsely: values
-    of magnitude 1e-4 in a float8 cache have scales near 2e-7, and P.v was off by 6 %
-    (bfloat16 keeps 8 bits at any magnitude). That takes a reduction across warps and a
-    multiply of each product; the decode kernel instead gives scales already divided by
-    a power of two of its own and `accumulator_factor`, the ratio of the previous tile's
-    power of two to this one's, which joins the accumulators' rescaling (its
-    accumulators are kept in units of the last tile's power of two).
+    are scaled before P.v (the row sums keep the unscaled P). A state with a value
+    shift (`initial_state_chunks(value_shift=True)`, for float16 P.v) takes them
+    relative to a power of two near the tile's: its first scale where the kernel loads
+    it as a scalar (`value_scale_reference`, the decode; 0 for a row past the length),
+    else its largest (a reduction across warps). Its accumulators are kept in units of the last tile's power of two
+    (the change joins their rescaling, so the products still add in place) and
+    `finalize_chunks` gives it back. Without it the largest P column sits at the
+    scales' magnitude, where float16's subnormals (below 6.1e-5) round it coarsely:
+    values of magnitude 1e-4 in a float8 cache have scales near 2e-7, and P.v was off
+    by 6 % (bfloat16 keeps 8 bits at any magnitude).
 
     With `logit_scale` (> 0) the scale is applied inside the exponent, `exp2(s * c - m)`,
     one fused multiply-add per score, and to the row maximum of the raw scores: for
     c > 0, max(s) * c rounds to exactly max(s * c). Multiplying every score first costs
     one more instruction per score, about a tenth of the loop's non-matmul work."""
-    running_max, running_sum, accumulators = state
+    (running_max, running_sum, accumulators), shifted = state[:3], state[3:]
     if logit_scale is None:
         new_max = jnp.maximum(running_max, jnp.max(scores_log2, axis=1))
     else:
@@ -123,31 +125,33 @@ def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=N
     else:
         probabilities = jnp.exp2(scores_log2 * logit_scale - safe_max[:, None])
     running_sum = running_sum * correction + jnp.sum(probabilities, axis=1)
-    product_factor = None
+    accumulator_correction = correction
+    if shifted:
+        reference = (jnp.max(value_scale) if value_scale_reference is None
+                     else value_scale_reference)
+        # (a tile with no valid key has scales of 0: the power of two stays)
+        shift = jnp.where(reference > 0.0,
+                          jnp.ceil(jnp.log2(jnp.maximum(reference, 2.0 ** -126))), shifted[0])
+        value_scale = value_scale * jnp.exp2(-shift)
+        accumulator_correction = correction * jnp.exp2(shifted[0] - shift)
+        shifted = (shift,)
     if value_scale is not None:
-        if (accumulator_factor is None
-                and any(jnp.dtype(v.dtype) == jnp.dtype(jnp.float16) for v in v_chunks)):
-            shift = jnp.ceil(jnp.log2(jnp.maximum(jnp.max(value_scale), 2.0 ** -126)))
-            value_scale = value_scale * jnp.exp2(-shift)
-            product_factor = jnp.exp2(shift)
         probabilities = probabilities * value_scale
-    accumulator_correction = (correction if accumulator_factor is None
-                              else correction * accumulator_factor)
-
-    def weighted_values(v):
-        product = jax.lax.dot_general(
+    accumulators = tuple(
+        accumulator * accumulator_correction[:, None] + jax.lax.dot_general(
             probabilities.astype(v.dtype), v, (((1,), (0,)), ((), ())),
             preferred_element_type=jnp.float32, precision=precision)
-        return product if product_factor is None else product * product_factor
-    accumulators = tuple(accumulator * accumulator_correction[:, None] + weighted_values(v)
-                         for accumulator, v in zip(accumulators, v_chunks))
-    return new_max, running_sum, accumulators
+        for accumulator, v in zip(accumulators, v_chunks))
+    return (new_max, running_sum, accumulators) + shifted
 
 
 def finalize_chunks(state, sink_log2=None):
     """(one normalized output chunk per accumulator, natural-log lse); `sink_log2` as in
-    `finalize`."""
-    running_max, running_sum, accumulators = state
+    `finalize`; a value shift (`update_chunks`) given back."""
+    (running_max, running_sum, accumulators), shifted = state[:3], state[3:]
+    if shifted:
+        accumulators = tuple(accumulator * jnp.exp2(shifted[0])
+                             for accumulator in accumulators)
     correction = None
     if sink_log2 is not None:
         running_max, running_sum, correction = with_sink(running_max, running_sum, sink_log2)

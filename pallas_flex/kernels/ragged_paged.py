@@ -151,7 +151,9 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
     per_split = lax.div(num_tiles + (num_splits - 1), jnp.int32(num_splits))
     low = split * per_split
     high = jnp.minimum(num_tiles, low + per_split)
-    state = online_softmax.initial_state_chunks(rows, [w for _, w in value_chunks])
+    state = online_softmax.initial_state_chunks(
+        rows, [w for _, w in value_chunks],
+        value_shift=bool(quantized) and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.float16))
     state = lax.fori_loop(low, high, visit, state)
     outs, lse = online_softmax.finalize_chunks(state)
     # With splits the outputs carry a split axis after the token axis: [T, splits, ...].
