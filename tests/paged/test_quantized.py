@@ -193,7 +193,9 @@ def test_the_gpu_kernels_read_quantized_pages(dtype, q_len, prefill):
 
 @pytest.mark.parametrize("q_magnitude,v_magnitude", [(3e5, 1.0), (1e-3, 1.0), (1e-7, 1.0),
                                                       (1.0, 1e-4)])
-def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(q_magnitude, v_magnitude):
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(backend, q_magnitude,
+                                                              v_magnitude):
     """Over float8 pages the decode's matmuls run in float16 (`decode._decode_kernel`):
     bfloat16 queries past float16's range (65504) or below its normals (6.1e-5) are
     scaled by a power of two first, and P's columns times values' scales near 2e-7
@@ -216,7 +218,7 @@ def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(q_magnitude, v_mag
     def dense_mask(b, h, q_idx, kv_idx):
         return (kv_idx < lengths[b]) & (q_idx + lengths[b] - 1 >= kv_idx)
     expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
-    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret")
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     largest = float(jnp.max(jnp.abs(expected)))
     np.testing.assert_allclose(out.astype(jnp.float32) / largest, expected / largest,
@@ -224,7 +226,8 @@ def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(q_magnitude, v_mag
 
 
 @pytest.mark.parametrize("q_len", [1, 40])  # the decode kernel / the paged prefill's
-def test_float16_queries_over_small_8bit_values(q_len):
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_float16_queries_over_small_8bit_values(backend, q_len):
     """float16 queries make every kernel's P.v float16: values of magnitude 1e-4 in an
     int8 cache (scales near 8e-7) still give dense attention's output to 1 % of its
     largest magnitude, in the decode kernel (powers of two by tile, carried) and in the
@@ -244,7 +247,7 @@ def test_float16_queries_over_small_8bit_values(q_len):
     def dense_mask(b, h, q_idx, kv_idx):
         return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
     expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
-    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend="interpret",
+    out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
                                kernel_options={"quantized_prefill": "in_kernel"})
     largest = float(jnp.max(jnp.abs(expected)))
     np.testing.assert_allclose(out.astype(jnp.float32) / largest, expected / largest,
