@@ -57,6 +57,32 @@ def test_quantized_caches_equal_16_bit_caches_of_the_dequantized_values(dtype, b
                                rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_float16_queries_over_small_quantized_values(dtype, backend):
+    """float16 queries make the ragged kernel's P.v float16: values of magnitude 1e-4
+    (scales near 2e-7 in float8) keep float16's precision, their scales taken relative
+    to a power of two a tile (`online_softmax.update_chunks`): the output equals the
+    XLA loop's over the dequantized caches to 1 % of its largest magnitude."""
+    keys = jax.random.split(jax.random.key(1), 5)
+    key_cache = jax.random.normal(keys[0], (NUM_BLOCKS, HKV, BLOCK, D))
+    value_cache = jax.random.normal(keys[1], (NUM_BLOCKS, HKV, BLOCK, D)) * 1e-4
+    q = jax.random.normal(keys[2], (6, HQ * D)).astype(jnp.float16)
+    k = jax.random.normal(keys[3], (6, HKV * D)).astype(jnp.float16)
+    v = (jax.random.normal(keys[4], (6, HKV * D)) * 1e-4).astype(jnp.float16)
+    (k_stored, k_scales), (v_stored, v_scales) = (quantize(x, dtype)
+                                                  for x in (key_cache, value_cache))
+    out = paged_attention(q, k, v, k_stored, v_stored, PAST, BEGINS, BLOCKS, BLOCK_BEGINS,
+                          backend=backend, key_cache_scales=k_scales,
+                          value_cache_scales=v_scales)[0]
+    want = paged_attention(q, k, v, k_stored, v_stored, PAST, BEGINS, BLOCKS, BLOCK_BEGINS,
+                           backend="xla", key_cache_scales=k_scales,
+                           value_cache_scales=v_scales)[0]
+    largest = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(out.astype(jnp.float32) / largest,
+                               want.astype(jnp.float32) / largest, atol=1e-2)
+
+
 def test_quantized_cache_arguments_are_checked():
     cache = jnp.zeros((NUM_BLOCKS, HKV, BLOCK, D), jnp.int8)
     scales = jnp.ones((NUM_BLOCKS, HKV, BLOCK), jnp.float32)
