@@ -31,8 +31,10 @@ test: $(VENV)/.installed
 # (PALLAS_FLEX_TEST_SHARD=i/n, tests/gpu/conftest.py). All 14 at once took 520-575 s per
 # shard on the H100 machine's 16 cores (saturated; 16 shards ran slower), past the device
 # tool's 10 minutes with its start. 7 shards at once took 430-540 s each on 2026-11-27
-# (260-360 s earlier: the suite grew), 4 at once 380-400 s: run it as three calls,
-# GPU_FIRST=0 GPU_LAST=4, then 5..9, then 10..13, each within 10 minutes. Each
+# (260-360 s earlier: the suite grew), 4 at once 380-400 s. On the H200 machine
+# (2026-11-29) 5 at once took 271-318 s and 9 at once 379-482 s: run it as two calls,
+# GPU_FIRST=0 GPU_LAST=4, then 5..13, each within 10 minutes (three on the H100:
+# 0..4, 5..9, 10..13). Each
 # process allocates device memory as it goes and frees it after each test
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching allocator, 14 processes holding their peaks ran the GPU out of memory.
 #
