@@ -1,10 +1,11 @@
 """A/B probe (delete after recording): Evoformer gated self-attention forward+backward
 with the batch loop writing dQ (KernelOptions.backward_batch_dq: 16 x 256 tiles, no dQ
 programs) against the default (batch loop for the pair bias's gradient beside the dQ
-and dK/dV programs), and with 64 x 256 tiles on 8 warps (which spill ~2 KB as pip triton
-compiles them); XLA's plain code for scale. Paired rounds; gradients compared with the
-default's. Decides backward_batch_dq's default. ~3 minutes of device time.
+and dK/dV programs); XLA's plain code for scale. Paired rounds; gradients compared with
+the default's; each variant's backward launches printed. Decides backward_batch_dq's
+default. ~3 minutes of device time.
 PYTHONPATH=$PWD python3 -m benchmarks.batch_dq_ab"""
+import re
 import time
 
 import jax
@@ -16,10 +17,7 @@ from pallas_flex.bench import cases, jax_suites
 from pallas_flex.bench.timing import time_paired
 
 rng = np.random.default_rng(0)
-VARIANTS = {"default": None,
-            "dq_16x256": {"backward_batch_dq": True},
-            "dq_64x256_w8": {"backward_batch_dq": True, "backward_batch_block_q": 64,
-                             "backward_batch_num_warps": 8}}
+VARIANTS = {"default": None, "dq_16x256": {"backward_batch_dq": True}}
 
 
 def step(fn):
@@ -46,7 +44,10 @@ for dim in (32, 64):
         except Exception as error:  # noqa: BLE001 - a probe reports and goes on
             print(f"  D{dim} {name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
             continue
-        print(f"  D{dim} {name}: first call {time.perf_counter() - started:.1f} s", flush=True)
+        launches = sorted(set(re.findall(r"name=(flex_attention_backward\w*)",
+                                         str(jax.make_jaxpr(fn)(*args)))))
+        print(f"  D{dim} {name}: first call {time.perf_counter() - started:.1f} s, "
+              f"launches {launches}", flush=True)
         calls[name] = (fn, args)
     for name in outs:
         diffs = [float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
