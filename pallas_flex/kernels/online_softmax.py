@@ -102,12 +102,12 @@ def update_chunks(state, scores_log2, v_chunks, precision=None, *, logit_scale=N
     shift (`initial_state_chunks(value_shift=True)`, for float16 P.v) takes them
     relative to a power of two near the tile's: its first scale where the kernel loads
     it as a scalar (`value_scale_reference`, the decode; 0 for a row past the length),
-    else its largest (a reduction across warps). Its accumulators are kept in units of the last tile's power of two
-    (the change joins their rescaling, so the products still add in place) and
-    `finalize_chunks` gives it back. Without it the largest P column sits at the
-    scales' magnitude, where float16's subnormals (below 6.1e-5) round it coarsely:
-    values of magnitude 1e-4 in a float8 cache have scales near 2e-7, and P.v was off
-    by 6 % (bfloat16 keeps 8 bits at any magnitude).
+    else its largest (a reduction across warps). Its accumulators are kept in units of
+    the last tile's power of two (the change joins their rescaling, so the products
+    still add in place) and `finalize_chunks` gives it back. Without it the largest P
+    column sits at the scales' magnitude, where float16's subnormals (below 6.1e-5)
+    round it coarsely: values of magnitude 1e-4 in a float8 cache have scales near
+    2e-7, and P.v was off by 6 % (bfloat16 keeps 8 bits at any magnitude).
 
     With `logit_scale` (> 0) the scale is applied inside the exponent, `exp2(s * c - m)`,
     one fused multiply-add per score, and to the row maximum of the raw scores: for
