@@ -111,27 +111,31 @@ def test_gated_self_attention_matches_plain_jax(backend):
 @pytest.mark.parametrize("key_bias", [False, True])
 def test_gated_self_attention_with_dq_in_the_batch_loop(backend, key_bias):
     """backward_batch_dq on Evoformer's shape of call (32 residues: one batch-loop tile
-    spans the keys): with the pair bias alone the batch loop writes dQ and no dQ
-    program runs; a key bias per row is the dQ programs' to sum, so they run as before.
-    Gradients against plain JAX either way."""
+    spans the keys), with AlphaFold's MSA mask (a key mask per row, one row with no key):
+    with the pair bias alone the batch loop writes dQ and no dQ program runs; a key bias
+    per row is the dQ programs' to sum, so they run as before. Gradients against plain
+    JAX either way."""
     batch, rows, residues, heads, dim = 1, 8, 32, 2, 16
     shape = (batch, rows, residues, heads, dim)
     q, k, v, gate = (_normal(seed, shape) for seed in range(4))
     pair_bias = _normal(4, (batch, heads, residues, residues))
     keys = _normal(5, (batch, rows, residues)) if key_bias else jnp.zeros(
         (batch, rows, residues))
+    key_mask = jnp.asarray(np.random.default_rng(6).random((batch, rows, residues)) > 0.3)
+    key_mask = key_mask.at[0, 3].set(False)
     d_out = _normal(7, shape)
 
     def ours(q, k, v, gate, pair_bias, keys):
         return pf.variants.gated_self_attention(
             q, k, v, gate, pair_bias=pair_bias, key_bias=keys if key_bias else None,
-            backend=backend, kernel_options={"backward_batch_dq": True})
+            key_mask=key_mask, backend=backend, kernel_options={"backward_batch_dq": True})
 
     def plain(q, k, v, gate, pair_bias, keys):
         fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
         bias = (jnp.repeat(pair_bias, rows, axis=0)
                 + keys.reshape(batch * rows, 1, 1, residues))
-        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias)
+        visible = key_mask.reshape(batch * rows, 1, 1, residues)
+        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
         return out.reshape(shape) * jax.nn.sigmoid(gate)
     args = (q, k, v, gate, pair_bias, keys)
     loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)
