@@ -461,16 +461,8 @@ def _run_paired(row, calls, options, compare=()):
     """`calls` {column: (fn, args)}: each run once (compile_s and its output; a failure
     is its entry), then timed in paired rounds (docs/gpu-notes.md); the columns in
     `compare` get max_rel_diff_vs_ours against the first column's output."""
-    outs = {}
-    for column, (fn, args) in calls.items():
-        print(f"  {row['case']}: {column}", flush=True)
-        try:
-            start = time.perf_counter()
-            outs[column] = jax.block_until_ready(fn(*args))
-            row[column] = {"compile_s": time.perf_counter() - start}
-        except Exception as error:
-            traceback.print_exc()
-            row[column] = error_entry(error, "error" if column == OURS else "unsupported")
+    outs = _run_once(row, calls,
+                     failure_status=lambda column: "error" if column == OURS else "unsupported")
     timed = time_paired({column: calls[column] for column in outs},
                         rounds=2 if options.quick else 5,
                         iters=3 if options.quick else options.timing["iters"])
@@ -688,10 +680,11 @@ def quantized(options):
                     (cache.head_dim + cache.value_dim) * cache.dtype.itemsize
                     + (2 * 4 if cache.quantized else 0))  # two float32 scales per token, head
                 ms = entry["ms"] / steps
-                row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
-                               "bytes": stored, "tb_per_s": stored / ms / 1e9,
-                               "max_abs_error_vs_float64": _error_vs_float64(
-                                   outs[column], q, cache, reference_rows)}
+                row[column].update({
+                    "ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
+                    "bytes": stored, "tb_per_s": stored / ms / 1e9,
+                    "max_abs_error_vs_float64": _error_vs_float64(outs[column], q, cache,
+                                                                  reference_rows)})
             _versus_bf16(row, outs)
             rows.append(row)
             del caches, calls, outs
@@ -732,8 +725,8 @@ def _quantized_contiguous(options, shape, q, k, v, block_mask, steps):
             2 * shape.head_dim * jnp.dtype(k_stored.dtype).itemsize
             + (2 * 4 if column != "bf16" else 0))
         ms = entry["ms"] / steps
-        row[column] = {"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
-                       "bytes": stored, "tb_per_s": stored / ms / 1e9}
+        row[column].update({"ms": ms, "rounds_ms": [t / steps for t in entry["rounds_ms"]],
+                            "bytes": stored, "tb_per_s": stored / ms / 1e9})
     _versus_bf16(row, outs)
     return row
 
@@ -764,9 +757,10 @@ def _quantized_prefill(options):
         kernel_options=kernel_options)), (q, cache))
         for column, (cache, kernel_options) in caches.items()}
     outs = _run_once(row, calls)
-    row.update(time_paired({column: calls[column] for column in outs},
-                           rounds=3 if options.quick else 9,
-                           iters=3 if options.quick else 20))
+    for column, entry in time_paired({column: calls[column] for column in outs},
+                                     rounds=3 if options.quick else 9,
+                                     iters=3 if options.quick else 20).items():
+        row[column].update(entry)
     _versus_bf16(row, outs)
     return [row]
 
@@ -783,17 +777,22 @@ def _quantized_caches(k_pages, v_pages, table, lengths, owner):
     return caches
 
 
-def _run_once(row, calls, first_output=False):
+def _run_once(row, calls, first_output=False, failure_status=lambda column: "error"):
     """{column: output} of each {column: (fn, args)} run once (the first of the outputs
-    where first_output); a failure becomes the row's entry for its column instead."""
+    where first_output), the call's seconds in row[column]["compile_s"]; a failure
+    becomes the row's entry for its column instead (`error_entry` with
+    failure_status(column))."""
     outs = {}
     for column, (fn, args) in calls.items():
+        print(f"  {row['case']}: {column}", flush=True)
         try:
+            start = time.perf_counter()
             out = jax.block_until_ready(fn(*args))
+            row[column] = {"compile_s": time.perf_counter() - start}
             outs[column] = out[0] if first_output else out
         except Exception as error:
             traceback.print_exc()
-            row[column] = error_entry(error)
+            row[column] = error_entry(error, failure_status(column))
     return outs
 
 
