@@ -479,13 +479,9 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     # would sum no other read (KernelOptions.backward_batch_dq).
     dq_tiles = (batch_loop_dq_tiles(options, launch, loop_plans)
                 if options.backward_batch_dq and loop_plans and not site_plans else None)
-    loop_grads, loop_dq = {}, None
-    if dq_tiles is not None:
-        loop_grads, loop_dq = batch_loop_gradients(launch, loop_plans, options=options,
-                                                   interpret=interpret, dq_tiles=dq_tiles)
-    elif loop_plans:
-        loop_grads = batch_loop_gradients(launch, loop_plans, options=options,
-                                          interpret=interpret)
+    loop_grads, loop_dq = (batch_loop_gradients(launch, loop_plans, options=options,
+                                                interpret=interpret, dq_tiles=dq_tiles)
+                           if loop_plans else ({}, None))
     options = _fit_to_shared_memory(options, launch, site_plans)
     mask_block_q, mask_block_kv = block_mask.block_size
     dq_block_q = min(options.backward_block_q, mask_block_q)

@@ -284,9 +284,9 @@ def batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bo
                          dq_tiles=None):
     """{position among the score_mod's captured arrays: float32 flat gradient} of the
     "batch_loop" sites `plans` (see `_batch_loop_kernel`): one launch for all of them,
-    apart from the dQ and dK/dV programs, which then skip those sites. With `dq_tiles`
-    (`batch_loop_dq_tiles`): (those gradients, dQ [B, Sq_padded, Hq, D_padded]), the
-    launch's tiles spanning all keys."""
+    apart from the dQ and dK/dV programs, which then skip those sites; and with
+    `dq_tiles` (`batch_loop_dq_tiles`, the launch's tiles spanning all keys) dQ [B,
+    Sq_padded, Hq, D_padded], else None."""
     q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
     batch, padded_q_len, q_heads, _ = q.shape
     padded_kv_len, kv_heads = k.shape[1], k.shape[2]
@@ -358,4 +358,4 @@ def batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bo
                                          if position in block_positions else output.shape
                                          ).reshape(-1)
              for position, output in zip(positions, outputs)}
-    return (grads, outputs[len(positions)]) if with_dq else grads
+    return grads, outputs[len(positions)] if with_dq else None

@@ -11,6 +11,8 @@ report) read its last page: whatever a table holds, no load leaves the page pool
 
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -30,6 +32,13 @@ def in_pool(page, num_pages: int):
     return jnp.clip(page, 0, num_pages - 1)
 
 
+def page_and_offset(page_of, position, *, page_size: int, num_pages: int):
+    """(the physical page holding logical row `position` (a scalar or an index array),
+    clamped into the pool (`in_pool`), and the row's offset within it)."""
+    page = in_pool(page_of(lax.div(position, jnp.int32(page_size))), num_pages)
+    return page, lax.rem(position, jnp.int32(page_size))
+
+
 def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int,
                     column_start: int, width: int):
     """A `[tile, width]` view of logical rows tile_start.. of one KV head's pages.
@@ -37,9 +46,10 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     `page_of(slot)` maps logical page numbers (a scalar or an index array) to physical
     pages, reading whatever table the caller keeps (a page table row, or a ragged list).
     """
+    locate = functools.partial(page_and_offset, page_of, page_size=page_size,
+                               num_pages=pages_ref.shape[0])
     if page_size % tile == 0:  # the tile lies inside one page
-        page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), pages_ref.shape[0])
-        offset = lax.rem(tile_start, jnp.int32(page_size))
+        page, offset = locate(tile_start)
         return pages_ref.at[page, kv_head, pl.ds(offset, tile), pl.ds(column_start, width)]
     # Indices per row ([tile, 1]) and per column ([1, width]), broadcast by the load:
     # Triton builds the pointers in the copy's own layout. Computed on the whole
@@ -49,12 +59,10 @@ def paged_tile_view(pages_ref, page_of, kv_head, tile_start, *, tile: int, page_
     # axis afterwards: read as [tile, 1], each thread loaded its rows' entries once per
     # column of the copy layout (8x the loads). H100 results, both forms:
     # f908cd9:benchmarks/results/2026-11-23-h100-paged-small-pages.json.
-    positions = tile_start + lax.iota(jnp.int32, tile)
-    pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))),
-                    pages_ref.shape[0])[:, None]
-    offsets = lax.rem(positions, jnp.int32(page_size))[:, None]
+    pages, offsets = locate(tile_start + lax.iota(jnp.int32, tile))
     columns = column_start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
-    return pages_ref.at[pages, jnp.full((tile, 1), kv_head), offsets, columns]
+    return pages_ref.at[pages[:, None], jnp.full((tile, 1), kv_head), offsets[:, None],
+                        columns]
 
 
 def load_rows(view, valid_rows):
@@ -89,14 +97,13 @@ def as_int8_bits(k, v, scales):
 def paged_scale_view(scales_ref, page_of, kv_head, tile_start, *, tile: int, page_size: int):
     """A `[tile]` view of the per-token scales [num_pages, Hkv, page_size] of a quantized
     cache's logical rows tile_start.. (as `paged_tile_view` finds their pages)."""
+    locate = functools.partial(page_and_offset, page_of, page_size=page_size,
+                               num_pages=scales_ref.shape[0])
     if page_size % tile == 0:
-        page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), scales_ref.shape[0])
-        offset = lax.rem(tile_start, jnp.int32(page_size))
+        page, offset = locate(tile_start)
         return scales_ref.at[page, kv_head, pl.ds(offset, tile)]
-    positions = tile_start + lax.iota(jnp.int32, tile)
-    pages = in_pool(page_of(lax.div(positions, jnp.int32(page_size))), scales_ref.shape[0])
-    return scales_ref.at[pages, jnp.full((tile,), kv_head), lax.rem(positions,
-                                                                    jnp.int32(page_size))]
+    pages, offsets = locate(tile_start + lax.iota(jnp.int32, tile))
+    return scales_ref.at[pages, jnp.full((tile,), kv_head), offsets]
 
 
 def first_scale(scales_ref, page_of, kv_head, tile_start, *, page_size: int, batch=None):
@@ -104,8 +111,9 @@ def first_scale(scales_ref, page_of, kv_head, tile_start, *, page_size: int, bat
     entry, or with page_of None contiguous K/V's scales [B, Skv, Hkv] at row `batch`."""
     if page_of is None:
         return scales_ref[batch, tile_start, kv_head]
-    page = in_pool(page_of(lax.div(tile_start, jnp.int32(page_size))), scales_ref.shape[0])
-    return scales_ref[page, kv_head, lax.rem(tile_start, jnp.int32(page_size))]
+    page, offset = page_and_offset(page_of, tile_start, page_size=page_size,
+                                   num_pages=scales_ref.shape[0])
+    return scales_ref[page, kv_head, offset]
 
 
 def load_scales(view, valid_rows):
