@@ -69,6 +69,22 @@ def test_differential_attention_matches_plain_jax(backend, per_head_lambda):
                   2e-4, ["dq1", "dk1", "dq2", "dk2", "dv", "dlam"])
 
 
+def _plain_gated(key_mask):
+    """Evoformer gated self-attention as plain JAX: q, k, v, gate [B, R, S, H, D], the
+    pair bias [B, H, S, S] repeated over the R rows, a key bias [B, R, S] and `key_mask`
+    [B, R, S] per row."""
+    batch, rows, residues = key_mask.shape
+
+    def plain(q, k, v, gate, pair_bias, key_bias):
+        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
+        bias = (jnp.repeat(pair_bias, rows, axis=0)
+                + key_bias.reshape(batch * rows, 1, 1, residues))
+        visible = key_mask.reshape(batch * rows, 1, 1, residues)
+        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
+        return out.reshape(q.shape) * jax.nn.sigmoid(gate)
+    return plain
+
+
 @pytest.mark.parametrize("backend", ["interpret"])
 def test_gated_self_attention_matches_plain_jax(backend):
     """Pair bias shared by the rows, a key bias, a padding mask leaving one row with no
@@ -87,14 +103,7 @@ def test_gated_self_attention_matches_plain_jax(backend):
         return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
                                                 key_bias=key_bias, key_mask=key_mask,
                                                 backend=backend)
-
-    def plain(q, k, v, gate, pair_bias, key_bias):
-        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
-        bias = (jnp.repeat(pair_bias, rows, axis=0)
-                + key_bias.reshape(batch * rows, 1, 1, residues))
-        visible = key_mask.reshape(batch * rows, 1, 1, residues)
-        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
-        return out.reshape(shape) * jax.nn.sigmoid(gate)
+    plain = _plain_gated(key_mask)
     args = (q, k, v, gate, pair_bias, key_bias)
     out = ours(*args)
     _assert_close([out], [plain(*args)], 2e-5, ["out"])
@@ -129,14 +138,7 @@ def test_gated_self_attention_with_dq_in_the_batch_loop(backend, key_bias):
         return pf.variants.gated_self_attention(
             q, k, v, gate, pair_bias=pair_bias, key_bias=keys if key_bias else None,
             key_mask=key_mask, backend=backend, kernel_options={"backward_batch_dq": True})
-
-    def plain(q, k, v, gate, pair_bias, keys):
-        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
-        bias = (jnp.repeat(pair_bias, rows, axis=0)
-                + keys.reshape(batch * rows, 1, 1, residues))
-        visible = key_mask.reshape(batch * rows, 1, 1, residues)
-        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
-        return out.reshape(shape) * jax.nn.sigmoid(gate)
+    plain = _plain_gated(key_mask)
     args = (q, k, v, gate, pair_bias, keys)
     loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)
     argnums = tuple(range(6 if key_bias else 5))
