@@ -38,14 +38,17 @@ def test_quantize_round_trip_error_is_bounded(dtype):
     assert bool(jnp.all(dequantize(zeros, zero_scales) == 0))
 
 
-def _cache(dtype, page_size=16):
+def _cache(dtype, page_size=16, v_magnitude=1.0):
+    """(a cache of LENGTHS' rows of normal keys and values times `v_magnitude`, the
+    keys and values written)."""
     cache = PagedKVCache.create(num_pages=32, page_size=page_size, max_batch=B,
                                 max_pages_per_seq=8, kv_heads=HKV, head_dim=D, dtype=dtype)
     keys, values = [], []
     for b, length in enumerate(LENGTHS):
         cache = cache.reserve(b, length)
         k = jax.random.normal(jax.random.key(b), (length, HKV, D)).astype(jnp.bfloat16)
-        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)).astype(jnp.bfloat16)
+        v = (jax.random.normal(jax.random.key(10 + b), (length, HKV, D)) * v_magnitude
+             ).astype(jnp.bfloat16)
         cache = cache.assign(b, 0, k, v)
         keys.append(k)
         values.append(v)
@@ -65,10 +68,11 @@ def test_writes_are_quantized_per_token_and_head(dtype):
     assert not plain.quantized and plain.k_scales is None
 
 
-def _decode_step(cache, q_len, seed):
-    """(q, its offset causal mask_mod, dense attention over the dequantized cache)."""
+def _decode_step(cache, q_len, seed, magnitude=1.0, dtype=jnp.bfloat16):
+    """(q, normal times `magnitude` in `dtype`, its offset causal mask_mod, dense
+    attention over the dequantized cache)."""
     k_all, v_all = gather_contiguous(cache)
-    q = jax.random.normal(jax.random.key(seed), (B, q_len, HQ, D)).astype(jnp.bfloat16)
+    q = (jax.random.normal(jax.random.key(seed), (B, q_len, HQ, D)) * magnitude).astype(dtype)
     lengths = cache.lengths
 
     def dense_mask(b, h, q_idx, kv_idx):
@@ -200,24 +204,11 @@ def test_float8_decode_takes_bfloat16_inputs_of_any_magnitude(backend, q_magnitu
     bfloat16 queries past float16's range (65504) or below its normals (6.1e-5) are
     scaled by a power of two first, and P's columns times values' scales near 2e-7
     (values of magnitude 1e-4) are taken relative to a power of two near each tile's
-    first scale (`online_softmax.update_chunks`), so the
-    output still equals dense attention over the cache's values, to 1 % of its largest
-    magnitude (as float16's subnormals, P.v was off by 6 %)."""
-    cache = PagedKVCache.create(num_pages=32, page_size=16, max_batch=B, max_pages_per_seq=8,
-                                kv_heads=HKV, head_dim=D, dtype=jnp.float8_e4m3fn)
-    for b, length in enumerate(LENGTHS):
-        cache = cache.reserve(b, length)
-        k = jax.random.normal(jax.random.key(b), (length, HKV, D))
-        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)) * v_magnitude
-        cache = cache.assign(b, 0, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-    q, mask_mod, _ = _decode_step(cache, 1, 8)
-    q = (q.astype(jnp.float32) * q_magnitude).astype(jnp.bfloat16)
-    k_all, v_all = gather_contiguous(cache)
-    lengths = cache.lengths
-
-    def dense_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - 1 >= kv_idx)
-    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    first scale (`online_softmax.update_chunks`), so the output still equals dense
+    attention over the cache's values, to 1 % of its largest magnitude (as float16's
+    subnormals, P.v was off by 6 %)."""
+    cache, _, _ = _cache(jnp.float8_e4m3fn, v_magnitude=v_magnitude)
+    q, mask_mod, expected = _decode_step(cache, 1, 8, q_magnitude)
     out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend)
     assert np.isfinite(np.asarray(out.astype(jnp.float32))).all()
     largest = float(jnp.max(jnp.abs(expected)))
@@ -232,21 +223,8 @@ def test_float16_queries_over_small_8bit_values(backend, q_len):
     int8 cache (scales near 8e-7) still give dense attention's output to 1 % of its
     largest magnitude, in the decode kernel (powers of two by tile, carried) and in the
     prefill's Triton forward reading the pages in its kernel (by tile's largest scale)."""
-    cache = PagedKVCache.create(num_pages=32, page_size=16, max_batch=B, max_pages_per_seq=8,
-                                kv_heads=HKV, head_dim=D, dtype=jnp.int8)
-    for b, length in enumerate(LENGTHS):
-        cache = cache.reserve(b, length)
-        k = jax.random.normal(jax.random.key(b), (length, HKV, D))
-        v = jax.random.normal(jax.random.key(10 + b), (length, HKV, D)) * 1e-4
-        cache = cache.assign(b, 0, k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
-    q, mask_mod, _ = _decode_step(cache, q_len, 9)
-    q = q.astype(jnp.float16)
-    k_all, v_all = gather_contiguous(cache)
-    lengths = cache.lengths
-
-    def dense_mask(b, h, q_idx, kv_idx):
-        return (kv_idx < lengths[b]) & (q_idx + lengths[b] - q_len >= kv_idx)
-    expected, _ = reference_attention(q, k_all, v_all, mask_mod=dense_mask)
+    cache, _, _ = _cache(jnp.int8, v_magnitude=1e-4)
+    q, mask_mod, expected = _decode_step(cache, q_len, 9, dtype=jnp.float16)
     out = paged_flex_attention(q, cache, mask_mod=mask_mod, backend=backend,
                                kernel_options={"quantized_prefill": "in_kernel"})
     largest = float(jnp.max(jnp.abs(expected)))
