@@ -131,10 +131,10 @@ def _learnable_case(kind, batch, q_heads, q_len, kv_len):
 
 
 def _check_learnable_gradients(backend, kind, q_heads, kv_heads, seed,
-                               kernel_options=SMALL_TILES, kv_len=38):
+                               kernel_options=SMALL_TILES):
     """Gradients for q, k, v and a learnable score_mod array (causal mask) match the
     float64 reference; returns the learnable array's gradient."""
-    batch, q_len = 2, 45
+    batch, q_len, kv_len = 2, 45, 38
     q, k, v = random_qkv(seed, batch, q_len, kv_len, q_heads, kv_heads, 32, 32, jnp.float32)
     parameter, make_score_mod = _learnable_case(kind, batch, q_heads, q_len, kv_len)
     d_out = _cotangent((batch, q_len, q_heads, 32), seed + 1)
@@ -298,41 +298,6 @@ def test_batch_loop_sums_table_gradients_over_rows(backend, kind, rows):
     options = dict(SMALL_TILES, backward_batch_sum="loop", backward_batch_rows=rows)
     _check_learnable_gradients(backend, kind, q_heads=4, kv_heads=2, seed=25,
                                kernel_options=options)
-
-
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("kind,rows", [("row_shared_bias", 1), ("pair_bias", 2)])
-def test_batch_loop_writes_dq_where_its_tiles_span_the_keys(backend, kind, rows):
-    """backward_batch_dq: 30 keys padded to 32 are one batch-loop tile spanning two
-    16-key BlockMask blocks (causal: each column's own block state, empty, partial or
-    full), so that launch writes dQ and the dQ programs do not run; 38 keys (padded to
-    48, not a power of two) keep them. Gradients against float64 either way (GQA, ragged
-    query tail)."""
-    options = dict(SMALL_TILES, backward_batch_sum="loop", backward_batch_rows=rows,
-                   backward_batch_dq=True)
-    _check_learnable_gradients(backend, kind, q_heads=4, kv_heads=2, seed=27,
-                               kernel_options=options, kv_len=30)
-    q, k, v = random_qkv(0, 2, 45, 30, 4, 2, 32, 32, jnp.float32)
-    parameter, make_score_mod = _learnable_case(kind, 2, 4, 45, 30)
-
-    def kernels(q, k, v, parameter, options):
-        def loss(q, k, v, parameter):
-            return jnp.sum(pf.attention(q, k, v, mask_mod=masks.causal_mask,
-                                        score_mod=make_score_mod(parameter),
-                                        backend="interpret", kernel_options=options))
-        text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 3)))(q, k, v, parameter))
-        return {name for name in ("flex_attention_backward_dq", "flex_attention_backward_dkdv",
-                                  "flex_attention_backward_batch_loop") if name in text}
-    assert kernels(q, k, v, parameter, options) == {"flex_attention_backward_dkdv",
-                                                     "flex_attention_backward_batch_loop"}
-    assert kernels(q, k, v, parameter, dict(options, backward_batch_dq=False)) == {
-        "flex_attention_backward_dq", "flex_attention_backward_dkdv",
-        "flex_attention_backward_batch_loop"}
-    q, k, v = random_qkv(0, 2, 45, 38, 4, 2, 32, 32, jnp.float32)
-    parameter, make_score_mod = _learnable_case(kind, 2, 4, 45, 38)
-    assert "flex_attention_backward_dq" in kernels(q, k, v, parameter, options)
-    with pytest.raises(ValueError, match="backward_batch_dq"):
-        pf.attention(q, k, v, kernel_options={"backward_batch_dq": "yes"})
 
 
 def test_batch_sum_plans():

@@ -4,8 +4,6 @@ gradients (the learnable lambda and both biases included)."""
 
 from __future__ import annotations
 
-import re
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,22 +67,6 @@ def test_differential_attention_matches_plain_jax(backend, per_head_lambda):
                   2e-4, ["dq1", "dk1", "dq2", "dk2", "dv", "dlam"])
 
 
-def _plain_gated(key_mask):
-    """Evoformer gated self-attention as plain JAX: q, k, v, gate [B, R, S, H, D], the
-    pair bias [B, H, S, S] repeated over the R rows, a key bias [B, R, S] and `key_mask`
-    [B, R, S] per row."""
-    batch, rows, residues = key_mask.shape
-
-    def plain(q, k, v, gate, pair_bias, key_bias):
-        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
-        bias = (jnp.repeat(pair_bias, rows, axis=0)
-                + key_bias.reshape(batch * rows, 1, 1, residues))
-        visible = key_mask.reshape(batch * rows, 1, 1, residues)
-        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
-        return out.reshape(q.shape) * jax.nn.sigmoid(gate)
-    return plain
-
-
 @pytest.mark.parametrize("backend", ["interpret"])
 def test_gated_self_attention_matches_plain_jax(backend):
     """Pair bias shared by the rows, a key bias, a padding mask leaving one row with no
@@ -103,7 +85,14 @@ def test_gated_self_attention_matches_plain_jax(backend):
         return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
                                                 key_bias=key_bias, key_mask=key_mask,
                                                 backend=backend)
-    plain = _plain_gated(key_mask)
+
+    def plain(q, k, v, gate, pair_bias, key_bias):
+        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])
+        bias = (jnp.repeat(pair_bias, rows, axis=0)
+                + key_bias.reshape(batch * rows, 1, 1, residues))
+        visible = key_mask.reshape(batch * rows, 1, 1, residues)
+        out = _plain_attention(fold(q), fold(k), fold(v), bias=bias, visible=visible)
+        return out.reshape(shape) * jax.nn.sigmoid(gate)
     args = (q, k, v, gate, pair_bias, key_bias)
     out = ours(*args)
     _assert_close([out], [plain(*args)], 2e-5, ["out"])
@@ -114,43 +103,6 @@ def test_gated_self_attention_matches_plain_jax(backend):
         jax.make_jaxpr(jax.grad(loss(ours), argnums))(*args))
     _assert_close(jax.grad(loss(ours), argnums)(*args), jax.grad(loss(plain), argnums)(*args),
                   2e-4, ["dq", "dk", "dv", "dgate", "dpair_bias", "dkey_bias"])
-
-
-@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("key_bias", [False, True])
-def test_gated_self_attention_with_dq_in_the_batch_loop(backend, key_bias):
-    """backward_batch_dq on Evoformer's shape of call (32 residues: one batch-loop tile
-    spans the keys), with AlphaFold's MSA mask (a key mask per row, one row with no key):
-    with the pair bias alone the batch loop writes dQ and no dQ program runs; a key bias
-    per row is the dQ programs' to sum, so they run as before. Gradients against plain
-    JAX either way."""
-    batch, rows, residues, heads, dim = 1, 8, 32, 2, 16
-    shape = (batch, rows, residues, heads, dim)
-    q, k, v, gate = (_normal(seed, shape) for seed in range(4))
-    pair_bias = _normal(4, (batch, heads, residues, residues))
-    keys = _normal(5, (batch, rows, residues)) if key_bias else jnp.zeros(
-        (batch, rows, residues))
-    key_mask = jnp.asarray(np.random.default_rng(6).random((batch, rows, residues)) > 0.3)
-    key_mask = key_mask.at[0, 3].set(False)
-    d_out = _normal(7, shape)
-
-    def ours(q, k, v, gate, pair_bias, keys):
-        return pf.variants.gated_self_attention(
-            q, k, v, gate, pair_bias=pair_bias, key_bias=keys if key_bias else None,
-            key_mask=key_mask, backend=backend, kernel_options={"backward_batch_dq": True})
-    plain = _plain_gated(key_mask)
-    args = (q, k, v, gate, pair_bias, keys)
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * d_out)
-    argnums = tuple(range(6 if key_bias else 5))
-    launches = set(re.findall(r"name=(flex_attention_backward\w*)", str(
-        jax.make_jaxpr(jax.grad(loss(ours), argnums))(*args))))
-    # (one launch of dQ and dK/dV programs without GQA, "flex_attention_backward")
-    assert launches == ({"flex_attention_backward", "flex_attention_backward_batch_loop"}
-                        if key_bias else {"flex_attention_backward_dkdv",
-                                          "flex_attention_backward_batch_loop"})
-    names = ["dq", "dk", "dv", "dgate", "dpair_bias", "dkey_bias"][:len(argnums)]
-    _assert_close(jax.grad(loss(ours), argnums)(*args), jax.grad(loss(plain), argnums)(*args),
-                  2e-4, names)
 
 
 def test_variant_arguments_are_checked():

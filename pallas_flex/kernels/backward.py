@@ -59,7 +59,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex import sharding
 from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import loop_value, walk_listed_tiles
-from pallas_flex.kernels.backward_batch_loop import batch_loop_dq_tiles, batch_loop_gradients
+from pallas_flex.kernels.backward_batch_loop import batch_loop_gradients
 from pallas_flex.kernels.backward_tiles import (
     SitePlan, flat_index, scatter_add, tile_probabilities, tile_score_gradients)
 from pallas_flex.kernels.config import (
@@ -475,13 +475,8 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
     # Sites summed over the batch by a launch of their own: the dQ programs skip them.
     loop_plans = tuple(plan for plan in site_plans if plan.mode == "batch_loop")
     site_plans = tuple(plan for plan in site_plans if plan.mode != "batch_loop")
-    # The batch loop writes dQ too where its tiles can span all keys and the dQ programs
-    # would sum no other read (KernelOptions.backward_batch_dq).
-    dq_tiles = (batch_loop_dq_tiles(options, launch, loop_plans)
-                if options.backward_batch_dq and loop_plans and not site_plans else None)
-    loop_grads, loop_dq = (batch_loop_gradients(launch, loop_plans, options=options,
-                                                interpret=interpret, dq_tiles=dq_tiles)
-                           if loop_plans else ({}, None))
+    loop_grads = (batch_loop_gradients(launch, loop_plans, options=options,
+                                        interpret=interpret) if loop_plans else {})
     options = _fit_to_shared_memory(options, launch, site_plans)
     mask_block_q, mask_block_kv = block_mask.block_size
     dq_block_q = min(options.backward_block_q, mask_block_q)
@@ -605,7 +600,7 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
                 else total
         return grads
 
-    if loop_dq is None and group == 1:
+    if group == 1:
         warps, stages = _launch_parameters(options.backward_num_warps,
                                            options.backward_num_stages,
                                            min(dq_block_q, dkdv_block_kv))
@@ -616,8 +611,6 @@ def _backward_launches(launch: _Launch, *, options: KernelOptions, interpret: bo
         options.backward_dkdv_num_warps or options.backward_num_warps,
         options.backward_dkdv_num_stages or options.backward_num_stages, dkdv_block_kv),
         "flex_attention_backward_dkdv")
-    if loop_dq is not None:
-        return loop_dq, dict(loop_grads), d_k, d_v
     d_q, *outputs = run(num_kv_tiles, num_q_tiles * group, True, False, *_launch_parameters(
         options.backward_num_warps, options.backward_num_stages, dq_block_q),
         "flex_attention_backward_dq")

@@ -5,14 +5,7 @@ Evoformer pair bias [B, H, S, S] read at b // rows by 256 folded MSA rows, a bia
 atomics would all hit the same addresses; here a program owns one table tile and walks a
 run of rows, recomputing their P and dS on it (`backward_tiles`) and summing in
 registers: one scatter-add per program and change of entry. `backward.py` runs it beside
-its dQ and dK/dV programs, which then skip those reads.
-
-With KernelOptions.backward_batch_dq, where a program's tile spans all keys (padded to a
-power of two, at most BATCH_LOOP_DQ_MAX_KV) and every differentiated read is the batch
-loop's, the launch writes dQ too: each row's dS on the tile is the whole of that row's
-dS for its queries, so dQ = dS K is one matmul more, and the backward's dQ programs (q.k,
-dO.v and dS.K again on every tile) do not run. A tile then spans several BlockMask
-blocks along the keys: its block state is one per column."""
+its dQ and dK/dV programs, which then skip those reads."""
 
 from __future__ import annotations
 
@@ -31,8 +24,7 @@ from pallas_flex.kernels.backward_tiles import (
     SitePlan, flat_index, scatter_add, tile_probabilities, tile_score_gradients)
 from pallas_flex.kernels.block_walk import loop_value
 from pallas_flex.kernels.config import (
-    BATCH_LOOP_DQ_MAX_KV, BATCH_LOOP_DQ_TILE, BATCH_LOOP_TARGET_PROGRAMS, KernelOptions,
-    planned_shared_memory)
+    BATCH_LOOP_TARGET_PROGRAMS, KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.tile_mods import (
     CaptureLog, TileFrame, apply_mask_on_tile, captured_read_blocks, captured_read_sites,
     padded_for_blocks, score_vjp_on_tile, split_captured_refs, unpadded_gradient)
@@ -42,8 +34,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
                        plans, site_shapes, positions, mask_program, score_program, scale,
                        q_len, kv_len, block_q, block_kv, mask_block_q, mask_block_kv,
                        num_kv_tiles, group, batch, rows_per_program, broadcast_batch,
-                       broadcast_heads, interpret, block_positions=frozenset(),
-                       with_dq=False):
+                       broadcast_heads, interpret, block_positions=frozenset()):
     """Grid (tile, query head, row chunk): the program owns the [block_q, block_kv] tile
     `tile` of one query head and walks the rows [chunk * rows_per_program, ...) in order,
     recomputing each row's P and dS on the tile (as a dQ program does) and summing the
@@ -53,24 +44,15 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
     site's float32 buffer when they change and after the last row. The buffers of the
     positions in `block_positions` have the table's shape, and their sites (all reads at
     exactly q_idx / kv_idx, `tile_mods.block_reads`) add the tile as one block; the
-    others are flat, added per element. with_dq: the tile spans all keys and the last
-    output is dQ [B, Sq, Hq, D], each row's written from its dS (see the module
-    docstring)."""
+    others are flat, added per element."""
     mask_refs, score_refs, rest = split_captured_refs(refs, mask_program, score_program)
-    outputs = rest[len(positions):]  # after the aliased inputs
-    buffers = dict(zip(positions, outputs))
-    dq_ref = outputs[len(positions)] if with_dq else None
+    buffers = dict(zip(positions, rest[len(positions):]))  # after the aliased inputs
     tile, head, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     q_tile, kv_tile = lax.div(tile, jnp.int32(num_kv_tiles)), lax.rem(
         tile, jnp.int32(num_kv_tiles))
     q_start, kv_start = q_tile * block_q, kv_tile * block_kv
     q_block = lax.div(q_start, jnp.int32(mask_block_q))
     kv_block = lax.div(kv_start, jnp.int32(mask_block_kv))
-    # A tile over several BlockMask blocks along the keys (with_dq): which of them each
-    # column lies in.
-    kv_blocks_in_tile = max(1, block_kv // mask_block_kv)
-    column_block = (lax.div(lax.broadcasted_iota(jnp.int32, (1, block_kv), 1),
-                            jnp.int32(mask_block_kv)) if kv_blocks_in_tile > 1 else None)
     table_head = 0 if broadcast_heads else head
     kv_head = lax.div(head, jnp.int32(group))
     precision = online_softmax.dot_precision(q_ref.dtype, interpret)
@@ -105,21 +87,13 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
                               frame=frame)
         apply_mask_on_tile(mask_program, mask_refs, b, head, q_idx, kv_idx_in_range,
                            indices_below=indices_below, frame=frame)
-        state_row = 0 if broadcast_batch else b
-        state = state_ref[state_row, table_head, q_block, kv_block]
-        for block in range(1, kv_blocks_in_tile):  # one state a column
-            state = jnp.where(column_block == block,
-                              state_ref[state_row, table_head, q_block, kv_block + block],
-                              state)
         return (lse_ref[b, head, q_rows][:, None], delta_ref[b, head, q_rows][:, None],
-                state, tuple(blocks))
+                state_ref[0 if broadcast_batch else b, table_head, q_block, kv_block],
+                tuple(blocks))
 
     def row(b, carry):
-        sums, bases, ahead = carry
-        if with_dq:  # loaded in the row: a tile over all keys has no registers to spare
-            ahead = row_inputs(b)
-        lse_log2, delta, block_state, blocks = ahead
-        ahead = () if with_dq else row_inputs(jnp.minimum(b + 1, last - 1))
+        sums, bases, (lse_log2, delta, block_state, blocks) = carry
+        ahead = row_inputs(jnp.minimum(b + 1, last - 1))
         q = q_ref[b, q_rows, head, :]
         d_out = d_out_ref[b, q_rows, head, :]
         k = k_ref[b, kv_rows, kv_head, :]
@@ -133,12 +107,8 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
             mask_block_kv=mask_block_kv, precision=precision, block_state=block_state,
             capture_log=log, frame=TileFrame(q_start, kv_start, block_q, block_kv,
                                              load=lambda ref, read: next(loaded)))
-        d_scores, cotangents = tile_score_gradients(probabilities, v, d_out, delta,
-                                                     score_vjp, precision=precision)
-        if with_dq:  # the tile holds all of the row's keys: its dQ is whole
-            d_q = lax.dot_general(d_scores.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32, precision=precision)
-            dq_ref[b, q_rows, head, :] = (d_q * scale).astype(dq_ref.dtype)
+        _, cotangents = tile_score_gradients(probabilities, v, d_out, delta, score_vjp,
+                                              precision=precision)
         new_sums, new_bases = [], []
         for plan, shape, total, previous in zip(plans, site_shapes, sums, bases):
             indices = log.unbroadcast[plan.site]
@@ -178,7 +148,7 @@ def _batch_loop_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, state
         return tuple(new_sums), tuple(new_bases), ahead
 
     carry = (tuple(jnp.zeros(shape, jnp.float32) for shape in site_shapes),
-             tuple(jnp.int32(0) for _ in plans), () if with_dq else row_inputs(first))
+             tuple(jnp.int32(0) for _ in plans), row_inputs(first))
     lax.fori_loop(first, last, row, carry)
 
 
@@ -213,20 +183,17 @@ def _batch_loop_bytes(dtype, head_dim, value_dim, block_q, block_kv, num_stages,
     return max(num_stages, 1) * streamed + scratch + 1024
 
 
-def _fit_batch_loop(options: KernelOptions, launch, differentiated,
-                    kv_within_mask_block=True):
+def _fit_batch_loop(options: KernelOptions, launch, differentiated):
     """(block_q, block_kv, num_stages) of the batch-loop launch within the shared-memory
     budget: stages down to 1, then the tiles down to 16 rows, fields the user gave kept
-    (a ValueError if they cannot fit). Key tiles lie within one BlockMask block unless
-    `kv_within_mask_block` is False (`batch_loop_dq_tiles`)."""
+    (a ValueError if they cannot fit)."""
     block_mask = launch.block_mask
     reads = shared_memory.mod_reads(block_mask.mask_mod, launch.score_program,
                                     differentiated)
-    block_kv = options.backward_batch_block_kv
     settings = {"backward_batch_block_q": min(options.backward_batch_block_q,
                                               block_mask.block_size[0]),
-                "backward_batch_block_kv": (min(block_kv, block_mask.block_size[1])
-                                            if kv_within_mask_block else block_kv),
+                "backward_batch_block_kv": min(options.backward_batch_block_kv,
+                                               block_mask.block_size[1]),
                 "backward_batch_num_stages": options.backward_batch_num_stages}
 
     def estimate():
@@ -254,45 +221,15 @@ def _fit_batch_loop(options: KernelOptions, launch, differentiated,
             settings["backward_batch_num_stages"])
 
 
-def batch_loop_dq_tiles(options: KernelOptions, launch, plans):
-    """(block_q, block_kv, num_stages) of a batch-loop launch that also writes dQ (its
-    tiles span all keys: see the module docstring), or None where it cannot: the padded
-    key length is not a power of two or above BATCH_LOOP_DQ_MAX_KV, a key tile was given
-    that does not span them, or the tiles do not fit in shared memory. The query tile
-    keeps the scores' tile at BATCH_LOOP_DQ_TILE elements (16 rows at least)."""
-    padded_kv_len = launch.k.shape[1]
-    mask_block_q, mask_block_kv = launch.block_mask.block_size
-    if (padded_kv_len & (padded_kv_len - 1) or padded_kv_len > BATCH_LOOP_DQ_MAX_KV
-            or padded_kv_len % mask_block_kv
-            or options.backward_batch_block_kv < padded_kv_len
-            and "backward_batch_block_kv" in options.given):
-        return None
-    block_q = min(options.backward_batch_block_q, mask_block_q)
-    if "backward_batch_block_q" not in options.given:
-        block_q = min(block_q, max(16, BATCH_LOOP_DQ_TILE // padded_kv_len))
-    options = options.replace(backward_batch_block_q=block_q,
-                              backward_batch_block_kv=padded_kv_len,
-                              given=options.given | {"backward_batch_block_kv"})
-    try:
-        return _fit_batch_loop(options, launch, {plan.position for plan in plans},
-                               kv_within_mask_block=False)
-    except ValueError:
-        return None
-
-
-def batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bool,
-                         dq_tiles=None):
+def batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bool):
     """{position among the score_mod's captured arrays: float32 flat gradient} of the
     "batch_loop" sites `plans` (see `_batch_loop_kernel`): one launch for all of them,
-    apart from the dQ and dK/dV programs, which then skip those sites; and with
-    `dq_tiles` (`batch_loop_dq_tiles`, the launch's tiles spanning all keys) dQ [B,
-    Sq_padded, Hq, D_padded], else None."""
+    apart from the dQ and dK/dV programs, which then skip those sites."""
     q, k, v, d_out = launch.q, launch.k, launch.v, launch.d_out
     batch, padded_q_len, q_heads, _ = q.shape
     padded_kv_len, kv_heads = k.shape[1], k.shape[2]
     block_mask, score_program = launch.block_mask, launch.score_program
-    with_dq = dq_tiles is not None
-    block_q, block_kv, num_stages = dq_tiles if with_dq else _fit_batch_loop(
+    block_q, block_kv, num_stages = _fit_batch_loop(
         options, launch, {plan.position for plan in plans})
     num_q_tiles, num_kv_tiles = padded_q_len // block_q, padded_kv_len // block_kv
     tiles = num_q_tiles * num_kv_tiles
@@ -336,26 +273,23 @@ def batch_loop_gradients(launch, plans, *, options: KernelOptions, interpret: bo
         mask_block_kv=settings["mask_block_kv"], num_kv_tiles=num_kv_tiles,
         group=q_heads // kv_heads, batch=batch, rows_per_program=rows,
         broadcast_batch=state.shape[0] == 1, broadcast_heads=state.shape[1] == 1,
-        interpret=interpret, block_positions=block_positions, with_dq=with_dq)
-    out_shape = [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers]
-    if with_dq:
-        out_shape.append(jax.ShapeDtypeStruct(q.shape, q.dtype))
+        interpret=interpret, block_positions=block_positions)
     whole = pl.no_block_spec
     outputs = pl.pallas_call(
         kernel,
         # Tiles fastest: programs running together share a head's rows in L2.
         grid=(tiles, q_heads, num_chunks),
         in_specs=[whole] * (len(inputs) + len(buffers)),
-        out_specs=[whole] * len(out_shape),
-        out_shape=sharding.typed_like(out_shape, inputs, buffers),
+        out_specs=[whole] * len(buffers),
+        out_shape=sharding.typed_like(
+            [jax.ShapeDtypeStruct(b.shape, jnp.float32) for b in buffers], inputs, buffers),
         input_output_aliases={len(inputs) + slot: slot for slot in range(len(buffers))},
         compiler_params=plgpu.CompilerParams(num_warps=options.backward_batch_num_warps,
                                              num_stages=num_stages),
         interpret=interpret,
         name="flex_attention_backward_batch_loop",
     )(*inputs, *buffers)
-    grads = {position: unpadded_gradient(output, jnp.shape(score_program.consts[position])
-                                         if position in block_positions else output.shape
-                                         ).reshape(-1)
-             for position, output in zip(positions, outputs)}
-    return grads, outputs[len(positions)] if with_dq else None
+    return {position: unpadded_gradient(output, jnp.shape(score_program.consts[position])
+                                        if position in block_positions else output.shape
+                                        ).reshape(-1)
+            for position, output in zip(positions, outputs)}

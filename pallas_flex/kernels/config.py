@@ -72,10 +72,6 @@ class KernelOptions:
       axes indexed by b). Reads whose per-element indices depend on b stay "atomic".
     backward_batch_block_q, backward_batch_block_kv, backward_batch_num_warps,
       backward_batch_num_stages: the tiles and launch parameters of that launch.
-    backward_batch_dq: the batch-loop launch also writes dQ, and the backward's dQ
-      programs do not run, where its tiles can span all keys (padded to a power of two
-      of at most BATCH_LOOP_DQ_MAX_KV: Evoformer's 256 residues) and every
-      differentiated read is the batch loop's; elsewhere it changes nothing.
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
       Mosaic GPU kernel (`kernels/forward_mosaic.py`) on Hopper for the calls it covers,
       else the Triton one; "mosaic": the Mosaic GPU kernel, a ValueError saying why if
@@ -152,7 +148,6 @@ class KernelOptions:
     backward_batch_block_kv: int = 64
     backward_batch_num_warps: int = 4
     backward_batch_num_stages: int = 2
-    backward_batch_dq: bool = False
     quantized_prefill: str = "auto"
     # The fields the user set: the kernels shrink the others to fit the GPU's shared
     # memory (`kernels/shared_memory.py`), never these (a ValueError instead).
@@ -217,14 +212,6 @@ BATCH_LOOP_MIN_SHARING = 4
 # backward_batch_rows 0: rows per batch-loop program such that the launch has about this
 # many programs (an H100 holds ~8 four-warp programs on each of its 132 SMs).
 BATCH_LOOP_TARGET_PROGRAMS = 1024
-# backward_batch_dq: the longest (padded) key length a batch-loop tile spans, and the
-# elements of its [block_q, keys] score tile (block_q = this / keys, 16 at least). As pip
-# triton 3.6.0 compiles the Evoformer D32 launch (R256 S256 H8, `inspect_kernels`), 16
-# x 256 tiles on 4 warps take 206 registers and spill nothing; 32 x 256 spill ~10 KB a
-# thread on 4 or 8 warps, 64 x 256 on 8 warps ~2 KB (its operands in row-ahead
-# registers: more).
-BATCH_LOOP_DQ_MAX_KV = 512
-BATCH_LOOP_DQ_TILE = 4096
 BATCH_SUMS = ("auto", "atomic", "loop")
 QUANTIZED_PREFILLS = ("auto", "dequantize", "in_kernel")
 QUANTIZED_PREFILL_MAX_BYTES = 1 << 30  # quantized_prefill "auto": dequantized pages at most
@@ -323,7 +310,7 @@ def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
         raise ValueError(f"kernel_options['backward_batch_sum'] must be one of {BATCH_SUMS}, "
                          f"got {kernel_options['backward_batch_sum']!r}")
     for name in ("backward_masked_first", "backward_deterministic",
-                 "forward_selects_small_tables", "backward_batch_dq"):
+                 "forward_selects_small_tables"):
         if not isinstance(kernel_options.get(name, True), bool):
             raise ValueError(f"kernel_options[{name!r}] must be a bool, got "
                              f"{kernel_options[name]!r}")
