@@ -105,12 +105,9 @@ def check_mods_run_on_tiles(block_mask, score_program) -> None:
 
 def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, interpret,
                               paged=False, out_dtype=None):
-    """None if the Mosaic GPU forward takes the call, else why not (a short phrase). A
-    score_mod reading a bias tensor at (q_idx, kv_idx) it takes only where kernel_options
-    name it (`mosaic_eligibility.unsupported_reason`'s bias_blocks)."""
-    reason = mosaic_eligibility.unsupported_reason(
-        q, k, v, block_mask, score_program, interpret=interpret, paged=paged,
-        bias_blocks=options.forward_kernel == "mosaic")
+    """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
+    reason = mosaic_eligibility.unsupported_reason(q, k, v, block_mask, score_program,
+                                               interpret=interpret, paged=paged)
     if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
         reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"
     return reason or _mosaic_setting_reason(q, k, v, options=options, interpret=interpret)

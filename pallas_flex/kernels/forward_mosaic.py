@@ -248,7 +248,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         key_limit = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
         def slices_at_kv(reads):  # (a relative read needs the tile's first key too)
-            return any(kind in ("kv", "relative", "block") for _, _, kind in reads.values())
+            return any(kind in ("kv", "relative") for _, _, kind in reads.values())
 
         # What a tile of each loop (masked or not) needs: the kv_idx vector (only where
         # it is used, as for q_idx) and the tile's first key (also for slice reads).
@@ -798,7 +798,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     mod_program = score_program
     if row_sums_of:  # the kernel evaluates the reads' derivatives beside the mod
         score_program = with_read_derivatives(score_program, row_sums_of)
-    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program, blocks=True)
+    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
     captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
                            batch=batch, heads=q_heads, q_length=num_q_blocks * BLOCK,
                            kv_length=num_kv_blocks * BLOCK)

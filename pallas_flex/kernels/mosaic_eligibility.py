@@ -192,18 +192,15 @@ def exp2_fma_share(head_dim, score_program):
     return (5, 8) if head_dim <= 64 and _has_transcendental(score_program) else None
 
 
-def contiguous_reads(program, blocks: bool = False):
+def contiguous_reads(program):
     """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
     indices independent of both: {id(dynamic_slice equation): (captured position, axis,
-    "q" or "kv")}; with `blocks`, also float arrays read at exactly q_idx along one axis
-    and kv_idx along a later one (a bias tensor: `pair_bias[b // rows, h, q_idx,
-    kv_idx]`): (captured position, (q axis, kv axis), "block").
+    "q" or "kv")}.
 
     Such a read (document ids `doc_ids[q_idx]`, a per-position table `bias[h, kv_idx]`)
-    covers a contiguous slice per tile, which the kernel loads as one vector (a block: one
-    tile of the array) instead of gathering. jnp indexing wraps negative indices
-    (`select_n(i < 0, i, i + n)`); the kernel's indices are never negative, so that
-    select is the index itself. Blocks are the forward's only (`tile_reads`).
+    covers a contiguous slice per tile, which the kernel loads as one vector instead of
+    gathering. jnp indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the
+    kernel's indices are never negative, so that select is the index itself.
     """
     if program is None:
         return {}
@@ -231,22 +228,17 @@ def contiguous_reads(program, blocks: bool = False):
             if len(vector_axes) == 1 and others_scalar:
                 axis = vector_axes[0]
                 reads[id(equation)] = (positions[inputs[0]], axis, kinds[axis])
-            elif (blocks and others_scalar and [kinds[a] for a in vector_axes] == ["q", "kv"]
-                  and jnp.issubdtype(jnp.result_type(program.consts[positions[inputs[0]]]),
-                                     jnp.floating)):
-                reads[id(equation)] = (positions[inputs[0]], tuple(vector_axes), "block")
         if any(is_var(atom) and atom in depends_on_index for atom in inputs):
             depends_on_index.update(equation.outvars)
     return reads
 
 
-def tile_reads(program, blocks: bool = False) -> dict:
+def tile_reads(program) -> dict:
     """The mod's reads of captured arrays the Mosaic GPU kernels load without a gather:
-    `contiguous_reads` (at exactly q_idx or kv_idx; with `blocks`, the forward's, also
-    [q, kv] blocks of a bias tensor) and `relative_reads.relative_reads` (at indices of
-    kv_idx - q_idx: T5 buckets), {id(dynamic_slice equation): (captured position, axis
-    or axes, "q" / "kv" / "block" / "relative")}."""
-    return {**contiguous_reads(program, blocks), **relative_reads(program)}
+    `contiguous_reads` (at exactly q_idx or kv_idx) and `relative_reads.relative_reads`
+    (at indices of kv_idx - q_idx: T5 buckets), {id(dynamic_slice equation):
+    (captured position, axis or axes, "q" / "kv" / "relative")}."""
+    return {**contiguous_reads(program), **relative_reads(program)}
 
 
 def device_unsupported_reason():
@@ -260,16 +252,15 @@ def device_unsupported_reason():
     return None
 
 
-def mod_unsupported_reason(program, blocks: bool = False):
-    """None if the kernel can run `program` (None included), else why not. blocks: the
-    kernel loads [q, kv] blocks of bias tensors (`contiguous_reads`; the forward)."""
+def mod_unsupported_reason(program):
+    """None if the kernel can run `program` (None included), else why not."""
     if program is None:
         return None
     unknown = sorted(set(_primitives(program.jaxpr)) - _ELEMENTWISE - _STRUCTURAL)
     if unknown:
         return f"{program.kind}_mod {program.name!r} uses {unknown}"
     slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
-              for key, (_, axis, _) in tile_reads(program, blocks).items()}
+              for key, (_, axis, _) in tile_reads(program).items()}
     sites = captured_read_sites(program, captured_reads=slices)
     if any(jnp.shape(index) != () for _, indices in sites for index in indices):
         return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
@@ -285,12 +276,6 @@ def backward_unsupported_reason(score_program, head_dim: int = 128):
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
-    reason = mod_unsupported_reason(score_program)
-    if reason is not None:
-        if mod_unsupported_reason(score_program, blocks=True) is None:  # the forward's
-            return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, "
-                    "kv_idx) (the Mosaic forward loads its blocks, the backward does not)")
-        return reason
     return mod_unsupported_reason(with_score_derivative(score_program))
 
 
@@ -347,20 +332,10 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
     return mod_unsupported_reason(program)
 
 
-# A score_mod reading a bias tensor at (q_idx, kv_idx) (`contiguous_reads`' blocks: a
-# pair bias, `scores.bias_lookup`) runs on the Mosaic forward only where kernel_options
-# name it: each warpgroup loads its [64, kv] block from GMEM every step, issued when the
-# mod runs (after the tile's q.k), and that lost to the Triton forward,
-# whose bias tiles are copied a step ahead (H200, gated self-attention R256 S256 H8 D64,
-# forward, paired rounds: 0.275 ms against 0.244; the outputs within 0.012). Correct on
-# the GPU (tests/kernels/test_forward_mosaic.py::test_bias_tensor_blocks). Issuing the
-# blocks' loads while the q.k was in flight (the blocks held in registers across it) was
-# slower still: 0.345 ms (H200, 2026-11-29), so they load when the mod runs.
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
-                       paged: bool = False, bias_blocks: bool = False):
+                       paged: bool = False):
     """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).
-    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_tile_pages`).
-    bias_blocks: a score_mod's bias-tensor reads are taken (see above)."""
+    paged: k / v are pages [num_pages, Hkv, page_size, D] (see `_tile_pages`)."""
     _, q_len, _, head_dim = q.shape
     if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
         return f"dtype {q.dtype} (it takes bfloat16 and float16)"
@@ -380,12 +355,8 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
     if not interpret and (reason := device_unsupported_reason()) is not None:
         return reason
-    reason = mod_unsupported_reason(block_mask.mask_mod)
-    if reason is not None:
-        return reason
-    reason = mod_unsupported_reason(score_program, blocks=bias_blocks)
-    if reason and not bias_blocks and mod_unsupported_reason(score_program, True) is None:
-        return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, kv_idx) "
-                "unless kernel_options name the Mosaic forward (forward_kernel 'mosaic'; the "
-                "Triton forward was faster at Evoformer's shapes)")
-    return reason
+    for program in (block_mask.mask_mod, score_program):
+        reason = mod_unsupported_reason(program)
+        if reason is not None:
+            return reason
+    return None

@@ -497,26 +497,6 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
                           tile_axis)
         return read
 
-    def block_reader(axes):
-        """A [q, kv] block of a bias tensor at the tile: loaded from GMEM straight into
-        the scores' wgmma layout when the mod runs, after the tile's q.k, so that its
-        latency is the step's (why the Triton forward, which copies bias tiles a step
-        ahead, measured faster: `mosaic_eligibility.unsupported_reason`). The forward's
-        tiles only (queries along axis 0)."""
-        if q_axis != 0:
-            raise NotImplementedError("block reads load [q, kv] tiles (the forward's)")
-
-        def read(captured, indices):
-            index = [None if i is None else jnp.clip(i, 0, size - 1)
-                     for i, size in zip(indices, captured.shape)]
-            index[axes[0]] = pl.ds(q_start, tile[0])
-            index[axes[1]] = pl.ds(kv_start, tile[1])
-            if interpret:
-                return captured.ref[tuple(index)]
-            return plgpu.load(captured.ref.at[tuple(index)], layout=plgpu.Layout.WGMMA,
-                              optimized=False)
-        return read
-
     def relative_reader(number):
         tables = refs[len(program.consts) + 3 * number:][:3]
         batch, head = args[first_index_arg - 2], args[first_index_arg - 1]
@@ -530,7 +510,6 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
     numbers = numbered(reads)
     readers = {key: (relative_reader(numbers[key]) if key in numbers
-                     else block_reader(axis) if kind == "block"
                      else slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
     outputs = evaluate_jaxpr_on_tiles(
@@ -642,15 +621,12 @@ def padded_for_slices(program, reads, q_length: int, kv_length: int):
     for position, axis, kind in reads.values():
         if kind == "relative":  # its tables follow (`tile_inputs`)
             continue
-        # A block read pads its q axis and its kv axis.
-        lengths = (zip(axis, (q_length, kv_length)) if kind == "block"
-                   else [(axis, q_length if kind == "q" else kv_length)])
-        for axis_, length in lengths:
-            array = arrays[position]
-            if array.shape[axis_] < length:
-                widths = [(0, 0)] * array.ndim
-                widths[axis_] = (0, length - array.shape[axis_])
-                arrays[position] = jnp.pad(array, widths, mode="edge")
+        length = q_length if kind == "q" else kv_length
+        array = arrays[position]
+        if array.shape[axis] < length:
+            widths = [(0, 0)] * array.ndim
+            widths[axis] = (0, length - array.shape[axis])
+            arrays[position] = jnp.pad(array, widths, mode="edge")
     return arrays
 
 
