@@ -19,6 +19,7 @@ from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
+from pallas_flex.output_gate import check_output_gate, gate_gradients, gated
 from pallas_flex.sinks import check_sinks, sink_gradient
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
@@ -153,30 +154,33 @@ def resolve_scale(scale, head_dim):
 
 
 def _forward_impl(q, k, v, block_mask, score_program, config, out_dtype=None,
-                  with_max=False, sinks=None, row_sums_of=()):
+                  with_max=False, sinks=None, row_sums_of=(), output_gate=None):
     """(out in out_dtype (default q's), lse), and with_max the row max of the logits, of
     the kernel `pallas_flex.dispatch` picks, run per shard where q, k, v are sharded over
     batch or heads (`pallas_flex.sharding`). sinks [Hq] (or None) take part in the
     kernel's softmax; the lse includes them. row_sums_of: positions of captured arrays
-    (`_forward_row_sums`) whose reads' row sums follow (`dispatch.run_forward`)."""
+    (`_forward_row_sums`) whose reads' row sums follow (`dispatch.run_forward`).
+    output_gate [B, Sq, Hq, Dv] (or None): the output times its sigmoid
+    (`pallas_flex/output_gate.py`)."""
     backend, scale, options = config
     choice = dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,
                                      options=options, out_dtype=out_dtype, with_max=with_max)
 
     def forward(operands, offsets):
-        q, k, v, block_mask, score_program, sinks = operands
+        q, k, v, block_mask, score_program, sinks, output_gate = operands
         block_mask, score_program, positions = sharding.shift_mods(block_mask, score_program,
                                                                    offsets)
         return dispatch.run_forward(choice, q, k, v, block_mask, score_program, scale=scale,
                                     options=options, interpret=backend == "interpret",
                                     out_dtype=out_dtype, with_max=with_max, sinks=sinks,
                                     row_sums_of=tuple(positions.index(position)
-                                                      for position in row_sums_of))
+                                                      for position in row_sums_of),
+                                    output_gate=output_gate)
 
     return sharding.call(
-        forward, (q, k, v, block_mask, score_program, sinks),
+        forward, (q, k, v, block_mask, score_program, sinks, output_gate),
         (sharding.QUERY, sharding.KEY, sharding.KEY, sharding.roles_of(block_mask, None),
-         sharding.WHOLE, sharding.PER_HEAD), sharding.query_and_rows,
+         sharding.WHOLE, sharding.PER_HEAD, sharding.QUERY), sharding.query_and_rows,
         batch=q.shape[0], q_heads=q.shape[2], kv_heads=k.shape[2])
 
 
@@ -186,13 +190,17 @@ def _zero_cotangent(x):
     return np.zeros(x.shape, dtype=jax.dtypes.float0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _fused_attention(q, k, v, block_mask, score_program, sinks, config, with_max=False):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _fused_attention(q, k, v, block_mask, score_program, sinks, gate, config,
+                     with_max=False):
     """(out, lse), and with_max the row max of the logits (no gradient: a statistic),
     with gradients from the fused backward kernels; residuals are out, lse. sinks: None
-    or [Hq], folded into the forward kernels' softmax (`pallas_flex/sinks.py`)."""
+    or [Hq], folded into the forward kernels' softmax (`pallas_flex/sinks.py`). gate:
+    None or [B, Sq, Hq, Dv], out times its sigmoid: in the Triton forward's epilogue
+    here (no one differentiates), after the kernel in the forward rule, whose backward
+    needs the ungated output (`pallas_flex/output_gate.py`)."""
     return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max,
-                         sinks=sinks)
+                         sinks=sinks, output_gate=gate)
 
 
 def _unwrap_primals(tree):
@@ -215,16 +223,17 @@ class _StaticFlags:
         return cls(flags)
 
 
-def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
+def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, gate, config,
                              with_max=False):
     # symbolic_zeros=True: each primal says whether it is differentiated, so captured
     # arrays nobody differentiates (constant ALiBi slopes, say) cost no gradient work,
-    # nor do sinks nobody differentiates.
+    # nor do sinks or an output gate nobody differentiates.
     wanted = _StaticFlags(primal.perturbed for primal in (
         score_program.consts if score_program is not None else ()))
-    sinks_wanted = _StaticFlags([sinks is not None and sinks.perturbed])
-    q, k, v, block_mask, score_program, sinks = _unwrap_primals(
-        (q, k, v, block_mask, score_program, sinks))
+    extras_wanted = _StaticFlags([sinks is not None and sinks.perturbed,  # (sinks, gate)
+                                  gate is not None and gate.perturbed])
+    q, k, v, block_mask, score_program, sinks, gate = _unwrap_primals(
+        (q, k, v, block_mask, score_program, sinks, gate))
     if not any(wanted.flags) or _backward_takes_exact_deltas(
             q, k, v, block_mask, score_program, config, wanted.flags):
         row_sums_of = _forward_row_sums(q, k, v, block_mask, score_program, config,
@@ -234,8 +243,9 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
                                         row_sums_of=row_sums_of)
         split = len(rows) - len(row_sums_of)
         row_max, row_sums = rows[:split], rows[split:]
-        return (out, lse, *row_max), (q, k, v, block_mask, score_program, sinks, out, lse,
-                                      tuple(row_sums), wanted, sinks_wanted)
+        return (gated(out, gate), lse, *row_max), (
+            q, k, v, block_mask, score_program, sinks, gate, out, lse, tuple(row_sums),
+            wanted, extras_wanted)
     # A captured array's gradient sums dS over whole rows, where each row's dS sums to
     # rowsum(P * dP) - delta, zero only if delta = rowsum(dO * out) is taken from the
     # exact output. From the output rounded to 16 bits, every row keeps its rounding
@@ -247,9 +257,9 @@ def _fused_attention_forward(q, k, v, block_mask, score_program, sinks, config,
     out_unrounded, lse, *row_max = _forward_impl(q, k, v, block_mask, score_program, config,
                                                  out_dtype=jnp.float32, with_max=with_max,
                                                  sinks=sinks)
-    return ((out_unrounded.astype(q.dtype), lse, *row_max),
-            (q, k, v, block_mask, score_program, sinks, out_unrounded, lse, (), wanted,
-             sinks_wanted))
+    return ((gated(out_unrounded, gate).astype(q.dtype), lse, *row_max),
+            (q, k, v, block_mask, score_program, sinks, gate, out_unrounded, lse, (), wanted,
+             extras_wanted))
 
 
 def _backward_takes_exact_deltas(q, k, v, block_mask, score_program, config, wanted):
@@ -282,13 +292,17 @@ def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_m
 
 def _fused_attention_backward(config, with_max, residuals, cotangents):
     del with_max  # the row max is a statistic: its cotangent is dropped
-    (q, k, v, block_mask, score_program, sinks, out, lse, row_sums, wanted,
-     sinks_wanted) = residuals
+    (q, k, v, block_mask, score_program, sinks, gate, out, lse, row_sums, wanted,
+     extras_wanted) = residuals
     d_out, d_lse = cotangents[:2]
     if isinstance(d_out, SymbolicZero):
         d_out = jnp.zeros(out.shape, q.dtype)
     if isinstance(d_lse, SymbolicZero):
         d_lse = None
+    d_gate = None
+    if gate is not None:  # d_out was the gated output's: the ungated one's from it
+        d_out, d_gate = gate_gradients(out, gate, d_out, extras_wanted.flags[1])
+        d_gate = jnp.zeros_like(gate) if d_gate is None else d_gate
     # With sinks, out and lse are those of the softmax the sinks take part in: the
     # kernels' backward is the same (a sink is a key with no value), and the sinks'
     # own gradient comes from the lse and the rows' delta (`sinks.sink_gradient`).
@@ -297,7 +311,7 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
                                                 row_sums)
     d_sinks = None
     if sinks is not None:
-        d_sinks = (sink_gradient(sinks, out, lse, d_out, d_lse) if sinks_wanted.flags[0]
+        d_sinks = (sink_gradient(sinks, out, lse, d_out, d_lse) if extras_wanted.flags[0]
                    else jnp.zeros_like(sinks))
     d_block_mask = jax.tree.map(_zero_cotangent, block_mask)
     d_score_program = None
@@ -306,8 +320,9 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
         d_score_program.consts = tuple(
             grad if grad is not None else _zero_cotangent(const)
             for grad, const in zip(const_grads, score_program.consts))
-    return sharding.typed_as_primals((d_q, d_k, d_v, d_block_mask, d_score_program, d_sinks),
-                                     (q, k, v, block_mask, score_program, sinks))
+    return sharding.typed_as_primals(
+        (d_q, d_k, d_v, d_block_mask, d_score_program, d_sinks, d_gate),
+        (q, k, v, block_mask, score_program, sinks, gate))
 
 
 def _backward_impl(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, config,
@@ -376,19 +391,21 @@ _fused_attention.defvjp(_fused_attention_forward, _fused_attention_backward,
 
 
 @functools.partial(jax.jit, static_argnames=("config", "with_max"))
-def _attention(q, k, v, block_mask, score_program, sinks=None, *, config, with_max=False):
+def _attention(q, k, v, block_mask, score_program, sinks=None, gate=None, *, config,
+               with_max=False):
     """(out, lse), and with_max the row max of the logits (sinks not included); the
-    sinks take part in the softmax, and the lse includes them."""
+    sinks take part in the softmax, and the lse includes them; out is multiplied by
+    sigmoid(gate) where a gate is given."""
     backend, scale, _ = config
     if backend == "reference":  # dense, differentiated by plain autodiff: the oracle
         out, lse, *row_max = reference_attention(
             q, k, v, mask_mod=block_mask.mask_mod, score_mod=score_program, scale=scale,
             return_max=with_max, sinks=sinks)
-        out = out.astype(q.dtype)
+        out = gated(out, gate).astype(q.dtype)
         row_max = [jax.lax.stop_gradient(x) for x in row_max]
     else:
         out, lse, *row_max = _fused_attention(q, k, v, block_mask, score_program, sinks,
-                                              config, with_max)
+                                              gate, config, with_max)
     return (out, lse, *row_max)
 
 
@@ -434,7 +451,8 @@ def call_results(out, lse, row_max, return_lse, return_aux):
 
 def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                    return_lse=False, backend=None, kernel_options=None, sinks=None,
-                   return_aux=None, k_scales=None, v_scales=None, value_dim=None):
+                   return_aux=None, k_scales=None, v_scales=None, value_dim=None,
+                   output_gate=None):
     """FlexAttention, PyTorch-shaped: `softmax(mask(score_mod(q k^T * scale))) v`.
 
     Args:
@@ -466,6 +484,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         The latent decode reads them from k in place; passing v=k[..., :512] instead
         makes XLA copy that slice of the cache at every call. Differentiable (the
         values' gradient joins k's).
+      output_gate: None, or float [B, Sq, Hq, Dv]: the output is multiplied by
+        sigmoid(output_gate) (gated attention: AlphaFold's, Qwen3-Next's), fused into
+        the Triton forward's epilogue where no one differentiates the call;
+        differentiable. lse is the softmax's, ungated.
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
       (out, AuxOutput) with return_aux.
@@ -482,10 +504,10 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         raise ValueError("value_dim (values in the keys) does not take a quantized cache "
                          "(k_scales, v_scales)")
     if quantized_kv.is_quantized_call(k, v, k_scales, v_scales):
-        return quantized_kv.flex_attention(
+        return gated_result(quantized_kv.flex_attention(
             q, k, v, k_scales, v_scales, score_mod, block_mask, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
-            sinks=sinks, return_aux=return_aux)
+            sinks=sinks, return_aux=return_aux), check_output_gate(output_gate, q, v))
     with_max = check_aux(return_aux, return_lse)
     block_mask, score_program, config = _prepare(q, k, v, score_mod, block_mask, scale,
                                                  backend, kernel_options)
@@ -493,9 +515,20 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         backend, scale, options = config
         config = (backend, scale, options.replace(values_in_keys=True))
     out, lse, *row_max = _attention(q, k, v, block_mask, score_program,
-                                    check_sinks(sinks, q.shape[2]), config=config,
+                                    check_sinks(sinks, q.shape[2]),
+                                    check_output_gate(output_gate, q, v), config=config,
                                     with_max=with_max)
     return call_results(out, lse, row_max, return_lse, return_aux)
+
+
+def gated_result(result, gate):
+    """A call's result (out, or a tuple starting with it) with out times sigmoid(gate),
+    for the paths that run no forward kernel of their own here (gate None: as given)."""
+    if gate is None:
+        return result
+    if isinstance(result, tuple):
+        return (gated(result[0], gate), *result[1:])
+    return gated(result, gate)
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
@@ -563,15 +596,16 @@ def _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options):
 
 def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=None,
               return_lse=False, backend=None, kernel_options=None, context_parallel=None,
-              sinks=None, return_aux=None, k_scales=None, v_scales=None, value_dim=None):
+              sinks=None, return_aux=None, k_scales=None, v_scales=None, value_dim=None,
+              output_gate=None):
     """FlexAttention in one line: builds the BlockMask of `mask_mod` inside the trace.
 
     Same arguments and results as `flex_attention`, plus `mask_mod(b, h, q_idx, kv_idx)
     -> bool` (True = the score takes part). Pass either `mask_mod` or a prebuilt
     `block_mask` (to reuse one across layers), not both.
 
-    sinks, return_aux, k_scales, v_scales, value_dim: as in `flex_attention` (value_dim
-    with v=None: the values are k's first value_dim columns, a latent cache).
+    sinks, return_aux, k_scales, v_scales, value_dim, output_gate: as in `flex_attention`
+    (value_dim with v=None: the values are k's first value_dim columns, a latent cache).
 
     context_parallel: a `pf.ContextParallel(axis_name, ...)` inside `jax.shard_map`, with
     q, k, v the shards of a sequence split over that mesh axis: runs
@@ -592,7 +626,7 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
                               return_lse=return_lse, backend=backend,
                               kernel_options=kernel_options, sinks=sinks,
                               return_aux=return_aux, k_scales=k_scales, v_scales=v_scales,
-                              value_dim=value_dim)
+                              value_dim=value_dim, output_gate=output_gate)
     if context_parallel is not None:
         from pallas_flex import context_parallel as parallel  # it builds on this module
 
@@ -602,10 +636,13 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
         if block_mask is not None:
             raise ValueError("context_parallel builds each shard pair's BlockMask from "
                              "mask_mod: pass mask_mod, not block_mask")
-        return parallel.context_parallel_attention(
+        _validate_inputs(q, k, v)
+        gate = check_output_gate(output_gate, q, v)
+        return gated_result(parallel.context_parallel_attention(
             q, k, v, mask_mod=mask_mod, score_mod=score_mod, scale=scale,
             return_lse=return_lse, backend=backend, kernel_options=kernel_options,
-            sinks=sinks, return_aux=return_aux, **dataclasses.asdict(context_parallel))
+            sinks=sinks, return_aux=return_aux, **dataclasses.asdict(context_parallel)),
+            gate)
     if k_scales is None and v_scales is None:
         block_mask = _attention_block_mask(q, k, v, mask_mod, block_mask, kernel_options)
     elif mask_mod is not None:  # 8-bit k, v: flex_attention's quantized path checks them
@@ -615,7 +652,8 @@ def attention(q, k, v, *, mask_mod=None, score_mod=None, block_mask=None, scale=
                                       k.shape[1], kernel_options)
     return flex_attention(q, k, v, score_mod, block_mask, scale=scale, return_lse=return_lse,
                           backend=backend, kernel_options=kernel_options, sinks=sinks,
-                          return_aux=return_aux, k_scales=k_scales, v_scales=v_scales)
+                          return_aux=return_aux, k_scales=k_scales, v_scales=v_scales,
+                          output_gate=output_gate)
 
 
 def merge_attention_states(out_a, lse_a, out_b, lse_b):

@@ -59,6 +59,7 @@ from pallas_flex.kernels.forward import flex_attention_forward
 from pallas_flex.kernels.tile_mods import captured_read_positions
 from pallas_flex.kernels.xla_blockwise import blockwise_attention
 from pallas_flex.masks.row_reads import precompute_row_reads
+from pallas_flex.output_gate import gated
 from pallas_flex.sinks import merge_sinks
 
 FORWARD_KERNELS = ("xla_blockwise", "decode", "mosaic_latent_decode", "triton_forward",
@@ -225,13 +226,23 @@ def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,
                 options: KernelOptions, interpret: bool, page_table=None, lengths=None,
                 out_dtype=None, with_max=False, k_scales=None, v_scales=None, sinks=None,
-                row_sums_of=()):
+                row_sums_of=(), output_gate=None):
     """(out, lse), and with_max the row max, of the kernel `choice` names (arguments as
     `choose_forward`'s, plus the paged ones: page_table, lengths, and a quantized
     cache's k_scales, v_scales; sinks [Hq] or None, which the forward kernels fold into
     their normalization and the decode kernel's output takes in a pass of its own).
     row_sums_of (the Mosaic forward only): then per position one row sum more
-    (`forward_mosaic.flex_attention_forward_mosaic`)."""
+    (`forward_mosaic.flex_attention_forward_mosaic`). output_gate (None or [B, Sq, Hq,
+    Dv]): the output times its sigmoid, in the Triton forward's epilogue on contiguous
+    K/V, after the kernel elsewhere (`pallas_flex/output_gate.py`)."""
+    if output_gate is not None and (choice.kernel != "triton_forward"
+                                    or page_table is not None):
+        out, *rest = run_forward(
+            choice, q, k, v, block_mask, score_program, scale=scale, options=options,
+            interpret=interpret, page_table=page_table, lengths=lengths,
+            out_dtype=out_dtype, with_max=with_max, k_scales=k_scales, v_scales=v_scales,
+            sinks=sinks, row_sums_of=row_sums_of)
+        return (gated(out, output_gate), *rest)
     if row_sums_of and choice.kernel != "mosaic_forward":
         raise ValueError(f"row sums of captured reads come from the Mosaic GPU forward, not "
                          f"{choice.kernel}")
@@ -274,7 +285,8 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
                                                         page_table is not None), **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,
                                   options=options, interpret=interpret, out_dtype=out_dtype,
-                                  with_max=with_max, sinks=sinks, **paging)
+                                  with_max=with_max, sinks=sinks, output_gate=output_gate,
+                                  **paging)
 
 
 def choose_backward(q, k, v, block_mask, score_program, *, backend: str,

@@ -98,6 +98,28 @@ def test_batch_and_head_sharded_call_equals_one_device(axis_type, backend):
     assert _gathered_inputs(compiled.as_text()) == []
 
 
+@pytest.mark.parametrize("axis_type,backend", [("Auto", "interpret"), ("Explicit", "xla")])
+def test_an_output_gate_shards_as_the_output(axis_type, backend):
+    """The gate read in the Triton forward's epilogue (not differentiated) and after the
+    kernel (differentiated): sharded over batch and heads as q, equal to one device's,
+    with no input gathered."""
+    mesh = _mesh(axis_type)
+    q, k, v, gate = _inputs(seed=3)
+
+    def forward(q, k, v, gate):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask, output_gate=gate,
+                            backend=backend)
+    step = jax.jit(lambda q, k, v, gate: (forward(q, k, v, gate), jax.grad(
+        lambda *args: jnp.sum(forward(*args) * jnp.cos(jnp.arange(D))),
+        argnums=(0, 3))(q, k, v, gate)))
+    single = step(q, k, v, gate)
+    spec = NamedSharding(mesh, P("data", None, "model", None))
+    sharded_args = [jax.device_put(x, spec) for x in (q, k, v, gate)]
+    compiled = step.lower(*sharded_args).compile()
+    _assert_matches(compiled(*sharded_args), single, atol=1e-5)
+    assert _gathered_inputs(compiled.as_text()) == []
+
+
 @pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
 def test_decode_sharded_over_batch_equals_one_device(axis_type):
     mesh = _mesh(axis_type)

@@ -36,11 +36,13 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
                     mask_program, score_program, scale, q_len, kv_len, block_q, block_kv,
                     mask_block_q, mask_block_kv, broadcast_batch, broadcast_heads,
                     interpret, group=1, paged=None, with_max=False, quantized=None,
-                    with_sinks=False, select_small_tables=False):
+                    with_sinks=False, with_gate=False, select_small_tables=False):
     """paged: None (k_ref/v_ref hold this head's whole padded K/V), or
     (page_size, dim_chunks, value_chunks): k_ref/v_ref are all the pages, and a page
     table and per-row lengths follow the BlockMask tables. with_sinks: a float32 ref
     [Hq] of sink logits (natural units) follows them (and a quantized cache's scales).
+    with_gate: then the output gate's [block_q, Dv] tile (`pallas_flex/output_gate.py`):
+    the output is multiplied by its sigmoid before it is stored.
     quantized: None, or a quantized cache's dtype name: its pages arrive as int8 bits
     (`kv_tiles.as_int8_bits`)."""
     if paged is not None:
@@ -49,6 +51,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         scale_refs, refs = refs[:2], refs[2:]
     if with_sinks:
         sinks_ref, *refs = refs
+    if with_gate:
+        gate_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *max_ref) = split_captured_refs(
         refs, mask_program, score_program)
 
@@ -154,6 +158,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     sink_log2 = sinks_ref[head] * online_softmax.LOG2_E if with_sinks else None
     if paged is None:
         out, lse = online_softmax.finalize(state, sink_log2)
+        if with_gate:
+            out = out * jax.nn.sigmoid(gate_ref[...].astype(jnp.float32))
         out_ref[...] = out.astype(out_ref.dtype)
     else:
         outs, lse = online_softmax.finalize_chunks(state, sink_log2)
@@ -190,13 +196,14 @@ def _reverse(tile, num_tiles):
 def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
                            options: KernelOptions, interpret: bool, page_table=None,
                            lengths=None, out_dtype=None, with_max=False, k_scales=None,
-                           v_scales=None, sinks=None):
+                           v_scales=None, sinks=None, output_gate=None):
     """out [B, Sq, Hq, Dv] (out_dtype, default q's dtype) and lse [B, Hq, Sq] (float32),
     and with_max the row max of the logits [B, Hq, Sq] (float32, -inf where masked).
     k_scales, v_scales: a quantized paged cache's per-token scales [num_pages, Hkv,
     page_size] (its pages int8 / float8; q stays 16-bit). sinks: None, or a logit per
     query head [Hq] in every row's softmax with no value (the lse includes it; the row
-    max does not).
+    max does not). output_gate: None, or [B, Sq, Hq, Dv]: the output is multiplied by
+    its sigmoid in the kernel's epilogue (not on pages: `dispatch.run_forward`).
 
     Shapes are validated by the caller (`pallas_flex.api`); the BlockMask's lengths
     equal Sq and Skv, and its batch/head dims are the real ones or 1.
@@ -209,6 +216,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
     This is the Triton kernel; `pallas_flex.dispatch` decides when it runs.
     """
     paged = page_table is not None
+    if paged and output_gate is not None:
+        raise ValueError("the paged Triton forward takes no output gate (applied after it)")
     out_dtype = jnp.dtype(out_dtype or q.dtype)
     options = _fit_to_shared_memory(options, q, v, block_mask, score_program,
                                     page_size=k.shape[2] if paged else None)
@@ -259,16 +268,21 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
         paged=paged_config, interpret=interpret, with_max=with_max,
         quantized=quantized, with_sinks=sinks is not None,
-        select_small_tables=options.forward_selects_small_tables)
+        with_gate=output_gate is not None, select_small_tables=options.forward_selects_small_tables)
     scales = () if k_scales is None else (k_scales, v_scales)
     sink_inputs = () if sinks is None else (sinks.astype(jnp.float32),)
+    # The gate's tile is the output's: padded as the output is.
+    gate_inputs = () if output_gate is None else (
+        pad_axis(pad_axis(output_gate, 3, padded_value_dim), 1, q.shape[1]),)
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(sink_inputs)
-                             + len(captured))
+    ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(sink_inputs)) + [
+        pl.BlockSpec((None, block_q, None, padded_value_dim),
+                     lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
+    ] * len(gate_inputs) + [whole] * len(captured)
     row_spec = pl.BlockSpec((None, None, block_q),
                             lambda i, h, b: (b, h, _reverse(i, num_q_tiles)))
     row_shape = jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32)
@@ -284,12 +298,12 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=sharding.typed_like(out_shape, q, k, v, tables, paging, scales,
-                                      sink_inputs, captured),
+                                      sink_inputs, gate_inputs, captured),
         compiler_params=plgpu.CompilerParams(
             num_warps=options.num_warps,
             num_stages=options.num_stages),
         interpret=interpret,
         name="flex_attention_forward_paged" if paged else "flex_attention_forward",
-    )(q, k, v, *tables, *paging, *scales, *sink_inputs, *captured)
+    )(q, k, v, *tables, *paging, *scales, *sink_inputs, *gate_inputs, *captured)
     return (out[:, :q_len, :, :value_dim],) + tuple(row[:, :, :q_len] for row in rows)
 

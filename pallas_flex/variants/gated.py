@@ -2,17 +2,16 @@
 
 Every row of the multiple sequence alignment attends over the residues with the same
 pair bias (from the pair representation, [B, H, S, S]), its own key bias (the padding
-mask as -inf, or any float bias, [B, R, S]), and the output is gated by a sigmoid. Rows
-fold into the batch axis; the biases are score_mod reads of captured arrays (the pair
-bias per element, so the Triton kernels' gathers), so both get gradients, and a key
-mask given as booleans becomes a mask_mod whose BlockMask skips fully masked blocks.
+mask as -inf, or any float bias, [B, R, S]), and the output is gated by a sigmoid
+(`pf.attention`'s output_gate). Rows fold into the batch axis; the biases are score_mod
+reads of captured arrays (the pair bias a block a tile in the Triton kernels), so both
+get gradients, and a key mask given as booleans becomes a mask_mod whose BlockMask
+skips fully masked blocks.
 Column attention is the same call on the transposed MSA.
 """
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 
 from pallas_flex.api import attention
 
@@ -70,8 +69,9 @@ def gated_self_attention(q, k, v, gate, *, pair_bias, key_bias=None, key_mask=No
         def mask_mod(b, h, q_idx, kv_idx):
             return mask_rows[b, kv_idx]
 
+    # The gate joins the forward kernel's epilogue where no one differentiates the call
+    # (`pallas_flex/output_gate.py`).
     out = attention(fold(q), fold(k), fold(v), mask_mod=mask_mod, score_mod=biases,
-                    scale=scale, backend=backend, kernel_options=kernel_options)
-    out = out.reshape(gate.shape).astype(jnp.float32) * jax.nn.sigmoid(
-        gate.astype(jnp.float32))
-    return out.astype(q.dtype)
+                    scale=scale, backend=backend, kernel_options=kernel_options,
+                    output_gate=fold(gate))
+    return out.reshape(gate.shape)
