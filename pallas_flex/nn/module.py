@@ -20,6 +20,7 @@ from flax.nnx.nn.linear import default_kernel_init
 from pallas_flex.api import attention, flex_attention
 from pallas_flex.masks.combinators import and_masks
 from pallas_flex.masks.offset import offset, offset_score
+from pallas_flex.output_gate import gated
 from pallas_flex.paged._validation import checking_arrays, first_true, require
 from pallas_flex.paged.cache import PagedKVCache
 from pallas_flex.paged.flex_attention import paged_flex_attention
@@ -83,6 +84,10 @@ class FlexMultiHeadAttention(nnx.Module):
       score_bias: optional module whose call returns a score_mod (`T5RelativeBias`,
         `LearnableAlibi`); it is applied after the call's `score_mod` and its parameters
         are this layer's.
+      output_gate: gated attention (Qwen3-Next; "Gated Attention for Large Language
+        Models"): a projection `gate` of `inputs_q` to [Hq, head_dim], and each head's
+        output multiplied by its sigmoid before `out` (`pallas_flex.attention`'s
+        output_gate: in the forward kernel's epilogue when not differentiated).
       backend, kernel_options: passed to `pallas_flex.attention` (None: best for the
         device).
       rngs: `nnx.Rngs` for the initializers.
@@ -115,7 +120,8 @@ class FlexMultiHeadAttention(nnx.Module):
                  param_dtype=jnp.float32, kernel_init=default_kernel_init,
                  out_kernel_init=None, bias_init=initializers.zeros_init(),
                  out_bias_init=None, use_bias: bool = True, decode: bool = False,
-                 score_bias: nnx.Module | None = None, backend: str | None = None,
+                 score_bias: nnx.Module | None = None, output_gate: bool = False,
+                 backend: str | None = None,
                  kernel_options: dict[str, Any] | None = None, rngs: nnx.Rngs):
         for name, value in (("num_heads", num_heads), ("in_features", in_features)):
             if not isinstance(value, int) or value < 1:
@@ -162,6 +168,8 @@ class FlexMultiHeadAttention(nnx.Module):
                           kernel_init=out_kernel_init or kernel_init,
                           bias_init=out_bias_init or bias_init)
         self.score_bias = nnx.data(score_bias)
+        self.gate = nnx.data(linear(self.in_features, (num_heads, self.head_dim))
+                             if output_gate else None)
         self.cached_key: nnx.Cache | None = nnx.data(None)
         self.cached_value: nnx.Cache | None = nnx.data(None)
         self.cache_index: nnx.Cache | None = nnx.data(None)
@@ -250,30 +258,33 @@ class FlexMultiHeadAttention(nnx.Module):
         query = self.query(inputs_q)
         key = self.key(inputs_k)
         value = self.value(inputs_v)
+        gate = None if self.gate is None else self.gate(inputs_q)
         if self.score_bias is not None:
             score_mod = _compose_score_mods(score_mod, self.score_bias())
         decode = self.decode if decode is None else decode
         if decode:
             out = self._decode_attention(query, key, value, mask_mod, score_mod, block_mask,
-                                         input_lengths)
+                                         input_lengths, gate)
         else:
             if input_lengths is not None:
                 raise ValueError("input_lengths is only used with decode=True")
-            out = self._attention(query, key, value, mask_mod, score_mod, block_mask)
+            out = self._attention(query, key, value, mask_mod, score_mod, block_mask, gate)
         return self.out(out)
 
-    def _attention(self, query, key, value, mask_mod, score_mod, block_mask):
+    def _attention(self, query, key, value, mask_mod, score_mod, block_mask, gate=None):
         options = dict(backend=self.backend, kernel_options=(
             None if self.kernel_options is None else dict(self.kernel_options)))
         if block_mask is not None:
             if mask_mod is not None:
                 raise ValueError("pass either mask_mod or block_mask, not both (a BlockMask "
                                  "already carries its mask_mod)")
-            return flex_attention(query, key, value, score_mod, block_mask, **options)
-        return attention(query, key, value, mask_mod=mask_mod, score_mod=score_mod, **options)
+            return flex_attention(query, key, value, score_mod, block_mask,
+                                  output_gate=gate, **options)
+        return attention(query, key, value, mask_mod=mask_mod, score_mod=score_mod,
+                         output_gate=gate, **options)
 
     def _decode_attention(self, query, key, value, mask_mod, score_mod, block_mask,
-                          input_lengths):
+                          input_lengths, gate):
         if self.cached_key is None and self.paged_cache is None:
             raise ValueError("decode=True needs a cache: call init_cache(batch_size, "
                              "max_length) or init_paged_cache(...) first")
@@ -294,8 +305,8 @@ class FlexMultiHeadAttention(nnx.Module):
             raise ValueError(f"input_lengths must be an int array of shape [B] = ({batch},), "
                              f"got {input_lengths.dtype} {input_lengths.shape}")
         if self.paged_cache is not None:
-            return self._paged_decode_attention(query, key, value, mask_mod, score_mod,
-                                                input_lengths)
+            return gated(self._paged_decode_attention(query, key, value, mask_mod,
+                                                      score_mod, input_lengths), gate)
         positions = self.cache_index[...]
         self._check_cache_room(positions, input_lengths, new_len)
         keys, values, filled = self._append_to_cache(key, value, positions, input_lengths)
@@ -305,7 +316,7 @@ class FlexMultiHeadAttention(nnx.Module):
         if score_mod is not None:
             score_mod = offset_score(score_mod, positions)
         return self._attention(query.astype(keys.dtype), keys, values, and_masks(*masks),
-                               score_mod, None)
+                               score_mod, None, gate)
 
     def _check_cache_room(self, positions, input_lengths, new_len):
         """Each row's real new tokens must fit in the contiguous cache: a ValueError when

@@ -326,3 +326,55 @@ def test_paged_decoding_out_of_pages_is_a_clear_error():
     layer.init_paged_cache(num_pages=2, page_size=4, batch_size=2, max_pages_per_seq=4)
     with pytest.raises(ValueError, match="page"):
         layer(_inputs(1, length=6), decode=True)
+
+
+@pytest.mark.parametrize("backend", ["xla", "interpret"])
+def test_output_gate_matches_the_layer_written_by_hand(backend):
+    """output_gate=True: a `gate` projection of inputs_q, each head's output times its
+    sigmoid before `out` (Qwen3-Next's gated attention): outputs and every parameter's
+    gradient (the gate's included) against the same layer written in plain JAX."""
+    layer = _build(lambda: FlexMultiHeadAttention(
+        HEADS, FEATURES, num_kv_heads=2, output_gate=True, backend=backend,
+        kernel_options=SMALL_TILES, rngs=nnx.Rngs(3)))
+    head_dim = FEATURES // HEADS
+    assert layer.gate.kernel.shape == (FEATURES, HEADS, head_dim)
+    x = _inputs(9)
+
+    def by_hand(layer, x):
+        out = pf.attention(layer.query(x), layer.key(x), layer.value(x),
+                           mask_mod=pf.masks.causal_mask, backend="reference")
+        return layer.out(out * jax.nn.sigmoid(layer.gate(x)))
+
+    def loss(layer, fn):
+        out = fn(layer, x)
+        return jnp.sum(jnp.sin(out)), out
+
+    ours = nnx.jit(nnx.value_and_grad(lambda layer: loss(
+        layer, lambda layer, x: layer(x, mask_mod=pf.masks.causal_mask)), has_aux=True))
+    theirs = nnx.jit(nnx.value_and_grad(lambda layer: loss(layer, by_hand), has_aux=True))
+    (_, our_out), our_gradients = ours(layer)
+    (_, their_out), their_gradients = theirs(layer)
+    np.testing.assert_allclose(our_out, their_out, atol=2e-5)
+    _assert_trees_close(our_gradients, their_gradients, **GRAD_TOLERANCE)
+    assert float(jnp.max(jnp.abs(our_gradients["gate"]["kernel"][...]))) > 0
+    # Not differentiated, the same output (the gate then in the forward kernel).
+    np.testing.assert_allclose(
+        nnx.jit(lambda layer: layer(x, mask_mod=pf.masks.causal_mask))(layer), their_out,
+        atol=2e-5)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_gated_decoding_equals_full_forward(paged):
+    layer = _build(lambda: FlexMultiHeadAttention(
+        HEADS, FEATURES, num_kv_heads=2, output_gate=True, backend="xla",
+        kernel_options=SMALL_TILES, rngs=nnx.Rngs(4)))
+    x = _inputs(10, length=8)
+    full = nnx.jit(lambda layer: layer(x, mask_mod=DECODE_MASK))(layer)
+    if paged:
+        layer.init_paged_cache(num_pages=8, page_size=4, batch_size=2, max_pages_per_seq=4)
+    else:
+        layer.init_cache(batch_size=2, max_length=8)
+    decode = nnx.jit(lambda layer, inputs: layer(inputs, mask_mod=DECODE_MASK, decode=True))
+    decoded = jnp.concatenate([decode(layer, x[:, :5])] + [
+        decode(layer, x[:, i:i + 1]) for i in range(5, 8)], axis=1)
+    np.testing.assert_allclose(decoded, full, atol=2e-5)
