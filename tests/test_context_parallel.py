@@ -456,6 +456,22 @@ def test_attention_takes_a_context_parallel_option(mesh):
         pf.attention(q, k, v, context_parallel="cp")
 
 
+def test_an_output_gate_gates_each_device_s_queries(mesh):
+    """output_gate with context_parallel: each device's query shard times the sigmoid of
+    its gate shard, equal to the gated call on one device."""
+    q, k, v, gate = _inputs(8)
+    option = pf.ContextParallel("cp", strategy="all_gather")
+    shard = P(None, "cp")
+    gated = jax.jit(jax.shard_map(lambda q, k, v, gate: pf.attention(
+        q, k, v, mask_mod=masks.causal_mask, backend="xla", context_parallel=option,
+        output_gate=gate), mesh=mesh, in_specs=(shard,) * 4, out_specs=shard,
+        check_vma=False))
+    want = pf.attention(q, k, v, mask_mod=masks.causal_mask, backend="xla",
+                        output_gate=gate)
+    np.testing.assert_allclose(np.asarray(gated(q, k, v, gate)), np.asarray(want),
+                               atol=1e-5, rtol=1e-5)
+
+
 def test_a_training_step_on_the_mesh_equals_one_device(mesh):
     """The README's context-parallel training step: projections of a zig-zag sharded
     sequence, causal attention over the ring, mean squared error; the mean over devices of

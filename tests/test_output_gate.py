@@ -146,6 +146,22 @@ def test_calls_that_gate_after_their_kernel(case):
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, atol=atol, rtol=atol)
 
 
+def test_the_row_max_is_the_ungated_softmax_s():
+    """return_aux with a gate: out gated in the kernel, lse and max_scores those of the
+    ungated softmax."""
+    q, k, v = random_qkv(11, 1, 100, 100, 2, 2, 32, 32, jnp.float32)
+    gate = _gate(12, q, v)
+    request = pf.AuxRequest(lse=True, max_scores=True)
+    out, aux = pf.attention(q, k, v, mask_mod=masks.causal_mask, output_gate=gate,
+                            return_aux=request, backend="interpret")
+    plain, plain_aux = pf.attention(q, k, v, mask_mod=masks.causal_mask, return_aux=request,
+                                    backend="interpret")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(plain * jax.nn.sigmoid(gate)),
+                               atol=1e-6, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(aux.lse), np.asarray(plain_aux.lse))
+    np.testing.assert_array_equal(np.asarray(aux.max_scores), np.asarray(plain_aux.max_scores))
+
+
 def test_bad_gates_are_refused():
     q, k, v = random_qkv(9, 1, 16, 16, 2, 2, 16, 8, jnp.float32)
     with pytest.raises(ValueError, match=r"output_gate must have the output's shape"):
