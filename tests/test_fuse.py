@@ -5,6 +5,7 @@ function), and explain_fuse says what was fused and why not."""
 from __future__ import annotations
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -567,3 +568,54 @@ def test_a_linen_model_scanning_remat_layers(calls):
     assert len(calls) == 1
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-4, rtol=2e-4)
+
+
+def test_an_output_gate_joins_the_call(calls):
+    """AlphaFold's gated self-attention as written (MSA rows, a pair bias broadcast over
+    them, `weighted_avg * jax.nn.sigmoid(gate)` after the einsum's transpose): the
+    multiply becomes the call's output_gate, applied in the forward kernel's epilogue;
+    outputs and gradients (the gate's and the bias's included) as the written code's."""
+    rows, residues, heads, channels = 3, 40, 2, 16
+    keys = jax.random.split(jax.random.key(11), 5)
+    q, k, v, gate = (jax.random.normal(key, (1, rows, residues, heads, channels))
+                     for key in keys[:4])
+    pair_bias = jax.random.normal(keys[4], (1, heads, residues, residues))
+
+    def gated(q, k, v, gate, pair_bias):
+        logits = jnp.einsum("brqhc,brkhc->brhqk", q, k) / np.sqrt(channels)
+        weights = jax.nn.softmax(logits + pair_bias[:, None], axis=-1)
+        weighted_avg = jnp.einsum("brhqk,brkhc->brqhc", weights, v)
+        return weighted_avg * jax.nn.sigmoid(gate)
+    args = (q, k, v, gate, pair_bias)
+    _check(gated, args, calls, argnums=(0, 1, 2, 3, 4), backend="interpret")
+    assert calls[-1]["output_gate"] is not None
+    assert "output gate" in pf.explain_fuse(gated, *args)
+    # Not differentiated, the sigmoid runs inside the kernel and nowhere else.
+    sites = []
+
+    def walk(jaxpr, inside=False):
+        for equation in jaxpr.eqns:
+            if equation.primitive.name == "logistic":
+                sites.append(inside)
+            for sub in jax.extend.core.jaxprs_in_params(equation.params):
+                walk(sub, inside or equation.primitive.name == "pallas_call")
+    walk(jax.make_jaxpr(pf.fuse(gated, backend="interpret"))(*args).jaxpr)
+    assert sites == [True]
+
+
+def test_a_gate_the_call_cannot_take_stays_as_written(calls):
+    """A sigmoid broadcast over the heads (not the output's shape), and an output used
+    beside its gated product: the attention is fused, the multiply runs as written."""
+    q, k, v, gate = _inputs(12)
+
+    def broadcast_gate(q, k, v, gate):
+        return _attend(q, k, v, lambda s: s) * jax.nn.sigmoid(gate[:, :, :1])
+
+    def used_twice(q, k, v, gate):
+        out = _attend(q, k, v, lambda s: s)
+        return out * jax.nn.sigmoid(gate) + out
+    for fn in (broadcast_gate, used_twice):
+        _check(fn, (q, k, v, gate), calls, argnums=(0, 1, 2, 3),
+               expected_calls=len(calls) + 1)
+        assert calls[-1]["output_gate"] is None
+        assert "output gate" not in pf.explain_fuse(fn, q, k, v, gate)

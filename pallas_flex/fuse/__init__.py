@@ -6,7 +6,8 @@
 the mask_mod (so its BlockMask skips empty blocks), the other elementwise ops the
 score_mod, evaluated at scalar (b, h, q_idx, kv_idx) by the graph's own primitives;
 arrays they read (a bias tensor, ALiBi slopes, lengths) become captured arrays, with
-their gradients. Everything else runs as written. `pf.explain_fuse(fn, *args)` says, per
+their gradients; a multiply of the output by `sigmoid(gate)` becomes the call's
+output_gate. Everything else runs as written. `pf.explain_fuse(fn, *args)` says, per
 softmax found, what was fused and, if not, why.
 
 Semantics kept: outputs and gradients of the written code, up to rounding (the kernels
@@ -102,15 +103,23 @@ def _plan(graph, options, where=""):
         if inner_replacements.calls:
             replacements.calls[node] = functools.partial(
                 run, node=node, graphs=graphs, replacements=inner_replacements)
-    producers = graph.producers()
+    producers, consumers = graph.producers(), graph.consumers()
     for finding in findings:
         attention = finding.attention
         if attention is None:
             continue
-        replacements.calls[attention.pv] = functools.partial(
+        # A multiply by sigmoid(gate) after the product joins the call: it then
+        # replaces the multiply, and the product and any cast between are skipped.
+        attention.gate = match.output_gate(attention, graph, consumers)
+        gate = attention.gate
+        last = attention.pv if gate is None else gate.multiply
+        replacements.calls[last] = functools.partial(
             _fused, attention=attention, options=options, producers=producers,
             finding=finding)
-        replacements.skipped |= attention.nodes - {attention.pv}
+        replacements.skipped |= attention.nodes - {last}
+        if gate is not None:
+            replacements.skipped |= {attention.pv, *gate.layout} | (
+                {gate.sigmoid} if gate.sigmoid is not None else set())
     return findings, replacements
 
 
@@ -236,6 +245,8 @@ def _describe(findings):
         if attention.kv_repeat > 1:
             parts.append(f"k, v read before their {attention.kv_repeat}-fold jnp.repeat "
                          "of heads (native GQA)")
+        if attention.gate is not None:
+            parts.append("output gate sigmoid(g) in the kernel's epilogue")
         if attention.masks_saturate:
             parts.append("finite mask constant: fully masked rows give zeros, not a "
                          "uniform average")

@@ -57,6 +57,9 @@ class Attention:
     # k and v read from under a `jnp.repeat` of their heads by this factor (set by
     # `rewrite.build`): the call takes them with native GQA. 1 where they are not.
     kv_repeat: int = 1
+    # The product's output times sigmoid(gate) (`output_gate`), its only use: the call
+    # then ends at that multiply.
+    gate: "OutputGate | None" = None
 
     @property
     def has_score_mod(self) -> bool:
@@ -486,3 +489,48 @@ def _strip_masks(logits, roles, producers):
         else:
             break
     return value, predicates, saturating
+
+
+@dataclasses.dataclass
+class OutputGate:
+    """A multiply by sigmoid(gate) after an attention's p.v product (`output_gate`)."""
+
+    multiply: Node
+    gate: Value | Const
+    layout: list  # the casts, transposes, reshapes between the product and the multiply
+    sigmoid: Node | None  # the sigmoid, where only the multiply reads it (else None)
+
+
+def output_gate(attention, graph, consumers=None):
+    """The `OutputGate` if the p.v product's only use is a multiply by `sigmoid(gate)` of
+    the same shape, through casts, transposes and reshapes (an einsum's output
+    transpose; AlphaFold's `weighted_avg * jax.nn.sigmoid(gate)`): the fused call then
+    takes the gate in its forward kernel's epilogue (`pf.attention`'s output_gate).
+    Else None."""
+    consumers = graph.consumers() if consumers is None else consumers
+    outputs = {x for x in graph.outputs if isinstance(x, Value)}
+    value, layout = attention.pv.outputs[0], []
+    while True:
+        users = consumers.get(value, [])
+        if value in outputs or len(users) != 1:
+            return None
+        node = users[0]
+        if node.name not in _GATE_PASSES or node.inputs[0] is not value:
+            break
+        layout.append(node)
+        value = node.outputs[0]
+    if node.name != "mul" or len(node.inputs) != 2:
+        return None
+    other = node.inputs[1 - node.inputs.index(value)]
+    producers = graph.producers()
+    sigmoid = producers.get(other) if isinstance(other, Value) else None
+    if (sigmoid is None or sigmoid.name != "logistic"
+            or tuple(other.shape) != tuple(value.shape)
+            or tuple(node.outputs[0].shape) != tuple(value.shape)):
+        return None
+    return OutputGate(node, sigmoid.inputs[0], layout,
+                      sigmoid if consumers.get(other) == [node] else None)
+
+
+# Layout ops between a product and its gate's multiply (`output_gate`).
+_GATE_PASSES = ("convert_element_type", "transpose", "reshape")

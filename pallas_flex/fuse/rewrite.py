@@ -102,22 +102,55 @@ def build(attention, read, options, producers):
         raise Unsupported(f"q, k, v dtypes {q.dtype}, {k.dtype}, {v.dtype}: pallas_flex "
                           "takes one of float32, bfloat16, float16 for all three")
 
-    mods = _Mods(attention, read, batch_sizes, group, producers)
-    out = pf_attention(q, k, v, mask_mod=mods.mask_mod(), score_mod=mods.score_mod(),
-                       scale=attention.scale, **options)
-    # [B, Sq, H, Dv] -> (batch..., [group], Sq, Dv) -> the p.v product's own layout.
-    out = jnp.swapaxes(out, 1, 2).reshape(tuple(batch_sizes) + ((group,) if group else ())
-                                          + out.shape[1:2] + out.shape[3:])
+    # [B, Sq, H, Dv] <-> (batch..., [group], Sq, Dv) <-> the p.v product's own layout.
     result = pv.outputs[0]
-    target = _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch)
+    canonical_shape = (tuple(batch_sizes) + ((group,) if group else ())
+                       + (q.shape[1], v.shape[3]))
     canonical = ([("b", i) for i in range(len(batch_sizes))] +
                  ([("g", 0)] if group else []) + ["q", "dv"])
+    target = _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch)
     # Size-1 dims dropped on both sides (the target may not know their roles), the
     # final reshape puts them back where the product has them.
-    long = [r for r, size in zip(canonical, out.shape) if size != 1]
-    out = out.reshape([size for size in out.shape if size != 1])
-    out = jnp.transpose(out, [long.index(r) for r in target if r in long])
-    return [out.reshape(result.shape).astype(result.dtype)]
+    long = [r for r, size in zip(canonical, canonical_shape) if size != 1]
+    squeezed = [size for size in canonical_shape if size != 1]
+    permutation = [long.index(r) for r in target if r in long]
+
+    def to_product_layout(out):
+        out = jnp.swapaxes(out, 1, 2).reshape(canonical_shape)
+        return jnp.transpose(out.reshape(squeezed), permutation).reshape(result.shape)
+
+    def from_product_layout(x):
+        x = x.reshape([squeezed[p] for p in permutation])
+        x = jnp.transpose(x, [permutation.index(d) for d in range(len(permutation))])
+        x = x.reshape(canonical_shape).reshape((batch, q_heads) + canonical_shape[-2:])
+        return jnp.swapaxes(x, 1, 2)
+
+    gate, passed = None, ()
+    if attention.gate is not None:  # the multiply's gate, in the output's layout
+        passed = attention.gate.layout
+        gate = read(attention.gate.gate)
+        for node in passed[::-1]:  # back through the layout ops after the product
+            gate = _undo_layout(node, gate)
+        gate = from_product_layout(gate)
+    mods = _Mods(attention, read, batch_sizes, group, producers)
+    out = to_product_layout(pf_attention(
+        q, k, v, mask_mod=mods.mask_mod(), score_mod=mods.score_mod(),
+        scale=attention.scale, output_gate=gate, **options)).astype(result.dtype)
+    for node in passed:  # the product's layout ops, as written
+        out = bind(node, [out])[0]
+    final = result if attention.gate is None else attention.gate.multiply.outputs[0]
+    return [out.astype(final.dtype)]
+
+
+def _undo_layout(node, x):
+    """x in the layout of `node`'s input, given it in the layout of its output (a
+    transpose, reshape or cast after the p.v product)."""
+    if node.name == "transpose":
+        permutation = list(node.params["permutation"])
+        return jnp.transpose(x, [permutation.index(d) for d in range(len(permutation))])
+    if node.name == "reshape":
+        return x.reshape(node.inputs[0].shape)
+    return x  # a cast: the gate keeps its own dtype
 
 
 # Between a repeat and the product: ops that commute with it, re-bound on the source.
