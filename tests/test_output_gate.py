@@ -168,6 +168,27 @@ def test_the_row_max_is_the_ungated_softmax_s():
     np.testing.assert_array_equal(np.asarray(aux.max_scores), np.asarray(plain_aux.max_scores))
 
 
+def test_under_vmap():
+    """vmapped with q, k, v, gate, and with the gate alone (the kernel's grid takes the
+    vmapped axis; the gate's tile follows its output's)."""
+    q, k, v = (x[:, None] for x in random_qkv(13, 3, 64, 64, 2, 2, 16, 16, jnp.float32))
+    gate = jnp.stack([_gate(14 + i, q[0], v[0]) for i in range(3)])
+
+    def gated(q, k, v, gate):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask, output_gate=gate,
+                            backend="interpret")
+
+    def plain(i, j):
+        return pf.attention(q[i], k[i], v[i], mask_mod=masks.causal_mask,
+                            backend="reference") * jax.nn.sigmoid(gate[j])
+    np.testing.assert_allclose(np.asarray(jax.vmap(gated)(q, k, v, gate)),
+                               np.asarray(jnp.stack([plain(i, i) for i in range(3)])),
+                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.vmap(gated, in_axes=(None, None, None, 0))(q[0], k[0], v[0], gate)),
+        np.asarray(jnp.stack([plain(0, j) for j in range(3)])), atol=1e-5, rtol=1e-5)
+
+
 def test_bad_gates_are_refused():
     q, k, v = random_qkv(9, 1, 16, 16, 2, 2, 16, 8, jnp.float32)
     with pytest.raises(ValueError, match=r"output_gate must have the output's shape"):
