@@ -10,6 +10,7 @@ import sys
 import nbformat
 import pytest
 from ipykernel.kernelspec import install as install_kernelspec
+from jupyter_client.manager import AsyncKernelManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
@@ -55,9 +56,14 @@ def test_every_notebook_runs_top_to_bottom(tmp_path, monkeypatch):
         # First, the kernel's own interpreter: it must be the one running these tests.
         notebook.cells.insert(0, nbformat.v4.new_code_cell(
             "import sys; print(sys.executable)"))
-    clients = [NotebookClient(notebook, kernel_name="python3", timeout=CELL_TIMEOUT_S,
+    # Each kernel talks over Unix sockets of its own (IPC transport, one path prefix a
+    # kernel): TCP ports picked at random for kernels starting side by side collided
+    # once in CI ("Address already in use", the kernel died before replying).
+    clients = [NotebookClient(notebook, timeout=CELL_TIMEOUT_S,
+                              km=AsyncKernelManager(kernel_name="python3", transport="ipc",
+                                                    ip=str(tmp_path / f"kernel-{index}")),
                               resources={"metadata": {"path": str(NOTEBOOKS)}})
-               for notebook in notebooks.values()]
+               for index, notebook in enumerate(notebooks.values())]
     results = asyncio.run(_execute_all(clients))
 
     failures = {name: result for name, result in zip(notebooks, results)
