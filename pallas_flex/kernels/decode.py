@@ -35,7 +35,8 @@ from pallas_flex.kernels.block_walk import walk_listed_tile_range
 from pallas_flex.kernels.config import KernelOptions, planned_shared_memory
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import (
-    as_int8_bits, first_scale, load_rows, page_table_row, paged_tile_view, quantized_tiles)
+    as_int8_bits, first_scale, load_rows, page_table_row, paged_tile_view, quantized_tiles,
+    shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 from pallas_flex.kernels.tile_mods import (
     apply_mask_on_tile, apply_score_on_tile, captured_inputs, split_captured_refs)
@@ -108,8 +109,7 @@ def _decode_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
         q_chunks = [(c.astype(jnp.float32) / query_factor).astype(jnp.float16)
                     for c in q_chunks]
         matmul_dtype = jnp.float16
-    # float16 P.v over 8-bit values: its scales relative to a power of two a tile
-    value_shift = bool(quantized) and jnp.dtype(matmul_dtype) == jnp.dtype(jnp.float16)
+    value_shift = shifts_values(quantized, matmul_dtype)
     kv_length = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
     def load_tile(ref, tile_start, valid, column_start, width):

@@ -25,7 +25,7 @@ from pallas_flex.kernels import online_softmax, shared_memory
 from pallas_flex.kernels.block_walk import walk_listed_tiles
 from pallas_flex.kernels.config import KernelOptions, paged_forward_stages, planned_shared_memory
 from pallas_flex.kernels.kv_tiles import (
-    as_int8_bits, load_rows, page_table_row, paged_tile_view, quantized_tiles)
+    as_int8_bits, load_rows, page_table_row, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, padded_head_dim, round_up
 from pallas_flex.kernels.tile_mods import (
     TileFrame, apply_mask_on_tile, apply_score_on_tile, padded_for_blocks, split_captured_refs)
@@ -151,7 +151,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, kv_num_blocks_ref, kv_indices_ref,
     else:
         state = online_softmax.initial_state_chunks(
             block_q, [w for _, w in value_chunks],
-            value_shift=bool(quantized) and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.float16))
+            value_shift=shifts_values(quantized, q_ref.dtype))
     state = walk(full_kv_num_blocks_ref, full_kv_indices_ref, state, masked=False)
     state = walk(kv_num_blocks_ref, kv_indices_ref, state, masked=True)
     # The sink in the running max's units: base-2 logits (the scale is in the scores).
@@ -277,18 +277,17 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
 
     num_q_tiles = padded_q_len // block_q
     whole = pl.no_block_spec
+    # The output's [block_q, Dv] tile, and the output gate's.
+    output_spec = pl.BlockSpec((None, block_q, None, padded_value_dim),
+                               lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0))
     in_specs = [
         pl.BlockSpec((None, block_q, None, padded_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
     ] + kv_specs + [whole] * (len(tables) + len(paging) + len(scales) + len(sink_inputs)) + [
-        pl.BlockSpec((None, block_q, None, padded_value_dim),
-                     lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-    ] * len(gate_inputs) + [whole] * len(captured)
+        output_spec] * len(gate_inputs) + [whole] * len(captured)
     row_spec = pl.BlockSpec((None, None, block_q),
                             lambda i, h, b: (b, h, _reverse(i, num_q_tiles)))
     row_shape = jax.ShapeDtypeStruct((batch, q_heads, padded_q_len), jnp.float32)
-    out_specs = [
-        pl.BlockSpec((None, block_q, None, padded_value_dim), lambda i, h, b: (b, _reverse(i, num_q_tiles), h, 0)),
-    ] + [row_spec] * (2 if with_max else 1)
+    out_specs = [output_spec] + [row_spec] * (2 if with_max else 1)
     out_shape = [
         jax.ShapeDtypeStruct((batch, padded_q_len, q_heads, padded_value_dim), out_dtype),
     ] + [row_shape] * (2 if with_max else 1)

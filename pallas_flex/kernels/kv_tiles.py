@@ -73,6 +73,14 @@ def load_rows(view, valid_rows):
     return plgpu.load(view, mask=jnp.broadcast_to(valid_rows, view.shape), other=0)
 
 
+def shifts_values(quantized, matmul_dtype) -> bool:
+    """Whether P.v over a quantized cache's values runs in float16, whose subnormals would
+    swallow P's columns times small value scales: the kernels then keep the scales
+    relative to a power of two a tile (`online_softmax.initial_state_chunks`'
+    value_shift)."""
+    return bool(quantized) and jnp.dtype(matmul_dtype) == jnp.dtype(jnp.float16)
+
+
 def as_int8_bits(k, v, scales):
     """(k, v, quantized) as the kernels take K/V: with scales (an 8-bit cache's pages or
     contiguous K/V), int8 as it is and float8 as int8 of the same bits (a bitcast: no

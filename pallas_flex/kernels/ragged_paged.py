@@ -38,7 +38,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_flex import sharding
 from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import (
-    as_int8_bits, load_rows, paged_tile_view, quantized_tiles)
+    as_int8_bits, load_rows, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
@@ -153,7 +153,7 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
     high = jnp.minimum(num_tiles, low + per_split)
     state = online_softmax.initial_state_chunks(
         rows, [w for _, w in value_chunks],
-        value_shift=bool(quantized) and jnp.dtype(q_ref.dtype) == jnp.dtype(jnp.float16))
+        value_shift=shifts_values(quantized, q_ref.dtype))
     state = lax.fori_loop(low, high, visit, state)
     outs, lse = online_softmax.finalize_chunks(state)
     # With splits the outputs carry a split axis after the token axis: [T, splits, ...].
