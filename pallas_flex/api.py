@@ -19,7 +19,7 @@ from pallas_flex.kernels.config import resolve_options
 from pallas_flex.kernels.reference import reference_attention
 from pallas_flex.masks.block_mask import BlockMask, create_block_mask, noop_block_mask
 from pallas_flex.masks.mod_program import MASK, SCORE, make_mod_program
-from pallas_flex.output_gate import check_output_gate, gate_gradients, gated
+from pallas_flex.output_gate import check_output_gate, gate_gradients, gated, gated_result
 from pallas_flex.sinks import check_sinks, sink_gradient
 
 BACKENDS = ("pallas", "interpret", "xla", "reference")
@@ -302,7 +302,6 @@ def _fused_attention_backward(config, with_max, residuals, cotangents):
     d_gate = None
     if gate is not None:  # d_out was the gated output's: the ungated one's from it
         d_out, d_gate = gate_gradients(out, gate, d_out, extras_wanted.flags[1])
-        d_gate = jnp.zeros_like(gate) if d_gate is None else d_gate
     # With sinks, out and lse are those of the softmax the sinks take part in: the
     # kernels' backward is the same (a sink is a key with no value), and the sinks'
     # own gradient comes from the lse and the rows' delta (`sinks.sink_gradient`).
@@ -519,16 +518,6 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
                                     check_output_gate(output_gate, q, v), config=config,
                                     with_max=with_max)
     return call_results(out, lse, row_max, return_lse, return_aux)
-
-
-def gated_result(result, gate):
-    """A call's result (out, or a tuple starting with it) with out times sigmoid(gate),
-    for the paths that run no forward kernel of their own here (gate None: as given)."""
-    if gate is None:
-        return result
-    if isinstance(result, tuple):
-        return (gated(result[0], gate), *result[1:])
-    return gated(result, gate)
 
 
 def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):

@@ -46,13 +46,21 @@ def gated(out, gate):
         out.dtype)
 
 
+def gated_result(result, gate):
+    """A call's result (out, or a tuple starting with it) with out gated (`gated`): for
+    the entry points whose path runs no forward kernel of `pallas_flex.api`'s."""
+    if gate is None or not isinstance(result, tuple):
+        return gated(result, gate)
+    return (gated(result[0], gate), *result[1:])
+
+
 def gate_gradients(out, gate, d_y, gate_wanted: bool):
-    """(d_out in d_y's dtype, d_gate in gate's or None) of y = out * sigmoid(gate) given
-    the ungated output `out` and y's cotangent d_y."""
+    """(d_out in d_y's dtype, d_gate in gate's: zeros where not `gate_wanted`) of
+    y = out * sigmoid(gate) given the ungated output `out` and y's cotangent d_y."""
     sigmoid = jax.nn.sigmoid(gate.astype(jnp.float32))
     d_y32 = d_y.astype(jnp.float32)
     d_out = (d_y32 * sigmoid).astype(d_y.dtype)
     if not gate_wanted:
-        return d_out, None
+        return d_out, jnp.zeros_like(gate)
     d_gate = d_y32 * out.astype(jnp.float32) * sigmoid * (1.0 - sigmoid)
     return d_out, d_gate.astype(gate.dtype)

@@ -110,7 +110,7 @@ def _plan(graph, options, where=""):
             continue
         # A multiply by sigmoid(gate) after the product joins the call: it then
         # replaces the multiply, and the product and any cast between are skipped.
-        attention.gate = match.output_gate(attention, graph, consumers)
+        attention.gate = match.output_gate(attention, graph, producers, consumers)
         gate = attention.gate
         last = attention.pv if gate is None else gate.multiply
         replacements.calls[last] = functools.partial(

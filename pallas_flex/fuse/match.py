@@ -501,13 +501,12 @@ class OutputGate:
     sigmoid: Node | None  # the sigmoid, where only the multiply reads it (else None)
 
 
-def output_gate(attention, graph, consumers=None):
+def output_gate(attention, graph, producers, consumers):
     """The `OutputGate` if the p.v product's only use is a multiply by `sigmoid(gate)` of
     the same shape, through casts, transposes and reshapes (an einsum's output
     transpose; AlphaFold's `weighted_avg * jax.nn.sigmoid(gate)`): the fused call then
     takes the gate in its forward kernel's epilogue (`pf.attention`'s output_gate).
-    Else None."""
-    consumers = graph.consumers() if consumers is None else consumers
+    Else None. producers, consumers: the graph's (`Graph.producers`, `.consumers`)."""
     outputs = {x for x in graph.outputs if isinstance(x, Value)}
     value, layout = attention.pv.outputs[0], []
     while True:
@@ -522,7 +521,6 @@ def output_gate(attention, graph, consumers=None):
     if node.name != "mul" or len(node.inputs) != 2:
         return None
     other = node.inputs[1 - node.inputs.index(value)]
-    producers = graph.producers()
     sigmoid = producers.get(other) if isinstance(other, Value) else None
     if (sigmoid is None or sigmoid.name != "logistic"
             or tuple(other.shape) != tuple(value.shape)

@@ -120,10 +120,9 @@ def build(attention, read, options, producers):
         return jnp.transpose(out.reshape(squeezed), permutation).reshape(result.shape)
 
     def from_product_layout(x):
-        x = x.reshape([squeezed[p] for p in permutation])
-        x = jnp.transpose(x, [permutation.index(d) for d in range(len(permutation))])
-        x = x.reshape(canonical_shape).reshape((batch, q_heads) + canonical_shape[-2:])
-        return jnp.swapaxes(x, 1, 2)
+        x = jnp.transpose(x.reshape([squeezed[p] for p in permutation]),
+                          _inverse(permutation))
+        return jnp.swapaxes(x.reshape((batch, q_heads) + canonical_shape[-2:]), 1, 2)
 
     gate, passed = None, ()
     if attention.gate is not None:  # the multiply's gate, in the output's layout
@@ -146,11 +145,15 @@ def _undo_layout(node, x):
     """x in the layout of `node`'s input, given it in the layout of its output (a
     transpose, reshape or cast after the p.v product)."""
     if node.name == "transpose":
-        permutation = list(node.params["permutation"])
-        return jnp.transpose(x, [permutation.index(d) for d in range(len(permutation))])
+        return jnp.transpose(x, _inverse(node.params["permutation"]))
     if node.name == "reshape":
         return x.reshape(node.inputs[0].shape)
     return x  # a cast: the gate keeps its own dtype
+
+
+def _inverse(permutation):
+    """The permutation that undoes `jnp.transpose(x, permutation)`."""
+    return [list(permutation).index(d) for d in range(len(permutation))]
 
 
 # Between a repeat and the product: ops that commute with it, re-bound on the source.

@@ -12,7 +12,6 @@ Column attention is the same call on the transposed MSA.
 
 from __future__ import annotations
 
-
 from pallas_flex.api import attention
 
 
