@@ -233,9 +233,9 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     their normalization and the decode kernel's output takes in a pass of its own).
     row_sums_of (the Mosaic forward only): then per position one row sum more
     (`forward_mosaic.flex_attention_forward_mosaic`). output_gate (None or [B, Sq, Hq,
-    Dv]): the output times its sigmoid, in the Triton forward's epilogue on contiguous
-    K/V, after the kernel elsewhere (`pallas_flex/output_gate.py`)."""
-    if output_gate is not None and (choice.kernel != "triton_forward"
+    Dv]): the output times its sigmoid, in the Triton and Mosaic forwards' epilogues on
+    contiguous K/V, after the kernel elsewhere (`pallas_flex/output_gate.py`)."""
+    if output_gate is not None and (choice.kernel not in ("triton_forward", "mosaic_forward")
                                     or page_table is not None):
         out, *rest = run_forward(
             choice, q, k, v, block_mask, score_program, scale=scale, options=options,
@@ -280,7 +280,7 @@ def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: fl
     if choice.kernel == "mosaic_forward":
         return forward_mosaic.flex_attention_forward_mosaic(
             q, k, v, block_mask, score_program, scale=scale, interpret=interpret,
-            with_max=with_max, sinks=sinks, row_sums_of=row_sums_of,
+            with_max=with_max, sinks=sinks, row_sums_of=row_sums_of, output_gate=output_gate,
             items_per_program=_mosaic_items_per_program(q, block_mask, options,
                                                         page_table is not None), **paging)
     return flex_attention_forward(q, k, v, block_mask, score_program, scale=scale,

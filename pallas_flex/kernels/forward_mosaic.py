@@ -132,7 +132,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             partial_indices_ref, *refs, mask_program, score_program, scale, group,
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
-            with_max=False, with_sinks=False, fixed_max=None, parts_per_block=1,
+            with_max=False, with_sinks=False, with_gate=False, fixed_max=None,
+            parts_per_block=1,
             row_sum_sites=0, mod_program=None):
     """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). row_sum_sites:
@@ -143,6 +144,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     are pages [num_pages, Hkv, page_size, D], read through a page table [B, max_pages]
     and per-row lengths [B] (the refs after the BlockMask tables). with_sinks: a float32
     ref [Hq] of sink logits (natural units) follows (after the paging refs).
+    with_gate: then an output gate [B, Sq, Hq, D] in the inputs' dtype: each warpgroup
+    copies its tile into its output staging buffer once its walk is done (its own
+    barrier, the last of the scratch barriers) and multiplies the output by its sigmoid
+    (`pallas_flex/output_gate.py`).
     parts_per_block: K/V tiles a BlockMask block is walked in (`_PARTS_PER_BLOCK`); a
     block's tiles take consecutive slots.
 
@@ -156,6 +161,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         page_table_ref, lengths_ref, *refs = refs
     if with_sinks:
         sinks_ref, *refs = refs
+    if with_gate:
+        gate_ref, *refs = refs
     mask_refs, score_refs, (out_ref, lse_ref, *row_refs, scratch) = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     max_ref, sum_refs = row_refs[:with_max], row_refs[with_max:]
@@ -167,7 +174,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     sum_smem2 = extra_smem[with_max:with_max + row_sum_sites]
     o_smem2 = extra_smem[-1] if persistent else None
     policy_program = score_program if mod_program is None else mod_program
-    (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier) = barriers
+    (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier,
+     *gate_barriers) = barriers
     head_dim = q_ref.shape[3]
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
@@ -415,6 +423,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         if persistent:  # q_smem is free: the next item's queries load under the epilogue
             pl.when(local + 1 < num_local_items)(lambda: load_queries(local + 1))
 
+        if with_gate:
+            # The gate's tile lands in the output's staging buffer (free: a persistent
+            # program's previous output has left it once its stores are read; else it
+            # is q_smem, which the walk's last q.k has read) while the row is normalized.
+            if persistent:
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            plgpu.copy_gmem_to_smem(
+                gate_ref.at[batch, pl.ds(q_start, ROWS_PER_WARPGROUP), head], o_smem,
+                gate_barriers[0].at[warpgroup])
         normalizing_max, correction = running_max, None
         if with_sinks:
             # The sink is one more logit of the row, which the scores here leave the row
@@ -433,8 +450,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         lse = (safe_max + jnp.log2(jnp.where(has_mass, running_sum, 1.0))) * online_softmax.LN_2
         if row_term is not None:
             lse = lse + row_term
-        if persistent:  # the previous item's output has left the staging buffers
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        if persistent and not with_gate:  # the previous item's output has left the
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # staging buffers
+        if with_gate:  # (its copy was issued before the normalization above)
+            plgpu.barrier_wait(gate_barriers[0].at[warpgroup])
+            out = out * jax.nn.sigmoid(o_smem[...].astype(jnp.float32))
         lse_smem[...] = jnp.where(has_mass, lse, -jnp.inf)
         if with_max:  # the running max, in the exponent's base-2 units, plus the row term
             row_max = running_max * online_softmax.LN_2
@@ -705,7 +725,8 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program, num_it
 def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: float,
                                   interpret: bool, num_stages: int = 0, page_table=None,
                                   lengths=None, with_max: bool = False, sinks=None,
-                                  items_per_program: int = 1, row_sums_of=()):
+                                  items_per_program: int = 1, row_sums_of=(),
+                                  output_gate=None):
     """out [B, Sq, Hq, D] and lse [B, Hq, Sq] (float32), and with_max the row max of the
     logits [B, Hq, Sq], as `forward.flex_attention_forward` (also on a paged cache:
     page_table given, k / v pages; and with sinks [Hq]); only for calls
@@ -717,20 +738,23 @@ def flex_attention_forward_mosaic(q, k, v, block_mask, score_program, *, scale: 
     output, each row's sum over its keys of P g, P the softmax's probabilities (sinks
     included) and g the score's derivative with respect to the value read (0 on rows
     without keys). The fused Mosaic backward takes a captured array's gradient from
-    them (`captured_gradients_mosaic.pair_gradients`)."""
+    them (`captured_gradients_mosaic.pair_gradients`). output_gate: None or [B, Sq, Hq, D]:
+    the output times its sigmoid, in the kernel's epilogue (the gate read in q's dtype)."""
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
               block_mask.kv_num_blocks, block_mask.kv_indices)
     paging = (() if page_table is None
               else (page_table.astype(jnp.int32), lengths.astype(jnp.int32)))
     if sinks is not None:
         sinks = sinks.astype(jnp.float32)
+    if output_gate is not None:
+        output_gate = output_gate.astype(q.dtype)
     launch = functools.partial(_launch, num_blocks=block_mask.num_blocks,
                                kv_len=block_mask.shape[3], scale=scale, interpret=interpret,
                                num_stages=num_stages, with_max=with_max,
                                items_per_program=items_per_program,
                                row_sums_of=tuple(row_sums_of))
     return _vmappable(launch)(q, k, v, tables, paging, block_mask.mask_mod, score_program,
-                              sinks)
+                              sinks, output_gate)
 
 
 def _vmappable(launch):
@@ -743,16 +767,16 @@ def _vmappable(launch):
     """
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, tables, paging, mask_program, score_program, sinks):
-        return launch(q, k, v, tables, paging, mask_program, score_program, sinks)
+    def run(q, k, v, tables, paging, mask_program, score_program, sinks, gate):
+        return launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate)
 
     @run.def_vmap
     def rule(axis_size, in_batched, q, k, v, tables, paging, mask_program, score_program,
-             sinks):
-        args = (q, k, v, tables, paging, mask_program, score_program, sinks)
+             sinks, gate):
+        args = (q, k, v, tables, paging, mask_program, score_program, sinks, gate)
         # Pages have no batch axis to fold into: paged calls map. Sinks [Hq] fold along
-        # with q, k, v where they are not vmapped.
-        only_qkv = not paging and not any(jax.tree.leaves(in_batched[3:]))
+        # with q, k, v where they are not vmapped, an output gate as q does.
+        only_qkv = not paging and not any(jax.tree.leaves(in_batched[3:8]))
         reads_batch = mask_program.uses_batch or (score_program is not None
                                                   and score_program.uses_batch)
         batch = q.shape[1] if in_batched[0] else q.shape[0]  # vmapped axes come first
@@ -763,7 +787,11 @@ def _vmappable(launch):
             tables = tuple(t if t.shape[0] == 1
                            else jnp.tile(t, (axis_size,) + (1,) * (t.ndim - 1))
                            for t in tables)
-            results = run(*merged, tables, paging, mask_program, score_program, sinks)
+            if gate is not None:
+                gate = gate if in_batched[8] else jnp.broadcast_to(gate, (axis_size,)
+                                                                   + gate.shape)
+                gate = gate.reshape((axis_size * batch,) + gate.shape[2:])
+            results = run(*merged, tables, paging, mask_program, score_program, sinks, gate)
             return (tuple(x.reshape((axis_size, batch) + x.shape[1:]) for x in results),
                     tuple(True for _ in results))
 
@@ -772,12 +800,13 @@ def _vmappable(launch):
     return run
 
 
-def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_blocks,
+def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *,
+            num_blocks,
             kv_len, scale, interpret, num_stages, items_per_program, with_max=False,
             row_sums_of=()):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
-    (logical) key length; sinks: None or float32 [Hq]; row_sums_of as
-    `flex_attention_forward_mosaic`'s."""
+    (logical) key length; sinks: None or float32 [Hq]; gate: None or [B, Sq, Hq, D] in
+    q's dtype; row_sums_of as `flex_attention_forward_mosaic`'s."""
     batch, q_len, q_heads, head_dim = q.shape
     paged = bool(paging)
     kv_heads = k.shape[1] if paged else k.shape[2]
@@ -786,6 +815,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
     # kernel masks the padded keys and the padded query rows are sliced off. Pages are
     # read in place.
     q = pad_axis(q, 1, num_q_blocks * BLOCK)
+    if gate is not None:
+        gate = pad_axis(gate, 1, num_q_blocks * BLOCK)
     if not paged:
         k = pad_axis(k, 1, num_kv_blocks * BLOCK)
         v = pad_axis(v, 1, num_kv_blocks * BLOCK)
@@ -818,7 +849,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         q_len=q_len, kv_len=kv_len,
         broadcast_batch=tables[0].shape[0] == 1, broadcast_heads=tables[0].shape[1] == 1,
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
-        with_max=with_max, with_sinks=sinks is not None,
+        with_max=with_max, with_sinks=sinks is not None, with_gate=gate is not None,
         fixed_max=fixed_max, parts_per_block=parts_per_block,
         row_sum_sites=len(row_sums_of), mod_program=mod_program)
     row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
@@ -849,6 +880,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
+            *([plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)] if gate is not None else []),
             collective_axes="warpgroup",
         )
 
@@ -864,5 +896,6 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, *, num_
         thread_name="warpgroup",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(q, k, v, *tables, *paging, *([] if sinks is None else [sinks]), *captured)
+    )(q, k, v, *tables, *paging, *([] if sinks is None else [sinks]),
+      *([] if gate is None else [gate]), *captured)
     return (out[:, :q_len],) + tuple(row[:, :, :q_len] for row in rows)

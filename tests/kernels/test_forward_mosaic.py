@@ -7,6 +7,7 @@ the mods). On the GPU (marker `gpu`) the same cases run the compiled kernel.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -224,6 +225,38 @@ def test_a_read_indexed_by_the_score_is_a_gather_not_a_slice():
         make_mod_program(by_score, SCORE))
     reads = mosaic_eligibility.tile_reads(make_mod_program(by_row, SCORE))
     assert [kind for _, _, kind in reads.values()] == ["q"]
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dim,items", [(64, 1), (128, 3)])
+def test_output_gate_in_the_epilogue(backend, dim, items):
+    """The gate's tile copied into the output's staging buffer after the walk, the output
+    times its sigmoid: one item a program and three (a persistent program, whose staging
+    buffer the previous item's store must have left), ragged query rows, against the
+    float64 model."""
+    q, k, v = random_qkv(4, 2, 200, 256, 4, 2, dim, dim, jnp.bfloat16)
+    gate = (jax.random.normal(jax.random.key(5), q.shape) * 3).astype(jnp.bfloat16)
+    options = {**MOSAIC, "forward_items_per_program": items}
+    assert "forward: mosaic_forward" in pf.explain(q, k, v, mask_mod=masks.causal_mask,
+                                                   backend=backend, kernel_options=options)
+    out = pf.attention(q, k, v, mask_mod=masks.causal_mask, output_gate=gate,
+                       backend=backend, kernel_options=options)
+    want, _ = golden(q, k, v, masks.causal_mask)
+    want = want / (1.0 + np.exp(-np.asarray(gate, np.float64)))
+    np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, atol=2e-2, rtol=2e-2)
+    # The sigmoid runs inside the kernel, nowhere outside it.
+    jaxpr = jax.make_jaxpr(lambda q, k, v, gate: pf.attention(
+        q, k, v, mask_mod=masks.causal_mask, output_gate=gate, backend="interpret",
+        kernel_options=options))(q, k, v, gate)
+
+    def logistic_sites(jaxpr, inside=False):
+        for equation in jaxpr.eqns:
+            if equation.primitive.name == "logistic":
+                yield inside
+            for sub in jax.extend.core.jaxprs_in_params(equation.params):
+                yield from logistic_sites(sub, inside or equation.primitive.name
+                                          in ("pallas_call", "mpmd_map"))  # (the kernels)
+    assert set(logistic_sites(jaxpr.jaxpr)) == {True}
 
 
 @pytest.mark.gpu
