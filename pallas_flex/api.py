@@ -534,7 +534,8 @@ def _prepare(q, k, v, score_mod, block_mask, scale, backend, kernel_options):
         raise ValueError(f"q, k, v are bfloat16, which this GPU (compute capability "
                          f"{device.compute_capability()}) has no tensor-core support for: "
                          "pass float16 or float32")
-    options = resolve_options(kernel_options, max(head_dim, v.shape[3]), q.dtype)
+    options = resolve_options(kernel_options, max(head_dim, v.shape[3]), q.dtype,
+                              key_length=k.shape[1])
     if backend in ("pallas", "interpret"):
         dispatch.check_mods_run_on_tiles(block_mask, score_program)
     if backend == "interpret":

@@ -122,6 +122,8 @@ VARIANT_CASES = (
                 rows=256),
     VariantCase("gated_r256_s256_d64", "gated", Shape("r256_s256_h8_d64", 1, 8, 8, 256, 64),
                 rows=256, extra=True),
+    VariantCase("gated_r256_s256_d128", "gated", Shape("r256_s256_h8_d128", 1, 8, 8, 256, 128),
+                rows=256, extra=True),
 )
 QUICK_VARIANT_CASES = (
     VariantCase("sinks_tiny", "sinks", Shape("tiny_s256", 1, 4, 4, 256, 64)),

@@ -247,13 +247,31 @@ _HOPPER_FLOAT32_CHANGES = {
 }
 
 
-def default_forward_options(head_dim: int, dtype=None) -> KernelOptions:
-    """The tuning table's options for inputs of `dtype` (None: 16-bit) and `head_dim`."""
+# Triton forward tiles for short key ranges, by padded head dim: with at most
+# SHORT_KEYS keys a program walks only a few of the table's K/V tiles, so its pipeline
+# never fills; narrower K/V tiles (and more, shorter programs) keep the copies ahead. On
+# Hopper the Triton forward runs what the Mosaic one cannot (a bias tensor read at
+# [q_idx, kv_idx]: AlphaFold's pair bias, `scores.bias_lookup`). H200, paired rounds, a
+# [H, S, S] bias, ms, the D 128 table's 128x64 (4 warps, 2 stages) / 64x32 (4 warps,
+# 3 stages): B64 H16 S256 0.175 / 0.161, B256 H8 S256 0.333 / 0.307 (Evoformer's gated
+# row attention 0.417 / 0.365), B32 H16 S512 0.277 / 0.269, B16 H16 S1024 0.475 / 0.485.
+# At D 32 and 64 no setting won by more than the rounds' spread (~5 %).
+SHORT_KEYS = 512
+_HOPPER_SHORT_KEYS_FORWARD = {
+    128: dict(block_q=64, block_kv=32, num_warps=4, num_stages=3),
+}
+
+
+def default_forward_options(head_dim: int, dtype=None, key_length=None) -> KernelOptions:
+    """The tuning table's options for inputs of `dtype` (None: 16-bit) and `head_dim`;
+    key_length (None: long) picks the short-key tiles at most SHORT_KEYS keys."""
     limit = next((limit for limit in sorted(_HOPPER_FORWARD) if head_dim <= limit),
                  max(_HOPPER_FORWARD))
     options = _HOPPER_FORWARD[limit]
     if dtype is not None and jnp.dtype(dtype) == jnp.float32:
-        options = options.replace(**_HOPPER_FLOAT32_CHANGES.get(limit, {}))
+        return options.replace(**_HOPPER_FLOAT32_CHANGES.get(limit, {}))
+    if key_length is not None and key_length <= SHORT_KEYS:
+        options = options.replace(**_HOPPER_SHORT_KEYS_FORWARD.get(limit, {}))
     return options
 
 
@@ -261,16 +279,18 @@ def default_forward_options(head_dim: int, dtype=None) -> KernelOptions:
 _INTERNAL_FIELDS = frozenset({"given", "shared_memory_budget", "values_in_keys"})
 
 
-def resolve_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
+def resolve_options(kernel_options, head_dim: int, dtype=None, key_length=None
+                    ) -> KernelOptions:
     """Merges user `kernel_options` (dict or KernelOptions) over the defaults for `dtype`
-    (None: 16-bit) and `head_dim`, recording the shared-memory budget the call is
-    planned for."""
-    return _merge_options(kernel_options, head_dim, dtype).replace(
+    (None: 16-bit), `head_dim` and `key_length` (None: long; `default_forward_options`),
+    recording the shared-memory budget the call is planned for."""
+    return _merge_options(kernel_options, head_dim, dtype, key_length).replace(
         shared_memory_budget=shared_memory_budget())
 
 
-def _merge_options(kernel_options, head_dim: int, dtype=None) -> KernelOptions:
-    options = default_forward_options(head_dim, dtype)
+def _merge_options(kernel_options, head_dim: int, dtype=None, key_length=None
+                   ) -> KernelOptions:
+    options = default_forward_options(head_dim, dtype, key_length)
     if kernel_options is None:
         return options
     if isinstance(kernel_options, KernelOptions):

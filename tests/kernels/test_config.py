@@ -46,3 +46,24 @@ def test_user_settings_override_the_float32_defaults():
     options = resolve_options({"num_warps": 4, "decode_block_kv": 64}, 128, jnp.float32)
     assert options.num_warps == 4 and options.decode_block_kv == 64
     assert {"num_warps", "decode_block_kv"} <= options.given
+
+
+@pytest.mark.parametrize("head_dim", [80, 96, 128])
+def test_short_key_ranges_take_narrow_forward_tiles_at_head_dims_up_to_128(head_dim):
+    """At most SHORT_KEYS keys the 16-bit Triton forward takes 64x32 tiles in 3 stages
+    (a program's walk is a few tiles long); longer keys, float32 and the other head dims
+    keep the table's tiles, and what the user sets wins."""
+    def tiles(options):
+        return options.block_q, options.block_kv, options.num_warps, options.num_stages
+
+    for dtype in (jnp.bfloat16, jnp.float16, None):
+        assert tiles(resolve_options(None, head_dim, dtype, key_length=256)) == (64, 32, 4, 3)
+        assert tiles(resolve_options(None, head_dim, dtype, key_length=512)) == (64, 32, 4, 3)
+        assert tiles(resolve_options(None, head_dim, dtype, key_length=513)) == (128, 64, 4, 2)
+        assert tiles(resolve_options(None, head_dim, dtype)) == (128, 64, 4, 2)
+    assert tiles(resolve_options(None, head_dim, jnp.float32, key_length=256)) == (128, 64, 8, 2)
+    for other in (32, 64, 256):
+        assert (tiles(resolve_options(None, other, jnp.bfloat16, key_length=256))
+                == tiles(resolve_options(None, other, jnp.bfloat16)))
+    given = resolve_options({"block_kv": 64}, head_dim, jnp.bfloat16, key_length=256)
+    assert (given.block_q, given.block_kv) == (64, 64) and given.given == {"block_kv"}
