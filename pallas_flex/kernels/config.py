@@ -247,18 +247,26 @@ _HOPPER_FLOAT32_CHANGES = {
 }
 
 
-# Triton forward tiles for short key ranges, by padded head dim: with at most
-# SHORT_KEYS keys a program walks only a few of the table's K/V tiles, so its pipeline
-# never fills; narrower K/V tiles (and more, shorter programs) keep the copies ahead. On
-# Hopper the Triton forward runs what the Mosaic one cannot (a bias tensor read at
-# [q_idx, kv_idx]: AlphaFold's pair bias, `scores.bias_lookup`). H200, paired rounds, a
-# [H, S, S] bias, ms, the D 128 table's 128x64 (4 warps, 2 stages) / 64x32 (4 warps,
-# 3 stages): B64 H16 S256 0.175 / 0.161, B256 H8 S256 0.333 / 0.307 (Evoformer's gated
-# row attention 0.417 / 0.365), B32 H16 S512 0.277 / 0.269, B16 H16 S1024 0.475 / 0.485.
-# At D 32 and 64 no setting won by more than the rounds' spread (~5 %).
+# Triton tiles for short key ranges, by padded head dim: with at most SHORT_KEYS keys a
+# program walks only a few of the table's tiles, so its pipeline never fills; smaller
+# tiles (and more, shorter programs) keep the copies ahead. On Hopper the Triton kernels
+# run what the Mosaic ones cannot: a bias tensor read at [q_idx, kv_idx] (AlphaFold's
+# pair bias, `scores.bias_lookup`). H200, paired rounds, ms:
+# * forward, a [H, S, S] bias, the D 128 table's 128x64 (4 warps, 2 stages) / 64x32
+#   (4 warps, 3 stages): B64 H16 S256 0.175 / 0.161, B256 H8 S256 0.333 / 0.307
+#   (Evoformer's gated row attention 0.417 / 0.365), B32 H16 S512 0.277 / 0.269, B16 H16
+#   S1024 0.475 / 0.485. At D 32 and 64 no setting won by more than the spread (~5 %).
+# * backward, Evoformer's gated row attention (R256 S256 H8, the pair bias's gradient
+#   included) fwd+bwd, the table's tiles / the D 32 table's (64x64 dQ and dK/dV tiles,
+#   4 warps, 3 stages): D 64 1.178 / 1.080, D 128 1.879 / 1.798 (64x32 dQ tiles, 8 warps
+#   or 128-key dK/dV tiles: 1.08-2.86).
 SHORT_KEYS = 512
-_HOPPER_SHORT_KEYS_FORWARD = {
-    128: dict(block_q=64, block_kv=32, num_warps=4, num_stages=3),
+_SHORT_KEYS_BACKWARD = dict(backward_block_q=64, backward_block_kv=64, backward_dkdv_block_q=64,
+                            backward_dkdv_block_kv=64, backward_num_warps=4,
+                            backward_num_stages=3)
+_HOPPER_SHORT_KEYS = {
+    64: _SHORT_KEYS_BACKWARD,
+    128: dict(block_q=64, block_kv=32, num_warps=4, num_stages=3, **_SHORT_KEYS_BACKWARD),
 }
 
 
@@ -271,7 +279,7 @@ def default_forward_options(head_dim: int, dtype=None, key_length=None) -> Kerne
     if dtype is not None and jnp.dtype(dtype) == jnp.float32:
         return options.replace(**_HOPPER_FLOAT32_CHANGES.get(limit, {}))
     if key_length is not None and key_length <= SHORT_KEYS:
-        options = options.replace(**_HOPPER_SHORT_KEYS_FORWARD.get(limit, {}))
+        options = options.replace(**_HOPPER_SHORT_KEYS.get(limit, {}))
     return options
 
 

@@ -48,22 +48,34 @@ def test_user_settings_override_the_float32_defaults():
     assert {"num_warps", "decode_block_kv"} <= options.given
 
 
-@pytest.mark.parametrize("head_dim", [80, 96, 128])
-def test_short_key_ranges_take_narrow_forward_tiles_at_head_dims_up_to_128(head_dim):
-    """At most SHORT_KEYS keys the 16-bit Triton forward takes 64x32 tiles in 3 stages
-    (a program's walk is a few tiles long); longer keys, float32 and the other head dims
-    keep the table's tiles, and what the user sets wins."""
-    def tiles(options):
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
+def test_short_key_ranges_take_smaller_triton_tiles(head_dim):
+    """At most SHORT_KEYS keys (a program's walk is a few tiles long) the 16-bit Triton
+    kernels take smaller tiles: the backward D 32's 64x64 dQ and dK/dV tiles on 4 warps,
+    the forward at D 65-128 64x32 tiles in 3 stages; longer keys, float32 and the other
+    head dims keep the table's tiles, and what the user sets wins."""
+    def forward(options):
         return options.block_q, options.block_kv, options.num_warps, options.num_stages
 
+    def backward(options):
+        return (options.backward_block_q, options.backward_block_kv,
+                options.backward_dkdv_block_q, options.backward_dkdv_block_kv,
+                options.backward_num_warps, options.backward_num_stages)
+
+    long = resolve_options(None, head_dim, jnp.bfloat16)
     for dtype in (jnp.bfloat16, jnp.float16, None):
-        assert tiles(resolve_options(None, head_dim, dtype, key_length=256)) == (64, 32, 4, 3)
-        assert tiles(resolve_options(None, head_dim, dtype, key_length=512)) == (64, 32, 4, 3)
-        assert tiles(resolve_options(None, head_dim, dtype, key_length=513)) == (128, 64, 4, 2)
-        assert tiles(resolve_options(None, head_dim, dtype)) == (128, 64, 4, 2)
-    assert tiles(resolve_options(None, head_dim, jnp.float32, key_length=256)) == (128, 64, 8, 2)
-    for other in (32, 64, 256):
-        assert (tiles(resolve_options(None, other, jnp.bfloat16, key_length=256))
-                == tiles(resolve_options(None, other, jnp.bfloat16)))
-    given = resolve_options({"block_kv": 64}, head_dim, jnp.bfloat16, key_length=256)
-    assert (given.block_q, given.block_kv) == (64, 64) and given.given == {"block_kv"}
+        for keys in (256, 512):
+            short = resolve_options(None, head_dim, dtype, key_length=keys)
+            assert backward(short) == (64, 64, 64, 64, 4, 3) == backward(
+                resolve_options(None, 32, dtype))
+            assert forward(short) == ((64, 32, 4, 3) if head_dim > 64 else forward(long))
+        assert resolve_options(None, head_dim, dtype, key_length=513) == long
+        assert resolve_options(None, head_dim, dtype) == long
+    assert resolve_options(None, head_dim, jnp.float32, key_length=256) == resolve_options(
+        None, head_dim, jnp.float32)
+    for other in (32, 256):
+        assert (resolve_options(None, other, jnp.bfloat16, key_length=256)
+                == resolve_options(None, other, jnp.bfloat16))
+    given = resolve_options({"block_kv": 64, "backward_num_warps": 8}, head_dim,
+                            jnp.bfloat16, key_length=256)
+    assert given.block_kv == 64 and given.backward_num_warps == 8
