@@ -196,8 +196,8 @@ def _fused_attention(q, k, v, block_mask, score_program, sinks, gate, config,
     """(out, lse), and with_max the row max of the logits (no gradient: a statistic),
     with gradients from the fused backward kernels; residuals are out, lse. sinks: None
     or [Hq], folded into the forward kernels' softmax (`pallas_flex/sinks.py`). gate:
-    None or [B, Sq, Hq, Dv], out times its sigmoid: in the Triton forward's epilogue
-    here (no one differentiates), after the kernel in the forward rule, whose backward
+    None or [B, Sq, Hq, Dv], out times its sigmoid: in the Triton or Mosaic GPU
+    forward's epilogue here (no one differentiates), after the kernel in the forward rule, whose backward
     needs the ungated output (`pallas_flex/output_gate.py`)."""
     return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max,
                          sinks=sinks, output_gate=gate)
@@ -485,7 +485,7 @@ def flex_attention(q, k, v, score_mod=None, block_mask=None, *, scale=None,
         values' gradient joins k's).
       output_gate: None, or float [B, Sq, Hq, Dv]: the output is multiplied by
         sigmoid(output_gate) (gated attention: AlphaFold's, Qwen3-Next's), fused into
-        the Triton forward's epilogue where no one differentiates the call;
+        the Triton or Mosaic GPU forward's epilogue where no one differentiates the call;
         differentiable. lse is the softmax's, ungated.
     Returns:
       out [B, Sq, Hq, Dv] in q's dtype, or (out, lse) with return_lse=True, or
