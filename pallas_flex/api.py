@@ -197,8 +197,8 @@ def _fused_attention(q, k, v, block_mask, score_program, sinks, gate, config,
     with gradients from the fused backward kernels; residuals are out, lse. sinks: None
     or [Hq], folded into the forward kernels' softmax (`pallas_flex/sinks.py`). gate:
     None or [B, Sq, Hq, Dv], out times its sigmoid: in the Triton or Mosaic GPU
-    forward's epilogue here (no one differentiates), after the kernel in the forward rule, whose backward
-    needs the ungated output (`pallas_flex/output_gate.py`)."""
+    forward's epilogue here (no one differentiates), after the kernel in the forward
+    rule, whose backward needs the ungated output (`pallas_flex/output_gate.py`)."""
     return _forward_impl(q, k, v, block_mask, score_program, config, with_max=with_max,
                          sinks=sinks, output_gate=gate)
 
