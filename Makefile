@@ -34,7 +34,9 @@ test: $(VENV)/.installed
 # (260-360 s earlier: the suite grew), 4 at once 380-400 s. On the H200 machine
 # (2026-11-29) 5 at once took 271-318 s and 9 at once 379-482 s: run it as two calls,
 # GPU_FIRST=0 GPU_LAST=4, then 5..13, each within 10 minutes (three on the H100:
-# 0..4, 5..9, 10..13). Each
+# 0..4, 5..9, 10..13). Hosts differ: on another H200 host the same day every cell took
+# ~1.5x as long and shards 0..4 were not done in 400 s; a slow host needs three calls
+# there too. Each
 # process allocates device memory as it goes and frees it after each test
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching allocator, 14 processes holding their peaks ran the GPU out of memory.
 #
