@@ -261,9 +261,8 @@ _HOPPER_FLOAT32_CHANGES = {
 #   4 warps, 3 stages): D 64 1.178 / 1.080, D 128 1.879 / 1.798 (64x32 dQ tiles, 8 warps
 #   or 128-key dK/dV tiles: 1.08-2.86).
 SHORT_KEYS = 512
-_SHORT_KEYS_BACKWARD = dict(backward_block_q=64, backward_block_kv=64, backward_dkdv_block_q=64,
-                            backward_dkdv_block_kv=64, backward_num_warps=4,
-                            backward_num_stages=3)
+_SHORT_KEYS_BACKWARD = {field: getattr(_HOPPER_FORWARD[32], field)  # D 32's tiles
+                        for field in TRITON_BACKWARD_FIELDS}
 _HOPPER_SHORT_KEYS = {
     64: _SHORT_KEYS_BACKWARD,
     128: dict(block_q=64, block_kv=32, num_warps=4, num_stages=3, **_SHORT_KEYS_BACKWARD),

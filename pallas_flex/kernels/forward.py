@@ -268,7 +268,8 @@ def flex_attention_forward(q, k, v, block_mask, score_program, *, scale: float,
         broadcast_heads=block_mask.kv_num_blocks.shape[1] == 1, group=group,
         paged=paged_config, interpret=interpret, with_max=with_max,
         quantized=quantized, with_sinks=sinks is not None,
-        with_gate=output_gate is not None, select_small_tables=options.forward_selects_small_tables)
+        with_gate=output_gate is not None,
+        select_small_tables=options.forward_selects_small_tables)
     scales = () if k_scales is None else (k_scales, v_scales)
     sink_inputs = () if sinks is None else (sinks.astype(jnp.float32),)
     # The gate's tile is the output's: padded as the output is.

@@ -133,8 +133,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
             with_max=False, with_sinks=False, with_gate=False, fixed_max=None,
-            parts_per_block=1,
-            row_sum_sites=0, mod_program=None):
+            parts_per_block=1, row_sum_sites=0, mod_program=None):
     """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). row_sum_sites:
     that many outputs more (each with a row buffer), per derivative g of a captured read
@@ -801,9 +800,8 @@ def _vmappable(launch):
 
 
 def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *,
-            num_blocks,
-            kv_len, scale, interpret, num_stages, items_per_program, with_max=False,
-            row_sums_of=()):
+            num_blocks, kv_len, scale, interpret, num_stages, items_per_program,
+            with_max=False, row_sums_of=()):
     """paging: () or (page_table, lengths), with k / v pages; kv_len: the BlockMask's
     (logical) key length; sinks: None or float32 [Hq]; gate: None or [B, Sq, Hq, D] in
     q's dtype; row_sums_of as `flex_attention_forward_mosaic`'s."""
