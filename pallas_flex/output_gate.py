@@ -8,7 +8,7 @@ of the layer's input).
 Fused where it pays: a gated call that no one differentiates (inference) runs the
 Triton or Mosaic GPU forward with the gate read in its epilogue (`kernels/forward.py`;
 `kernels/forward_mosaic.py` copies each warpgroup's gate tile into its output staging
-buffer once its walk is done), so the ungated output never reaches HBM: the multiply
+buffer, under the walk in a persistent program), so the ungated output never reaches HBM: the multiply
 outside the kernel would read that output and the gate and write the result, three
 passes over an array of the output's size. Every other kernel, and the forward of a
 differentiated call, applies it after the kernel (`gated`), in float32: the backward
