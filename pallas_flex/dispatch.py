@@ -108,7 +108,7 @@ def mosaic_unsupported_reason(q, k, v, block_mask, score_program, *, options, in
                               paged=False, out_dtype=None):
     """None if the Mosaic GPU forward takes the call, else why not (a short phrase)."""
     reason = mosaic_eligibility.unsupported_reason(q, k, v, block_mask, score_program,
-                                               interpret=interpret, paged=paged)
+                                                   interpret=interpret, paged=paged)
     if reason is None and jnp.dtype(out_dtype or q.dtype) != q.dtype:
         reason = f"a {jnp.dtype(out_dtype)} output (it writes the inputs' dtype)"
     return reason or _mosaic_setting_reason(q, k, v, options=options, interpret=interpret)

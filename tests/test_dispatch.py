@@ -31,6 +31,10 @@ def _gathering_score_mod():
     return lambda score, b, h, q_idx, kv_idx: score + table[h, jnp.clip(q_idx + kv_idx, 0, 31)]
 
 
+def _bias_score_mod():
+    return pf.scores.bias_lookup(jnp.zeros((1, 1, 1024, 1024), jnp.bfloat16))
+
+
 def _halves_mask():
     """Documents read at q_idx // 2: a gather, which the entry points precompute as a row
     vector (`dispatch.mask_for_kernels`); both positions computed: stays a gather."""
@@ -70,6 +74,12 @@ ROWS = [
      "pallas", {H100: "triton_forward", A100: "triton_forward"}),
     ("bf16 D128 ALiBi", _shape(), _shape(), masks.causal_mask, masks.alibi(4), None, "pallas",
      {H100: "mosaic_forward", A100: "triton_forward"}),
+    # A bias tensor read at (q_idx, kv_idx): the Mosaic forward copies its blocks by TMA
+    # (not at D 256, where they do not fit shared memory beside the K/V stages).
+    ("bf16 D128 bias tensor", _shape(), _shape(), masks.causal_mask, _bias_score_mod(), None,
+     "pallas", {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("bf16 D256 bias tensor", _shape(dim=256), _shape(dim=256), masks.causal_mask,
+     _bias_score_mod(), None, "pallas", {H100: "triton_forward", A100: "triton_forward"}),
     ("forward_kernel triton", _shape(), _shape(), masks.causal_mask, None,
      {"forward_kernel": "triton"}, "pallas", {H100: "triton_forward", A100: "triton_forward"}),
     ("one query token", _shape(length=1), _shape(), None, None, None, "pallas",

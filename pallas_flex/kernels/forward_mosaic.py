@@ -47,7 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, exp2_fma_share, hand_over_early, named_turn_barriers, tile_reads)
+    BLOCK, block_indices, exp2_fma_share, hand_over_early, named_turn_barriers, tile_reads)
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
@@ -133,7 +133,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
             with_max=False, with_sinks=False, with_gate=False, fixed_max=None,
-            parts_per_block=1, row_sum_sites=0, mod_program=None):
+            parts_per_block=1, row_sum_sites=0, mod_program=None, bias_blocks=()):
     """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). row_sum_sites:
     that many outputs more (each with a row buffer), per derivative g of a captured read
@@ -150,6 +150,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     sigmoid (`pallas_flex/output_gate.py`).
     parts_per_block: K/V tiles a BlockMask block is walked in (`_PARTS_PER_BLOCK`); a
     block's tiles take consecutive slots.
+    bias_blocks: per score_mod read of a bias tensor at [.., q_idx, kv_idx] (a "block"
+    of `tile_reads`), (read key, captured position, (q axis, kv axis), its other
+    indices as a function of (b, h): `block_indices`): the memory warpgroup copies each
+    K/V tile's [128, keys] block of it by TMA into a ring of its own beside the K/V
+    stages (a shared-memory [stages, 2, 64, keys] buffer and a barrier per stage, the
+    last scratch buffers and barriers), after the tile's V (whose release, after p·v,
+    follows the mod's read); each compute warpgroup reads its 64 rows when the mod runs.
 
     Work items are (head, query block, batch) triples, heads varying fastest and the
     query blocks from the last (a causal mask's longest rows first). Program p runs
@@ -169,13 +176,16 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
     # the row sums' and a persistent program's output tiles (see `_launch`).
     (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
+    block_rings = extra_smem[len(extra_smem) - len(bias_blocks):]
+    extra_smem = extra_smem[:len(extra_smem) - len(bias_blocks)]
     persistent = items_per_program > 1
     max_smem2 = extra_smem[:1] if with_max else []
     sum_smem2 = extra_smem[with_max:with_max + row_sum_sites]
     o_smem2 = extra_smem[-1] if persistent else None
     policy_program = score_program if mod_program is None else mod_program
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier,
-     *gate_barriers) = barriers
+     *rest) = barriers
+    gate_barriers, block_barriers = rest[:with_gate], rest[with_gate:]
     head_dim = q_ref.shape[3]
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
@@ -270,7 +280,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         key_limit = jnp.minimum(lengths_ref[batch], kv_len) if paged else kv_len
 
         def slices_at_kv(reads):  # (a relative read needs the tile's first key too)
-            return any(kind in ("kv", "relative") for _, _, kind in reads.values())
+            return any(kind in ("kv", "relative", "block") for _, _, kind in reads.values())
 
         # What a tile of each loop (masked or not) needs: the kv_idx vector (only where
         # it is used, as for q_idx) and the tile's first key (also for slice reads).
@@ -306,6 +316,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     rows[...] = jnp.where(position < key_limit, values,
                                           jnp.zeros_like(values))
                     plgpu.commit_smem()  # before the wgmma reads the tile
+
+        def block_readers(slot):
+            """The bias blocks' readers on the tile in `slot`: this warpgroup's 64 rows
+            of the block its ring holds there, once its copy has landed."""
+            def reader(ring, barrier):
+                def read(captured, indices):
+                    del captured, indices  # (the memory warpgroup addressed the copy)
+                    plgpu.barrier_wait(barrier.at[slot])
+                    rows = ring.at[slot, warpgroup]
+                    if interpret:
+                        return rows[...]
+                    return plgpu.load(rows, (), layout=plgpu.Layout.WGMMA)
+                return read
+            return {key: reader(ring, barrier) for (key, *_), ring, barrier
+                    in zip(bias_blocks, block_rings, block_barriers)}
 
         def visit(step, carry, masked):
             block_start = None
@@ -355,7 +380,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     score_program, score_reads, score_refs,
                     (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
                     q_start=q_start, kv_start=kv_start, interpret=interpret,
-                    keep_affine=True)
+                    keep_affine=True, block_readers=block_readers(slot))
                 read_derivatives = derivatives[1:]
                 logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:
@@ -515,8 +540,29 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
         def fetch_item(local, fetched):
             """Streams item `local`'s tiles; `fetched`: tiles of the earlier items."""
-            head, _, batch, _, num_steps, kv_block_of = item_at(local)
+            head, q_block, batch, _, num_steps, kv_block_of = item_at(local)
             kv_head = lax.div(head, jnp.int32(group))
+            # Each bias block's indices on its other axes: the item's, for every tile.
+            block_sources = []
+            for (_, position, (q_axis, kv_axis), indices_of), ring, barrier in zip(
+                    bias_blocks, block_rings, block_barriers):
+                source = score_refs[position]
+                index = [None if i is None else jnp.clip(jnp.asarray(i, jnp.int32), 0,
+                                                         size - 1)
+                         for i, size in zip(indices_of(batch, head), source.shape)]
+                block_sources.append((source, index, q_axis, kv_axis, ring, barrier))
+
+            def copy_blocks(location, part, slot):
+                """The K/V tile's [128, keys] block of each bias tensor, as two 64-row
+                copies (one per compute warpgroup's rows) arriving on the slot's barrier."""
+                for source, index, q_axis, kv_axis, ring, barrier in block_sources:
+                    for half in range(COMPUTE_WARPGROUPS):
+                        at = list(index)
+                        at[q_axis] = pl.ds(q_block * BLOCK + half * ROWS_PER_WARPGROUP,
+                                           ROWS_PER_WARPGROUP)
+                        at[kv_axis] = pl.ds(location * BLOCK + part * tile_rows, tile_rows)
+                        plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
+                                                barrier.at[slot])
 
             def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
@@ -551,6 +597,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                         plgpu.barrier_wait(v_consumed.at[slot])
 
                     copy_tile(v_ref, location, part, v_smem.at[slot], v_barriers.at[slot])
+                    # (The slot's blocks were read before its V tile was released.)
+                    copy_blocks(block, part, slot)
 
             return fetched + num_steps
 
@@ -711,6 +759,56 @@ def tile_transforms(head_dim: int, contraction_rows: int | None = None):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
+def _bias_blocks(score_program, score_reads):
+    """`_kernel`'s bias_blocks: (key, captured position, (q axis, kv axis), other indices
+    of (b, h)) per read `tile_reads` calls a block."""
+    if score_program is None:
+        return ()
+    equations = {id(equation): equation for equation in score_program.jaxpr.eqns}
+    return tuple((key, position, axes, block_indices(score_program, equations[key]))
+                 for key, (position, axes, kind) in score_reads.items() if kind == "block")
+
+
+def block_transforms(columns: int, dtype):
+    """The shared-memory layout of a bias block's [64, columns] rows: 128-byte rows of 8
+    swizzled by 128 bytes (16-bit: 64 columns a tile row; float32: 32), as the compute
+    warpgroups load them in the scores' wgmma layout."""
+    row_elements = 128 // jnp.dtype(dtype).itemsize
+    assert columns % row_elements == 0, (columns, dtype)
+    return (plgpu.TilingTransform((8, row_elements)), plgpu.SwizzleTransform(128))
+
+
+# What the forward's shared memory holds at most (the H100's and H200's 227 KiB, less a
+# margin for the barriers and the buffers' alignment: D 64 with 3 stages of 128-key
+# 16-bit blocks and a persistent program's output buffer, counted here as 229888 bytes,
+# took 232592).
+SHARED_MEMORY_BYTES = 227 * 1024 - 6 * 1024
+
+
+def stages_and_parts(head_dim: int, dtype, block_dtypes, *, persistent: bool,
+                     row_buffers: int):
+    """(K/V tiles a BlockMask block is walked in, K/V stages): `_PARTS_PER_BLOCK` and
+    `_STAGES` where they fit beside the bias blocks' rings (`block_dtypes`: one per bias
+    tensor read as blocks, each a [stages, 128, keys] ring); with rings, the most stages
+    (at least 2, at most `_STAGES`' keys in flight) that fit, 128-key tiles first, then
+    64-key ones; None if none fits."""
+    base_parts = _PARTS_PER_BLOCK.get(head_dim, 1)
+    if not block_dtypes:
+        return base_parts, _STAGES[head_dim]
+    itemsize = jnp.dtype(dtype).itemsize
+    fixed = (COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * head_dim * itemsize * (1 + persistent)
+             + row_buffers * COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * 4)
+    for parts in sorted({base_parts, 2}):
+        rows = BLOCK // parts
+        per_stage = (2 * rows * head_dim * itemsize
+                     + sum(BLOCK * rows * jnp.dtype(t).itemsize for t in block_dtypes))
+        # (as many keys in flight as `_STAGES` at most: twice the stages of half tiles)
+        for stages in range(_STAGES[head_dim] * parts // base_parts, 1, -1):
+            if fixed + stages * per_stage <= SHARED_MEMORY_BYTES:
+                return parts, stages
+    return None
+
+
 def choose_items_per_program(requested: int, head_dim: int, mask_program, num_items: int,
                              num_heads: int, *, paged: bool = False) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
@@ -829,15 +927,24 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         k = pad_axis(k, 1, num_kv_blocks * BLOCK)
         v = pad_axis(v, 1, num_kv_blocks * BLOCK)
     padded_q_len = q.shape[1]
-    num_stages = num_stages or _STAGES[head_dim]
-    # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
-    # tile a block.
-    parts_per_block = 1 if paged else _PARTS_PER_BLOCK.get(head_dim, 1)
     fixed_max = fixed_softmax_shift(score_program, q.dtype, with_max)
     mod_program = score_program
     if row_sums_of:  # the kernel evaluates the reads' derivatives beside the mod
         score_program = with_read_derivatives(score_program, row_sums_of)
-    mask_reads, score_reads = tile_reads(mask_program), tile_reads(score_program)
+    mask_reads = tile_reads(mask_program)
+    score_reads = tile_reads(score_program, blocks=not paged)
+    bias_blocks = _bias_blocks(score_program, score_reads)
+    num_items = q_heads * num_q_blocks * batch
+    items_per_program = max(1, min(items_per_program, num_items))
+    persistent = items_per_program > 1
+    row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
+    # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
+    # tile a block.
+    parts_per_block, planned_stages = ((1, _STAGES[head_dim]) if paged else stages_and_parts(
+        head_dim, q.dtype, [score_program.consts[position].dtype
+                            for _, position, _, _ in bias_blocks],
+        persistent=persistent, row_buffers=row_buffers))
+    num_stages = num_stages or planned_stages
     captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
                            batch=batch, heads=q_heads, q_length=num_q_blocks * BLOCK,
                            kv_length=num_kv_blocks * BLOCK)
@@ -846,10 +953,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
     arrivals_per_tile = copies_per_tile(k.shape[2]) if paged else 1
     transforms = tile_transforms(head_dim)
 
-    num_items = q_heads * num_q_blocks * batch
-    items_per_program = max(1, min(items_per_program, num_items))
     programs = pl.cdiv(num_items, items_per_program)
-    persistent = items_per_program > 1
     kernel = functools.partial(
         _kernel, mask_program=mask_program, score_program=score_program, scale=scale,
         group=q_heads // kv_heads, num_stages=num_stages, num_q_blocks=num_q_blocks,
@@ -859,9 +963,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
         with_max=with_max, with_sinks=sinks is not None, with_gate=gate is not None,
         fixed_max=fixed_max, parts_per_block=parts_per_block,
-        row_sum_sites=len(row_sums_of), mod_program=mod_program)
-    row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
-    smem_buffers = 3 + row_buffers + persistent  # (and a persistent program's output)
+        row_sum_sites=len(row_sums_of), mod_program=mod_program, bias_blocks=bias_blocks)
+    # (and a persistent program's output, and the bias blocks' rings)
+    smem_buffers = 3 + row_buffers + persistent + len(bias_blocks)
+    tile_rows = BLOCK // parts_per_block
 
     def entry(*refs):
         inputs_and_outputs = refs
@@ -882,6 +987,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
               for _ in range(row_buffers)],
             *([plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype,
                           transforms=transforms)] if persistent else []),
+            *[plgpu.SMEM((num_stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, tile_rows),
+                         dtype, transforms=block_transforms(tile_rows, dtype))
+              for dtype in (score_program.consts[position].dtype
+                            for _, position, _, _ in bias_blocks)],
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
@@ -889,6 +998,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
             *([plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)] if gate is not None else []),
+            *[plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages)
+              for _ in bias_blocks],
             collective_axes="warpgroup",
         )
 

@@ -192,15 +192,18 @@ def exp2_fma_share(head_dim, score_program):
     return (5, 8) if head_dim <= 64 and _has_transcendental(score_program) else None
 
 
-def contiguous_reads(program):
+def contiguous_reads(program, blocks: bool = False):
     """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
     indices independent of both: {id(dynamic_slice equation): (captured position, axis,
-    "q" or "kv")}.
+    "q" or "kv")}; with `blocks`, also float arrays read at exactly q_idx along one axis
+    and kv_idx along a later one (a bias tensor: `pair_bias[b // rows, h, q_idx,
+    kv_idx]`): (captured position, (q axis, kv axis), "block").
 
     Such a read (document ids `doc_ids[q_idx]`, a per-position table `bias[h, kv_idx]`)
-    covers a contiguous slice per tile, which the kernel loads as one vector instead of
-    gathering. jnp indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the
-    kernel's indices are never negative, so that select is the index itself.
+    covers a contiguous slice per tile, which the kernel loads as one vector (a block: one
+    tile of the array) instead of gathering. jnp indexing wraps negative indices
+    (`select_n(i < 0, i, i + n)`); the kernel's indices are never negative, so that
+    select is the index itself. Blocks are the forward's only (`tile_reads`).
     """
     if program is None:
         return {}
@@ -228,17 +231,71 @@ def contiguous_reads(program):
             if len(vector_axes) == 1 and others_scalar:
                 axis = vector_axes[0]
                 reads[id(equation)] = (positions[inputs[0]], axis, kinds[axis])
+            elif (blocks and others_scalar and [kinds[a] for a in vector_axes] == ["q", "kv"]
+                  and vector_axes[1] == len(kinds) - 1  # (TMA's box: whole rows of keys)
+                  and jnp.dtype(jnp.result_type(program.consts[positions[inputs[0]]]))
+                  in BLOCK_DTYPES
+                  and block_indices(program, equation) is not None):
+                reads[id(equation)] = (positions[inputs[0]], tuple(vector_axes), "block")
         if any(is_var(atom) and atom in depends_on_index for atom in inputs):
             depends_on_index.update(equation.outvars)
     return reads
 
 
-def tile_reads(program) -> dict:
+# The dtypes of the bias tensors whose [q, kv] blocks the Mosaic forward copies by TMA.
+BLOCK_DTYPES = tuple(jnp.dtype(t) for t in (jnp.bfloat16, jnp.float16, jnp.float32))
+
+
+def block_indices(program, equation):
+    """For a read of a captured array at [.., q_idx, kv_idx] (the dynamic_slice
+    `equation` of `program`'s jaxpr): a function of (b, h) giving the read's start index
+    on each axis, None on the q and kv axes, or None where an index on another axis
+    depends on anything but b, h and constants (a captured array, an index, the score).
+
+    The Mosaic forward's memory warpgroup copies the read's [q, kv] blocks by TMA ahead
+    of the compute warpgroups, which evaluate the mod; it runs this slice of the mod
+    (`b // rows` for a pair bias shared by an MSA's rows) to address them."""
+    jaxpr = program.jaxpr
+    first_index = 2 + (program.kind == "score")
+    batch_var, head_var = jaxpr.invars[first_index - 2], jaxpr.invars[first_index - 1]
+    exact = ExactIndices(program)
+    earlier = jaxpr.eqns[:next(i for i, e in enumerate(jaxpr.eqns) if e is equation)]
+    for step in earlier:
+        exact.follow(step)
+    atoms = equation.invars[1:]
+    other = [atom for atom in atoms if exact.of(atom) is None]
+    needed = {atom for atom in other if isinstance(atom, jex_core.Var)}
+    steps = []
+    for step in reversed(earlier):
+        if needed & set(step.outvars):
+            steps.append(step)
+            needed.update(a for a in step.invars if isinstance(a, jex_core.Var))
+    if needed - {batch_var, head_var} - {v for step in steps for v in step.outvars}:
+        return None
+    steps.reverse()
+
+    def indices(batch, head):
+        values = {batch_var: batch, head_var: head}
+
+        def value(atom):
+            return values[atom] if isinstance(atom, jex_core.Var) else atom.val
+
+        for step in steps:
+            outputs = step.primitive.bind(*map(value, step.invars), **step.params)
+            if not step.primitive.multiple_results:
+                outputs = [outputs]
+            values.update(zip(step.outvars, outputs))
+        return [None if exact.of(atom) is not None else value(atom) for atom in atoms]
+    return indices
+
+
+def tile_reads(program, blocks: bool = False) -> dict:
     """The mod's reads of captured arrays the Mosaic GPU kernels load without a gather:
-    `contiguous_reads` (at exactly q_idx or kv_idx) and `relative_reads.relative_reads`
-    (at indices of kv_idx - q_idx: T5 buckets), {id(dynamic_slice equation):
-    (captured position, axis or axes, "q" / "kv" / "relative")}."""
-    return {**contiguous_reads(program), **relative_reads(program)}
+    `contiguous_reads` (at exactly q_idx or kv_idx; with `blocks`, the forward's, also
+    [q, kv] blocks of a bias tensor) and `relative_reads.relative_reads` (at indices of
+    kv_idx - q_idx: T5 buckets), {id(dynamic_slice equation): (captured position, axis
+    or axes, "q" / "kv" / "block" / "relative")}."""
+    return {**contiguous_reads(program, blocks), **relative_reads(program)}
 
 
 def device_unsupported_reason():
@@ -252,15 +309,16 @@ def device_unsupported_reason():
     return None
 
 
-def mod_unsupported_reason(program):
-    """None if the kernel can run `program` (None included), else why not."""
+def mod_unsupported_reason(program, blocks: bool = False):
+    """None if the kernel can run `program` (None included), else why not. blocks: the
+    kernel loads [q, kv] blocks of bias tensors (`contiguous_reads`; the forward)."""
     if program is None:
         return None
     unknown = sorted(set(_primitives(program.jaxpr)) - _ELEMENTWISE - _STRUCTURAL)
     if unknown:
         return f"{program.kind}_mod {program.name!r} uses {unknown}"
     slices = {key: (lambda captured, indices: jnp.zeros((), captured.ref.dtype), axis)
-              for key, (_, axis, _) in tile_reads(program).items()}
+              for key, (_, axis, _) in tile_reads(program, blocks).items()}
     sites = captured_read_sites(program, captured_reads=slices)
     if any(jnp.shape(index) != () for _, indices in sites for index in indices):
         return (f"{program.kind}_mod {program.name!r} reads a captured array at indices "
@@ -276,6 +334,12 @@ def backward_unsupported_reason(score_program, head_dim: int = 128):
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
+    reason = mod_unsupported_reason(score_program)
+    if reason is not None:
+        if mod_unsupported_reason(score_program, blocks=True) is None:  # the forward's
+            return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, "
+                    "kv_idx) (the Mosaic forward loads its blocks, the backward does not)")
+        return reason
     return mod_unsupported_reason(with_score_derivative(score_program))
 
 
@@ -332,6 +396,18 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
     return mod_unsupported_reason(program)
 
 
+# A score_mod reading a bias tensor at (q_idx, kv_idx) (`contiguous_reads`' blocks: a
+# pair bias, `scores.bias_lookup`): the Mosaic forward's memory warpgroup copies its
+# [128, keys] blocks by TMA beside the K/V tiles (`forward_mosaic._kernel`'s
+# bias_blocks). H200, paired rounds, Mosaic / Triton forward, ms: a [1, H, S, S] bf16
+# bias at B4 H16 S4096 D128 causal 0.644 / 1.111 (causal without it 0.484), noop 1.245 /
+# 1.905, D64 causal 0.444 / 0.618, noop 0.859 / 1.125; Evoformer's gated row attention
+# R256 S256 H8 D64 0.189 / 0.228 (XLA 1.095), D128 0.292 / 0.362 (XLA 1.323). Loaded
+# instead by each compute warpgroup from GMEM when the mod ran, it was 0.275 ms at the
+# Evoformer D64 shape, and at S 4096 it hung (the first call returned, the next never
+# did). On pages the blocks are not contiguous: the Triton forward reads them there.
+
+
 def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
                        paged: bool = False):
     """None if the Mosaic GPU kernel runs this call, else why not (a short phrase).
@@ -355,8 +431,21 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
         return f"lengths {q_len}/{kv_len} above {EXACT_FLOAT32_INTEGERS}"
     if not interpret and (reason := device_unsupported_reason()) is not None:
         return reason
-    for program in (block_mask.mask_mod, score_program):
-        reason = mod_unsupported_reason(program)
-        if reason is not None:
-            return reason
-    return None
+    reason = mod_unsupported_reason(block_mask.mask_mod)
+    if reason is not None:
+        return reason
+    bias_blocks = not paged
+    reason = mod_unsupported_reason(score_program, blocks=bias_blocks)
+    if reason and paged and mod_unsupported_reason(score_program, True) is None:
+        return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, kv_idx) "
+                "on pages")
+    if reason is None and bias_blocks:
+        from pallas_flex.kernels import forward_mosaic  # (which imports this module)
+        dtypes = [score_program.consts[position].dtype for position, _, kind
+                  in tile_reads(score_program, blocks=True).values() if kind == "block"]
+        if forward_mosaic.stages_and_parts(  # (a program walks one item at D 256)
+                head_dim, q.dtype, dtypes, persistent=head_dim != 256,
+                row_buffers=3) is None:
+            return (f"score_mod {score_program.name!r} reading bias tensors at (q_idx, "
+                    f"kv_idx) whose blocks do not fit shared memory at head dim {head_dim}")
+    return reason

@@ -467,7 +467,7 @@ def reads_index(program, reads, name: str) -> bool:
 
 
 def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, interpret,
-             keep_affine=False):
+             keep_affine=False, block_readers=None):
     """Runs a mod on a kernel's index vectors and score tile ([64, columns]; queries
     along `q_axis`). args: (score,) b, h, q_idx, kv_idx, the indices clamped into the
     lengths, at most 2**24: an int difference of them converted to float32 is converted
@@ -476,7 +476,9 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     rows as the tile has along that axis), edge-padded by the caller. Returns the mod's
     outputs as scalars, Vectors or tiles, or, with keep_affine, as they came out
     (Affines too: `score_parts` takes those apart). The score arg may be an Affine (the
-    kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one)."""
+    kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one).
+    block_readers: {read key: read(captured, indices) -> the [q, kv] tile} for the
+    reads `reads` calls blocks (the Mosaic forward's, from its TMA-fed rings)."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
     first_index_arg = 2 + (program.kind == "score")
@@ -510,6 +512,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
 
     numbers = numbered(reads)
     readers = {key: (relative_reader(numbers[key]) if key in numbers
+                     else _block_reader(block_readers, key) if kind == "block"
                      else slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
     outputs = evaluate_jaxpr_on_tiles(
@@ -518,6 +521,13 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
         primitive_overrides=PRIMITIVE_OVERRIDES, captured_reads=readers,
         apply=tile_applier(tile))
     return outputs if keep_affine else [materialize(x, tile) for x in outputs]
+
+
+def _block_reader(block_readers, key):
+    if not block_readers or key not in block_readers:
+        raise NotImplementedError("a bias tensor's [q, kv] blocks are read by the Mosaic "
+                                  "forward only (its memory warpgroup copies them)")
+    return block_readers[key]
 
 
 def relative_read_tile(tables, *, batch, head, q_start, kv_start, tile, q_axis, interpret):
@@ -621,12 +631,15 @@ def padded_for_slices(program, reads, q_length: int, kv_length: int):
     for position, axis, kind in reads.values():
         if kind == "relative":  # its tables follow (`tile_inputs`)
             continue
-        length = q_length if kind == "q" else kv_length
-        array = arrays[position]
-        if array.shape[axis] < length:
-            widths = [(0, 0)] * array.ndim
-            widths[axis] = (0, length - array.shape[axis])
-            arrays[position] = jnp.pad(array, widths, mode="edge")
+        # A block read pads its q axis and its kv axis.
+        lengths = (zip(axis, (q_length, kv_length)) if kind == "block"
+                   else [(axis, q_length if kind == "q" else kv_length)])
+        for axis_, length in lengths:
+            array = arrays[position]
+            if array.shape[axis_] < length:
+                widths = [(0, 0)] * array.ndim
+                widths[axis_] = (0, length - array.shape[axis_])
+                arrays[position] = jnp.pad(array, widths, mode="edge")
     return arrays
 
 

@@ -29,7 +29,8 @@ SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional",
              "prefix_lm_per_batch", "dilated", "chunked_causal", "and_or_not",
              "alibi_causal", "softcap_causal", "softcap_approx", "relative_position",
              "t5_bias"]
-# Supported through mosaic_eligibility.contiguous_reads (reads at q_idx / kv_idx as slices).
+# Supported through mosaic_eligibility.contiguous_reads (reads at q_idx / kv_idx as slices;
+# a bias tensor's [q, kv] blocks, the forward only: `test_bias_tensor_blocks`).
 SLICED = ["document", "document_causal_wrapper"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
 SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
@@ -152,6 +153,18 @@ def test_contiguous_reads_recognizes_index_reads_only():
 
     reads = mosaic_eligibility.contiguous_reads(make_mod_program(shifted, SCORE))
     assert sorted(reads.values()) == [(0, 1, "kv"), (0, 1, "q")]
+
+    # Blocks of a bias tensor at (q_idx, kv_idx), for the forward only: float arrays, q
+    # before kv (the tile's order), other indices of b and h.
+    bias, keep = jnp.zeros((2, 4, 64, 64), jnp.bfloat16), jnp.ones((2, 64, 64), bool)
+
+    def blocks(score, b, h, q_idx, kv_idx):
+        return (score + bias[b // 2, h, q_idx, kv_idx] + bias[b, h, kv_idx, q_idx]
+                + jnp.where(keep[b, q_idx, kv_idx], 0.0, 1.0))
+    program = make_mod_program(blocks, SCORE)
+    assert not mosaic_eligibility.contiguous_reads(program)
+    assert sorted(mosaic_eligibility.contiguous_reads(program, blocks=True).values()) == [
+        (0, (2, 3), "block")]
     assert mosaic_eligibility.mod_unsupported_reason(make_mod_program(shifted, SCORE))
     assert mosaic_eligibility.mod_unsupported_reason(make_mod_program(
         lambda s, b, h, q_idx, kv_idx: s + table[h, q_idx + offset], SCORE)) is None
@@ -200,31 +213,113 @@ def test_gathering_mods_are_refused_with_the_reason():
         return score + table[h, q_idx // 2 + kv_idx]
     bias = jnp.zeros((2, 2, 256, 256))
 
-    def transposed(score, b, h, q_idx, kv_idx):
+    def transposed(score, b, h, q_idx, kv_idx):  # a [kv, q] block: not the tile's order
         return score + bias[b, h, kv_idx, q_idx]
-    # A bias tensor read at (q_idx, kv_idx) is a gather too: its [q, kv] blocks loaded
-    # from GMEM in the scores' layout hung the H200 at S 4096 (docs/gpu-notes.md).
-    for score_mod in (gathering, transposed, masks.bias_lookup(bias)):
+    for score_mod in (gathering, transposed):
         with pytest.raises(ValueError, match="gather"):
             pf.attention(q, k, v, score_mod=score_mod, backend="interpret",
                          kernel_options=MOSAIC)
 
 
-def test_a_read_indexed_by_the_score_is_a_gather_not_a_slice():
-    """A read whose other index depends on the score varies over the tile in a way no
-    slice load can follow: `tile_reads` takes none and the reason names the gather."""
-    table = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
+def test_a_read_indexed_by_the_score_is_a_gather_not_a_block():
+    """A bias read whose batch index depends on the score varies over the tile in a way
+    no block load can follow: `tile_reads` takes none and the reason names the gather."""
+    bias = jnp.arange(2 * 3 * 256 * 256, dtype=jnp.float32).reshape(2, 3, 256, 256)
 
     def by_row(score, b, h, q_idx, kv_idx):
-        return score + table[b // 2, q_idx]
+        return score + bias[b // 2, h, q_idx, kv_idx]
 
     def by_score(score, b, h, q_idx, kv_idx):
-        return score + table[(score > 0).astype(jnp.int32), q_idx]
-    assert not mosaic_eligibility.tile_reads(make_mod_program(by_score, SCORE))
+        return score + bias[(score > 0).astype(jnp.int32), h, q_idx, kv_idx]
+    assert not mosaic_eligibility.tile_reads(make_mod_program(by_score, SCORE), blocks=True)
     assert "gather" in mosaic_eligibility.mod_unsupported_reason(
-        make_mod_program(by_score, SCORE))
-    reads = mosaic_eligibility.tile_reads(make_mod_program(by_row, SCORE))
-    assert [kind for _, _, kind in reads.values()] == ["q"]
+        make_mod_program(by_score, SCORE), blocks=True)
+    reads = mosaic_eligibility.tile_reads(make_mod_program(by_row, SCORE), blocks=True)
+    assert [kind for _, _, kind in reads.values()] == ["block"]
+
+
+# Bias tensors read at (q_idx, kv_idx) (`bias_lookup`: [B, H, Sq, Skv], B and H shared or
+# not; 16-bit or float32): the forward's memory warpgroup copies each K/V tile's [128, keys]
+# block of the (edge-padded) array into a ring beside the K/V stages; ragged lengths and
+# Sq != Skv read the padding, which no kept score uses. D 128 walks 64-key tiles then
+# (`forward_mosaic.stages_and_parts`); three items a program share one ring.
+_BLOCK_SHAPES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, 1),
+                 (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, 2),
+                 (jnp.float16, "MHA", 256, 128, 128, (1, 1), jnp.float32, 3),
+                 (jnp.bfloat16, "MHA", 384, 256, 128, (2, 4), jnp.bfloat16, 2)]
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim,bias_shape,bias_dtype,items",
+                         _BLOCK_SHAPES)
+def test_bias_tensor_blocks(backend, dtype, layout, q_len, kv_len, dim, bias_shape,
+                            bias_dtype, items):
+    q_heads, kv_heads = heads_of(layout, backend)
+    q, k, v = random_qkv(3, 2, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
+    shape = (bias_shape[0] if bias_shape[0] == 1 else 2,
+             1 if bias_shape[1] == 1 else q_heads, q_len, kv_len)
+    bias = (jax.random.normal(jax.random.key(7), shape) * 2).astype(bias_dtype)
+    score_mod = masks.bias_lookup(bias)
+    options = {**MOSAIC, "forward_items_per_program": items}
+    for mask_mod in (None, masks.causal_mask):
+        choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                            backend=backend, kernel_options=options)
+        assert "forward: mosaic_forward" in choice, choice
+        if backend == "pallas":  # and by default
+            choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                backend=backend)
+            assert "forward: mosaic_forward" in choice, choice
+        # The backward is the Triton kernel's: the Mosaic backward says why not.
+        with pytest.raises(ValueError, match="bias tensor"):
+            pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                       kernel_options={**options, "backward_kernel": "mosaic"})
+        out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                backend=backend, return_lse=True, kernel_options=options)
+        _check_forward(out, lse, q, k, v, mask_mod, score_mod)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_pair_bias_blocks_addressed_by_batch_row(backend):
+    """A pair bias shared by the rows of each MSA (`bias[b // 2, h, q_idx, kv_idx]`, as
+    `pf.variants.gated_self_attention` folds its rows into the batch): the memory
+    warpgroup evaluates the index slice `b // 2` per item (`block_indices`); a second
+    read whose batch index comes from a captured array stays a gather (the Triton
+    forward's)."""
+    q, k, v = random_qkv(5, 4, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
+    bias = (jax.random.normal(jax.random.key(8), (2, 2, 256, 256)) * 2).astype(jnp.bfloat16)
+
+    def pair_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[b // 2, h, q_idx, kv_idx]
+    out, lse = pf.attention(q, k, v, score_mod=pair_bias, backend=backend, return_lse=True,
+                            kernel_options={**MOSAIC, "forward_items_per_program": 2})
+    _check_forward(out, lse, q, k, v, None, pair_bias)
+    rows = jnp.array([1, 0, 1, 0], jnp.int32)
+
+    def by_table(score, b, h, q_idx, kv_idx):
+        return score + bias[rows[b], h, q_idx, kv_idx]
+    with pytest.raises(ValueError, match="gather"):
+        pf.explain(q, k, v, score_mod=by_table, backend=backend, kernel_options=MOSAIC)
+
+
+def test_block_indices_slice_the_mod_to_b_and_h():
+    """`block_indices` runs the part of the mod that addresses a block (on b and h only)
+    and refuses an index that depends on anything else."""
+    bias = jnp.zeros((3, 4, 64, 64), jnp.float32)
+    table = jnp.zeros((8,), jnp.int32)
+
+    def mod(score, b, h, q_idx, kv_idx):
+        return (score + bias[b // 3, (h + 1) % 4, q_idx, kv_idx]
+                + bias[table[b], 0, q_idx, kv_idx])
+    program = make_mod_program(mod, SCORE)
+    reads = mosaic_eligibility.contiguous_reads(program, blocks=True)
+    equations = [e for e in program.jaxpr.eqns if id(e) in reads]
+    assert len(equations) == 1  # the second read is a gather
+    indices = mosaic_eligibility.block_indices(program, equations[0])
+    assert [None if i is None else int(i) for i in indices(jnp.int32(7), jnp.int32(3))] == [
+        2, 0, None, None]
+    gathered = next(e for e in program.jaxpr.eqns if e.primitive.name == "dynamic_slice"
+                    and id(e) not in reads and e.invars[0] is equations[0].invars[0])
+    assert mosaic_eligibility.block_indices(program, gathered) is None
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
