@@ -37,6 +37,7 @@ the rest (TMA copies, barriers, the three warpgroups) is simulated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -47,13 +48,15 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, block_indices, exp2_fma_share, hand_over_early, named_turn_barriers, tile_reads)
+    BLOCK, BLOCK_DTYPES, block_indices, exp2_fma_share, hand_over_early, named_turn_barriers,
+    tile_reads)
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, evaluate, index_vector, map_each_element,
-    matmul, reads_index, score_parts, split_rows, split_tile_refs, tile_inputs,
-    weighted_row_sums)
+    ROWS_PER_WARPGROUP, Affine, DiagonalRunsTile, Vector, apply_mask, evaluate, index_vector,
+    map_each_element, matmul, reads_index, score_parts, split_rows, split_tile_refs,
+    tile_inputs, weighted_row_sums)
+from pallas_flex.kernels.relative_reads import diagonal_blocks, numbered
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.masks.mod_program import score_bounds, with_read_derivatives
 
@@ -133,7 +136,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             num_stages, num_q_blocks, num_heads, num_items, items_per_program, q_len, kv_len,
             broadcast_batch, broadcast_heads, mask_reads, score_reads, paged, interpret,
             with_max=False, with_sinks=False, with_gate=False, fixed_max=None,
-            parts_per_block=1, row_sum_sites=0, mod_program=None, bias_blocks=()):
+            parts_per_block=1, row_sum_sites=0, mod_program=None, bias_blocks=(),
+            diagonal_reads=()):
     """mask_reads, score_reads: the mods' `tile_reads`. with_max: a third output,
     the row max of the logits (and a shared-memory row buffer for it). row_sum_sites:
     that many outputs more (each with a row buffer), per derivative g of a captured read
@@ -157,6 +161,13 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     stages (a shared-memory [stages, 2, 64, keys] buffer and a barrier per stage, the
     last scratch buffers and barriers), after the tile's V (whose release, after p·v,
     follows the mod's read); each compute warpgroup reads its 64 rows when the mod runs.
+    diagonal_reads: per relative read of the score_mod that is dense on some block
+    diagonals (`relative_reads.diagonal_blocks`: T5 buckets near the main diagonal),
+    (read key, first block diagonal, count): its dense tiles [Bm, H, count, 128, 128]
+    follow the mods' inputs; the memory warpgroup copies a K/V tile's [128, keys] block
+    of them into a ring of its own (after the bias blocks' rings and barriers) only on
+    those block diagonals, and a compute warpgroup waits for it and loads its rows only
+    there (`DiagonalRunsTile`); elsewhere the read is its one run.
 
     Work items are (head, query block, batch) triples, heads varying fastest and the
     query blocks from the last (a causal mask's longest rows first). Program p runs
@@ -170,14 +181,17 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         sinks_ref, *refs = refs
     if with_gate:
         gate_ref, *refs = refs
-    mask_refs, score_refs, (out_ref, lse_ref, *row_refs, scratch) = split_tile_refs(
-        refs, mask_program, mask_reads, score_program, score_reads)
+    mask_refs, score_refs, rest = split_tile_refs(refs, mask_program, mask_reads,
+                                                  score_program, score_reads)
+    diagonal_refs = rest[:len(diagonal_reads)]
+    out_ref, lse_ref, *row_refs, scratch = rest[len(diagonal_reads):]
     max_ref, sum_refs = row_refs[:with_max], row_refs[with_max:]
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
     # the row sums' and a persistent program's output tiles (see `_launch`).
     (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
-    block_rings = extra_smem[len(extra_smem) - len(bias_blocks):]
-    extra_smem = extra_smem[:len(extra_smem) - len(bias_blocks)]
+    rings = extra_smem[len(extra_smem) - len(bias_blocks) - len(diagonal_reads):]
+    extra_smem = extra_smem[:len(extra_smem) - len(rings)]
+    block_rings, diagonal_rings = rings[:len(bias_blocks)], rings[len(bias_blocks):]
     persistent = items_per_program > 1
     max_smem2 = extra_smem[:1] if with_max else []
     sum_smem2 = extra_smem[with_max:with_max + row_sum_sites]
@@ -185,7 +199,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     policy_program = score_program if mod_program is None else mod_program
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier,
      *rest) = barriers
-    gate_barriers, block_barriers = rest[:with_gate], rest[with_gate:]
+    gate_barriers, rest = rest[:with_gate], rest[with_gate:]
+    block_barriers, diagonal_barriers = rest[:len(bias_blocks)], rest[len(bias_blocks):]
     head_dim = q_ref.shape[3]
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
@@ -317,20 +332,37 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                           jnp.zeros_like(values))
                     plgpu.commit_smem()  # before the wgmma reads the tile
 
-        def block_readers(slot):
+        def block_readers(slot, block_start):
             """The bias blocks' readers on the tile in `slot`: this warpgroup's 64 rows
-            of the block its ring holds there, once its copy has landed."""
+            of the block its ring holds there, once its copy has landed; and the dense
+            relative reads' wrappers of their runs (the same rows, where the tile's block
+            diagonal is one of the read's dense ones)."""
+            def load_rows(ring, barrier):
+                plgpu.barrier_wait(barrier.at[slot])
+                rows = ring.at[slot, warpgroup]
+                if interpret:
+                    return rows[...]
+                return plgpu.load(rows, (), layout=plgpu.Layout.WGMMA)
+
             def reader(ring, barrier):
                 def read(captured, indices):
                     del captured, indices  # (the memory warpgroup addressed the copy)
-                    plgpu.barrier_wait(barrier.at[slot])
-                    rows = ring.at[slot, warpgroup]
-                    if interpret:
-                        return rows[...]
-                    return plgpu.load(rows, (), layout=plgpu.Layout.WGMMA)
+                    return load_rows(ring, barrier)
                 return read
-            return {key: reader(ring, barrier) for (key, *_), ring, barrier
-                    in zip(bias_blocks, block_rings, block_barriers)}
+
+            def diagonal_reader(ring, barrier, first, count):
+                def wrap(runs):
+                    held = lax.div(block_start, jnp.int32(BLOCK)) - q_block - first
+                    fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
+                    return DiagonalRunsTile(**fields, dense=(held >= 0) & (held < count),
+                                            load=lambda: load_rows(ring, barrier))
+                return wrap
+            readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
+                       in zip(bias_blocks, block_rings, block_barriers)}
+            readers.update({key: diagonal_reader(ring, barrier, first, count)
+                            for (key, first, count), ring, barrier
+                            in zip(diagonal_reads, diagonal_rings, diagonal_barriers)})
+            return readers
 
         def visit(step, carry, masked):
             block_start = None
@@ -380,7 +412,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     score_program, score_reads, score_refs,
                     (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
                     q_start=q_start, kv_start=kv_start, interpret=interpret,
-                    keep_affine=True, block_readers=block_readers(slot))
+                    keep_affine=True, block_readers=block_readers(slot, block_start))
                 read_derivatives = derivatives[1:]
                 logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:
@@ -563,6 +595,18 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                         at[kv_axis] = pl.ds(location * BLOCK + part * tile_rows, tile_rows)
                         plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
                                                 barrier.at[slot])
+                for (_, first, count), source, ring, barrier in zip(
+                        diagonal_reads, diagonal_refs, diagonal_rings, diagonal_barriers):
+                    held = location - q_block - first
+
+                    @pl.when((held >= 0) & (held < count))
+                    def _(source=source, ring=ring, barrier=barrier, held=held):
+                        for half in range(COMPUTE_WARPGROUPS):
+                            at = (0 if source.shape[0] == 1 else batch, head, held,
+                                  pl.ds(half * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP),
+                                  pl.ds(part * tile_rows, tile_rows))
+                            plgpu.copy_gmem_to_smem(source.at[at], ring.at[slot, half],
+                                                    barrier.at[slot])
 
             def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
@@ -769,6 +813,27 @@ def _bias_blocks(score_program, score_reads):
                  for key, (position, axes, kind) in score_reads.items() if kind == "block")
 
 
+# Whether relative reads take their dense block diagonals from TMA-fed rings
+# (`_diagonal_reads`); False: the runs everywhere (what the tests compare with). H200,
+# paired rounds, ms, dense / runs: causal one-way T5 B4 H16 S4096 D128 0.752 / 0.954, B8
+# S2048 D64 0.355 / 0.634; a table clipped to [-64, 64] 0.727 / 1.263 (docs/gpu-notes.md).
+DENSE_DIAGONALS = True
+
+
+def _diagonal_reads(score_program, score_reads, *, paged, batch, heads, q_length,
+                    kv_length):
+    """(`_kernel`'s diagonal_reads, their dense tiles) for the score_mod's relative reads
+    of float tables that are dense on some block diagonals (`diagonal_blocks`); none on
+    pages (whose walk keeps its stages: `stages_and_parts` is not asked)."""
+    if paged or score_program is None or not DENSE_DIAGONALS:
+        return (), []
+    found = diagonal_blocks(score_program, score_reads, batch, heads, q_length, kv_length)
+    reads = [(key, found[number]) for key, number in numbered(score_reads).items()
+             if number in found and jnp.dtype(found[number].tiles.dtype) in BLOCK_DTYPES]
+    return (tuple((key, blocks.first, blocks.count) for key, blocks in reads),
+            [blocks.tiles for _, blocks in reads])
+
+
 def block_transforms(columns: int, dtype):
     """The shared-memory layout of a bias block's [64, columns] rows: 128-byte rows of 8
     swizzled by 128 bytes (16-bit: 64 columns a tile row; float32: 32), as the compute
@@ -940,10 +1005,18 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
     row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
-    parts_per_block, planned_stages = ((1, _STAGES[head_dim]) if paged else stages_and_parts(
-        head_dim, q.dtype, [score_program.consts[position].dtype
-                            for _, position, _, _ in bias_blocks],
-        persistent=persistent, row_buffers=row_buffers))
+    bias_dtypes = [score_program.consts[position].dtype for _, position, _, _ in bias_blocks]
+    diagonal_reads, diagonal_tiles = _diagonal_reads(
+        score_program, score_reads, paged=paged, batch=batch, heads=q_heads,
+        q_length=num_q_blocks * BLOCK, kv_length=num_kv_blocks * BLOCK)
+    fitted = (1, _STAGES[head_dim]) if paged else stages_and_parts(
+        head_dim, q.dtype, bias_dtypes + [t.dtype for t in diagonal_tiles],
+        persistent=persistent, row_buffers=row_buffers)
+    if fitted is None and diagonal_tiles:  # their rings do not fit: the runs alone
+        diagonal_reads, diagonal_tiles = (), []
+        fitted = stages_and_parts(head_dim, q.dtype, bias_dtypes, persistent=persistent,
+                                  row_buffers=row_buffers)
+    parts_per_block, planned_stages = fitted
     num_stages = num_stages or planned_stages
     captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
                            batch=batch, heads=q_heads, q_length=num_q_blocks * BLOCK,
@@ -963,9 +1036,10 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         mask_reads=mask_reads, score_reads=score_reads, paged=paged, interpret=interpret,
         with_max=with_max, with_sinks=sinks is not None, with_gate=gate is not None,
         fixed_max=fixed_max, parts_per_block=parts_per_block,
-        row_sum_sites=len(row_sums_of), mod_program=mod_program, bias_blocks=bias_blocks)
-    # (and a persistent program's output, and the bias blocks' rings)
-    smem_buffers = 3 + row_buffers + persistent + len(bias_blocks)
+        row_sum_sites=len(row_sums_of), mod_program=mod_program, bias_blocks=bias_blocks,
+        diagonal_reads=diagonal_reads)
+    # (and a persistent program's output, and the bias blocks' and dense diagonals' rings)
+    smem_buffers = 3 + row_buffers + persistent + len(bias_blocks) + len(diagonal_reads)
     tile_rows = BLOCK // parts_per_block
 
     def entry(*refs):
@@ -989,8 +1063,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
                           transforms=transforms)] if persistent else []),
             *[plgpu.SMEM((num_stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, tile_rows),
                          dtype, transforms=block_transforms(tile_rows, dtype))
-              for dtype in (score_program.consts[position].dtype
-                            for _, position, _, _ in bias_blocks)],
+              for dtype in bias_dtypes + [t.dtype for t in diagonal_tiles]],
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
@@ -999,7 +1072,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
             *([plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)] if gate is not None else []),
             *[plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages)
-              for _ in bias_blocks],
+              for _ in range(len(bias_blocks) + len(diagonal_reads))],
             collective_axes="warpgroup",
         )
 
@@ -1016,5 +1089,5 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, *tables, *paging, *([] if sinks is None else [sinks]),
-      *([] if gate is None else [gate]), *captured)
+      *([] if gate is None else [gate]), *captured, *diagonal_tiles)
     return (out[:, :q_len],) + tuple(row[:, :, :q_len] for row in rows)

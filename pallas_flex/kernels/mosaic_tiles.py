@@ -478,7 +478,8 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     (Affines too: `score_parts` takes those apart). The score arg may be an Affine (the
     kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one).
     block_readers: {read key: read(captured, indices) -> the [q, kv] tile} for the
-    reads `reads` calls blocks (the Mosaic forward's, from its TMA-fed rings)."""
+    reads `reads` calls blocks (the Mosaic forward's, from its TMA-fed rings), and
+    {key: RunsTile -> DiagonalRunsTile} for relative reads with dense block diagonals."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
     first_index_arg = 2 + (program.kind == "score")
@@ -499,19 +500,22 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
                           tile_axis)
         return read
 
-    def relative_reader(number):
+    def relative_reader(key, number):
         tables = refs[len(program.consts) + 3 * number:][:3]
         batch, head = args[first_index_arg - 2], args[first_index_arg - 1]
 
         def read(captured, indices):
             del captured, indices  # the tables hold the read's values
-            return relative_read_tile(tables, batch=batch, head=head, q_start=q_start,
+            runs = relative_read_tile(tables, batch=batch, head=head, q_start=q_start,
                                       kv_start=kv_start, tile=tile, q_axis=q_axis,
                                       interpret=interpret)
+            # Dense on some block diagonals (`relative_reads.diagonal_blocks`): the
+            # kernel's reader makes it a `DiagonalRunsTile`.
+            return block_readers[key](runs) if key in (block_readers or {}) else runs
         return read
 
     numbers = numbered(reads)
-    readers = {key: (relative_reader(numbers[key]) if key in numbers
+    readers = {key: (relative_reader(key, numbers[key]) if key in numbers
                      else _block_reader(block_readers, key) if kind == "block"
                      else slice_reader(axis, kind), axis)
                for key, (_, axis, kind) in reads.items()}
@@ -620,6 +624,27 @@ class RunsTile:
         total = base + self._value(0)
         return self._walk(lambda reached, previous, current, total:
                           jnp.where(reached, total + (current - previous), total), total)
+
+
+@dataclasses.dataclass(frozen=True)
+class DiagonalRunsTile(RunsTile):
+    """A relative read that is dense on some block diagonals
+    (`relative_reads.diagonal_blocks`): on a tile of those (`dense`, a traced bool) its
+    value is `load()` (the [rows, columns] tile in the table's dtype, which the Mosaic
+    forward's memory warpgroup copied into a ring), elsewhere the runs (one there)."""
+    dense: object = None
+    load: object = None
+
+    def _loaded(self):
+        value = self.load()
+        return value if self.dtype is None else value.astype(self.dtype)
+
+    def value_tile(self):
+        return lax.cond(self.dense, self._loaded, super().value_tile)
+
+    def added_to(self, base):
+        return lax.cond(self.dense, lambda base: base + self._loaded(), super().added_to,
+                        base)
 
 
 def padded_for_slices(program, reads, q_length: int, kv_length: int):

@@ -11,7 +11,8 @@ logarithmic buckets near the main diagonal, one run everywhere past `max_distanc
 Inside, the tile starts as the first run's value and takes each later run's value where
 kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar
 broadcast on most tiles, two operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
-log) is never evaluated in the kernel.
+log) is never evaluated in the kernel. Near the diagonal the forward reads dense tiles
+instead (`diagonal_blocks`: one load per score where T5 takes some 30 runs).
 
 For a table's gradient (`backward_mosaic`), `entry_tables` lists the runs by table
 entry instead of by value, with where each entry lies in the table.
@@ -173,6 +174,69 @@ def relative_tables(program, reads, batch: int, heads: int, q_length: int,
     for number in range(len(numbers)):
         tables += _runs(values[number][:, :, window], window + differences[0])
     return tables
+
+
+# Block diagonals whose tiles reach more runs than this take the read as a dense tile
+# (`diagonal_blocks`); at most MAX_DIAGONAL_BLOCKS of them a read.
+DIAGONAL_MIN_RUNS = 4
+MAX_DIAGONAL_BLOCKS = 8
+
+
+class DiagonalBlocks(NamedTuple):
+    """A relative read's value on the block diagonals `first` .. first + count - 1 (key
+    block less query block) as dense tiles: tiles [Bm, H, count, BLOCK, BLOCK], the value
+    at each (query row, key column) of a block pair on that diagonal."""
+    first: int
+    count: int
+    tiles: jax.Array
+
+
+def diagonal_blocks(program, reads, batch: int, heads: int, q_length: int,
+                    kv_length: int) -> dict:
+    """{relative read number: DiagonalBlocks} for the reads whose runs are many near the
+    main diagonal (T5: some 30 runs on the two block diagonals a causal mask reaches
+    there; clipped relative tables: 2 clip + 1): the Mosaic forward's memory warpgroup
+    copies those block diagonals' tiles by TMA, where a run costs a compare and a select
+    per score (`mosaic_tiles.RunsTile`); the other block diagonals hold one run each.
+
+    Which block diagonals those are is known at trace time where the read's indices
+    depend on b, h and kv_idx - q_idx only (not on a traced array); the values are the
+    mod's own at every (b, h, difference), as `relative_tables`' are. A read whose dense
+    block diagonals span more than MAX_DIAGONAL_BLOCKS is left out."""
+    numbers = numbered(reads)
+    if not numbers:
+        return {}
+    table_batch = batch if program.uses_batch else 1
+    with jax.ensure_compile_time_eval():
+        differences, window = _windows(q_length, kv_length)
+        _, indices = _per_difference(program, numbers, table_batch, heads, differences)
+    window = np.asarray(window)
+    shape = (table_batch, heads, differences.shape[0])
+    values = None
+    found = {}
+    for key, number in numbers.items():
+        sizes = jnp.shape(program.consts[reads[key].position])
+        try:
+            clamped = [np.clip(np.broadcast_to(np.asarray(index), shape), 0, size - 1)
+                       for index, size in zip(indices[number], sizes)]
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+            continue  # an index read from a traced array: the runs are traced too
+        changes = np.zeros(shape[-1] - 1, bool)
+        for index in clamped:
+            changes |= np.any(index[..., 1:] != index[..., :-1], axis=(0, 1))
+        runs = 1 + changes[window[:, :-1]].sum(axis=1)
+        dense = np.flatnonzero(runs > DIAGONAL_MIN_RUNS)
+        if not dense.size or dense[-1] - dense[0] + 1 > MAX_DIAGONAL_BLOCKS:
+            continue
+        if values is None:
+            values, _ = _per_difference(program, numbers, table_batch, heads, differences)
+        blocks = window.shape[0] // 2 + 1
+        diagonals = np.arange(dense[0], dense[-1] + 1)
+        rows, columns = np.indices((BLOCK, BLOCK))
+        positions = window[diagonals][:, columns - rows + BLOCK - 1]  # [count, q, kv]
+        found[number] = DiagonalBlocks(int(dense[0]) - (blocks - 1), len(diagonals),
+                                       values[number][:, :, positions])
+    return found
 
 
 def entry_tables(program, reads, position: int, batch: int, heads: int, q_length: int,
@@ -345,5 +409,6 @@ def _per_difference(program, numbers, table_batch, heads, differences):
     return values, read_indices
 
 
-__all__ = ["Dump", "RelativeRead", "TABLE_DTYPES", "WINDOW", "entry_count", "entry_tables", "numbered",
-           "relative_reads", "relative_tables", "varying_axes"]
+__all__ = ["DiagonalBlocks", "Dump", "RelativeRead", "TABLE_DTYPES", "WINDOW",
+           "diagonal_blocks", "entry_count", "entry_tables", "numbered", "relative_reads",
+           "relative_tables", "varying_axes"]

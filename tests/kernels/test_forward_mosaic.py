@@ -920,6 +920,33 @@ def test_reads_at_relative_positions(case, backend):
     np.testing.assert_allclose(np.asarray(lse), expected_lse, atol=2e-2, rtol=2e-2)
 
 
+def test_dense_block_diagonals_come_from_their_tiles(monkeypatch):
+    """A T5 bias's block diagonals near the main one (`relative_reads.diagonal_blocks`)
+    are read from the tiles the memory warpgroup copies, the others from their one run
+    (`test_reads_at_relative_positions` checks both against the golden): the runs alone
+    (DENSE_DIAGONALS off) give the same lse within float32 rounding, tiles raised by 1
+    raise the lse of every row (each row's keys on those diagonals)."""
+    from pallas_flex.kernels import forward_mosaic
+    q, k, v = random_qkv(9, 1, 256, 384, 2, 2, 64, 64, jnp.bfloat16)
+    table = jnp.asarray(np.random.default_rng(4).standard_normal((2, 32)), jnp.float32)
+    score_mod = masks.t5_relative_bias(table, bidirectional=True)
+
+    def lse_of():
+        jax.clear_caches()
+        _, lse = pf.attention(q, k, v, score_mod=score_mod, backend="interpret",
+                              return_lse=True, kernel_options=MOSAIC)
+        return np.asarray(lse)
+    dense = lse_of()
+    monkeypatch.setattr(forward_mosaic, "DENSE_DIAGONALS", False)
+    np.testing.assert_allclose(lse_of(), dense, rtol=1e-5, atol=0)
+    monkeypatch.setattr(forward_mosaic, "DENSE_DIAGONALS", True)
+    found = forward_mosaic.diagonal_blocks
+    monkeypatch.setattr(forward_mosaic, "diagonal_blocks", lambda *args: {
+        number: blocks._replace(tiles=blocks.tiles + 1.0)
+        for number, blocks in found(*args).items()})
+    assert np.all(lse_of() > dense + 0.05)
+
+
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_soft_cap_at_head_dim_64_with_exp2_on_the_fma_units(dtype, backend):

@@ -5,6 +5,7 @@ bucket function evaluated per difference with numpy."""
 
 from unittest import mock
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -121,3 +122,60 @@ def test_a_table_read_at_b_and_a_clipped_difference():
     np.testing.assert_array_equal(spans[:, :, 2, 2, 1] - spans[:, :, 2, 2, 0], 1)
     # The main diagonal's middle tile reaches all 7 entries.
     np.testing.assert_array_equal(spans[:, :, 1, 1, 1] - spans[:, :, 1, 1, 0], 7)
+
+
+@pytest.mark.parametrize("bidirectional", [False, True])
+def test_dense_block_diagonals_hold_the_read_per_score(bidirectional):
+    """`diagonal_blocks`: the block diagonals whose tiles reach more than
+    DIAGONAL_MIN_RUNS runs (a one-way T5 bucket: the main one and the one below it; two
+    ways: also the one above), each as the read's value at every (query row, key column)
+    of a block pair on it, checked against the bucket function per score."""
+    table = jnp.asarray(np.random.default_rng(3).standard_normal((3, 32)), jnp.float32)
+    program = make_mod_program(masks.t5_relative_bias(table, bidirectional=bidirectional),
+                               SCORE)
+    reads = mosaic_eligibility.tile_reads(program)
+    (found,) = relative_reads.diagonal_blocks(program, reads, 2, 3, 256, 640).values()
+    assert (found.first, found.count) == ((-1, 3) if bidirectional else (-1, 2))
+    assert found.tiles.shape == (1, 3, found.count, 128, 128)
+    rows, columns = np.indices((128, 128))
+    for index in range(found.count):
+        differences = (found.first + index) * 128 + columns - rows
+        buckets = np.asarray(masks.t5_relative_bucket(
+            jnp.asarray(differences), num_buckets=32, max_distance=128,
+            bidirectional=bidirectional))
+        for head in range(3):
+            np.testing.assert_array_equal(np.asarray(found.tiles[0, head, index]),
+                                          np.asarray(table)[head][buckets])
+
+
+def test_few_runs_and_traced_indices_keep_the_runs():
+    """A table read at a difference clipped to [-2, 2] reaches 5 runs on the main block
+    diagonal and at most 3 elsewhere: only the main one is dense; at [-1, 1] none is. An
+    index read from a captured array is traced: no block diagonal is known dense."""
+    table = jnp.arange(2 * 41, dtype=jnp.float32).reshape(2, 41)
+
+    def clipped(limit):
+        return lambda s, b, h, q_idx, kv_idx: s + table[h, jnp.clip(kv_idx - q_idx, -limit,
+                                                                     limit) + 20]
+    found = []
+    for limit in (2, 1):
+        program = make_mod_program(clipped(limit), SCORE)
+        found.append({number: (blocks.first, blocks.count) for number, blocks in
+                      relative_reads.diagonal_blocks(
+                          program, mosaic_eligibility.tile_reads(program), 1, 2, 384,
+                          384).items()})
+    assert found == [{0: (0, 1)}, {}]
+    # Under jit (as the kernels are built) a captured array is traced.
+    seen = []
+
+    @jax.jit
+    def trace(offsets):
+        def shifted(s, b, h, q_idx, kv_idx):
+            return s + table[h, jnp.clip(kv_idx - q_idx, -20, 20) + 20 - offsets[h]]
+        program = make_mod_program(shifted, SCORE)
+        reads = mosaic_eligibility.tile_reads(program)
+        assert any(read.kind == "relative" for read in reads.values())
+        seen.append(relative_reads.diagonal_blocks(program, reads, 1, 2, 384, 384))
+        return offsets
+    trace(jnp.array([3, 0], jnp.int32))
+    assert seen == [{}]
