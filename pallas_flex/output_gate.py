@@ -5,15 +5,15 @@ of the layer's input).
 
     out = sigmoid(gate) * softmax(scores) v
 
-Fused where it pays: a gated call that no one differentiates (inference) runs the
-Triton or Mosaic GPU forward with the gate read in its epilogue (`kernels/forward.py`;
+Fused where it pays: a gated call that no one differentiates (inference) runs the Triton
+or Mosaic GPU forward with the gate read in its epilogue (`kernels/forward.py`;
 `kernels/forward_mosaic.py` copies each warpgroup's gate tile into its output staging
-buffer, under the walk in a persistent program), so the ungated output never reaches HBM: the multiply
-outside the kernel would read that output and the gate and write the result, three
-passes over an array of the output's size. Every other kernel, and the forward of a
-differentiated call, applies it after the kernel (`gated`), in float32: the backward
-needs the ungated output anyway (its delta is rowsum(dO * out) of the softmax's own
-output), and from it
+buffer, under the walk in a persistent program), so the ungated output never reaches
+HBM: the multiply outside the kernel would read that output and the gate and write the
+result, three passes over an array of the output's size. Every other kernel, and the
+forward of a differentiated call, applies it after the kernel (`gated`), in float32: the
+backward needs the ungated output anyway (its delta is rowsum(dO * out) of the softmax's
+own output), and from it
 
     d_out = d_y * sigmoid(gate),   d_gate = d_y * out * sigmoid(gate) * (1 - sigmoid(gate))
 

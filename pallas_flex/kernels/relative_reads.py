@@ -10,9 +10,10 @@ block diagonal's 255 values are stored as runs of equal values (T5: the 16-32 ex
 logarithmic buckets near the main diagonal, one run everywhere past `max_distance`).
 Inside, the tile starts as the first run's value and takes each later run's value where
 kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar
-broadcast on most tiles, two operations per element and run near the diagonal. The index arithmetic (a T5 bucket's
-log) is never evaluated in the kernel. Near the diagonal the forward reads dense tiles
-instead (`diagonal_blocks`: one load per score where T5 takes some 30 runs).
+broadcast on most tiles, two operations per element and run near the diagonal. The index
+arithmetic (a T5 bucket's log) is never evaluated in the kernel. Near the diagonal the
+forward reads dense tiles instead (`diagonal_blocks`: one load per score where T5 takes
+some 30 runs).
 
 For a table's gradient (`backward_mosaic`), `entry_tables` lists the runs by table
 entry instead of by value, with where each entry lies in the table.
