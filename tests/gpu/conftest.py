@@ -18,7 +18,10 @@ Environment:
     shards split the tests by groups that share reference values and programs,
     balanced by an estimate of their compile time; `make test-gpu` runs the n shards
     as concurrent pytest processes (compiling is single-threaded CPU work, and the
-    suite's compile time is far over 10 minutes done one after the other).
+    suite's compile time is far over 10 minutes done one after the other). Pytest
+    loads this file, and so the sharding, only when a path under tests/gpu is among
+    those it collects: a run of other files names one too (a -k may deselect its
+    tests), or every shard runs all of them.
 """
 
 from __future__ import annotations
