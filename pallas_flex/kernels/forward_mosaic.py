@@ -23,9 +23,12 @@ the Triton kernel), contiguous K/V or a paged cache (`_tile_pages`, D 64 and 128
 mods built from elementwise operations whose captured arrays are read at indices that
 depend on b and h only (a per-head ALiBi slope, a soft-cap value), at exactly q_idx or
 kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads those as one vector
-per tile), or at indices of kv_idx - q_idx (T5 buckets: `relative_reads`, built from
-per-diagonal tables). Reads at other indices are per-element gathers, which the Triton
-kernel does and this one does not. Attention sinks (one logit per query head,
+per tile), at exactly (q_idx, kv_idx) on contiguous K/V (a bias tensor: the memory
+warpgroup copies its [128, keys] blocks by TMA into a ring beside the K/V stages), or at
+indices of kv_idx - q_idx (T5 buckets: `relative_reads`, built from per-diagonal
+tables; the block diagonals near the main one copied as dense tiles the same way).
+Reads at other indices are per-element gathers, which the Triton kernel does and this
+one does not. Attention sinks (one logit per query head,
 `pallas_flex/sinks.py`) join each row's softmax in the final normalization, as in the
 Triton kernel. Inputs that vary over the manual axes of a shard_map checking them go to
 the Triton kernel (`dispatch.mosaic_unsupported_reason`).
