@@ -51,8 +51,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, BLOCK_DTYPES, block_indices, exp2_fma_share, hand_over_early, named_turn_barriers,
-    tile_reads)
+    BLOCK, BLOCK_DTYPES, block_dtypes, block_indices, exp2_fma_share, hand_over_early,
+    named_turn_barriers, tile_reads)
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
@@ -587,29 +587,36 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                          for i, size in zip(indices_of(batch, head), source.shape)]
                 block_sources.append((source, index, q_axis, kv_axis, ring, barrier))
 
+            def copy_halves(block_of_half, ring, barrier, slot):
+                """A K/V tile's [128, keys] block as two 64-row copies (one per compute
+                warpgroup's rows) into the ring's slot, arriving on the slot's barrier."""
+                for half in range(COMPUTE_WARPGROUPS):
+                    plgpu.copy_gmem_to_smem(block_of_half(half), ring.at[slot, half],
+                                            barrier.at[slot])
+
             def copy_blocks(location, part, slot):
-                """The K/V tile's [128, keys] block of each bias tensor, as two 64-row
-                copies (one per compute warpgroup's rows) arriving on the slot's barrier."""
+                """The K/V tile's block of each bias tensor, and of each dense relative
+                read where the tile's block diagonal is one of its dense ones."""
+                keys = pl.ds(part * tile_rows, tile_rows)
                 for source, index, q_axis, kv_axis, ring, barrier in block_sources:
-                    for half in range(COMPUTE_WARPGROUPS):
+                    def bias_rows(half, source=source, index=index, q_axis=q_axis,
+                                  kv_axis=kv_axis):
                         at = list(index)
                         at[q_axis] = pl.ds(q_block * BLOCK + half * ROWS_PER_WARPGROUP,
                                            ROWS_PER_WARPGROUP)
                         at[kv_axis] = pl.ds(location * BLOCK + part * tile_rows, tile_rows)
-                        plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
-                                                barrier.at[slot])
+                        return source.at[tuple(at)]
+                    copy_halves(bias_rows, ring, barrier, slot)
                 for (_, first, count), source, ring, barrier in zip(
                         diagonal_reads, diagonal_refs, diagonal_rings, diagonal_barriers):
                     held = location - q_block - first
 
                     @pl.when((held >= 0) & (held < count))
                     def _(source=source, ring=ring, barrier=barrier, held=held):
-                        for half in range(COMPUTE_WARPGROUPS):
-                            at = (0 if source.shape[0] == 1 else batch, head, held,
-                                  pl.ds(half * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP),
-                                  pl.ds(part * tile_rows, tile_rows))
-                            plgpu.copy_gmem_to_smem(source.at[at], ring.at[slot, half],
-                                                    barrier.at[slot])
+                        copy_halves(lambda half: source.at[
+                            0 if source.shape[0] == 1 else batch, head, held,
+                            pl.ds(half * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP), keys],
+                            ring, barrier, slot)
 
             def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
@@ -1008,7 +1015,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
     row_buffers = 1 + with_max + len(row_sums_of)  # lse (and the row max, the row sums)
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
-    bias_dtypes = [score_program.consts[position].dtype for _, position, _, _ in bias_blocks]
+    bias_dtypes = block_dtypes(score_program, score_reads)
     diagonal_reads, diagonal_tiles = _diagonal_reads(
         score_program, score_reads, paged=paged, batch=batch, heads=q_heads,
         q_length=num_q_blocks * BLOCK, kv_length=num_kv_blocks * BLOCK)

@@ -289,6 +289,14 @@ def block_indices(program, equation):
     return indices
 
 
+def block_dtypes(program, reads) -> list:
+    """The dtypes of the bias tensors `program` reads as [q, kv] blocks (`reads`: its
+    `tile_reads` with blocks), in the reads' order: one shared-memory ring each in the
+    Mosaic forward (`forward_mosaic.stages_and_parts`)."""
+    return [jnp.dtype(program.consts[position].dtype)
+            for position, _, kind in reads.values() if kind == "block"]
+
+
 def tile_reads(program, blocks: bool = False) -> dict:
     """The mod's reads of captured arrays the Mosaic GPU kernels load without a gather:
     `contiguous_reads` (at exactly q_idx or kv_idx; with `blocks`, the forward's, also
@@ -434,16 +442,14 @@ def unsupported_reason(q, k, v, block_mask, score_program, *, interpret: bool,
     reason = mod_unsupported_reason(block_mask.mask_mod)
     if reason is not None:
         return reason
-    bias_blocks = not paged
-    reason = mod_unsupported_reason(score_program, blocks=bias_blocks)
+    reason = mod_unsupported_reason(score_program, blocks=not paged)
     if reason and paged and mod_unsupported_reason(score_program, True) is None:
         return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, kv_idx) "
                 "on pages")
-    if reason is None and bias_blocks:
+    if reason is None and not paged and score_program is not None:
         from pallas_flex.kernels import forward_mosaic  # (which imports this module)
-        dtypes = [score_program.consts[position].dtype for position, _, kind
-                  in tile_reads(score_program, blocks=True).values() if kind == "block"]
-        if forward_mosaic.stages_and_parts(  # (a program walks one item at D 256)
+        dtypes = block_dtypes(score_program, tile_reads(score_program, blocks=True))
+        if dtypes and forward_mosaic.stages_and_parts(  # (one item a program at D 256)
                 head_dim, q.dtype, dtypes, persistent=head_dim != 256,
                 row_buffers=3) is None:
             return (f"score_mod {score_program.name!r} reading bias tensors at (q_idx, "
