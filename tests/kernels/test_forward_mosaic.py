@@ -325,10 +325,10 @@ def test_block_indices_slice_the_mod_to_b_and_h():
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dim,items", [(64, 1), (128, 3)])
 def test_output_gate_in_the_epilogue(backend, dim, items):
-    """The gate's tile copied into the output's staging buffer after the walk, the output
-    times its sigmoid: one item a program and three (a persistent program, whose staging
-    buffer the previous item's store must have left), ragged query rows, against the
-    float64 model."""
+    """The gate's tile copied into the output's staging buffer, the output times its
+    sigmoid: one item a program (copied after the walk, into q_smem) and three (a
+    persistent program copies it before the walk, once the previous item's store has
+    left the buffer), ragged query rows, against the float64 model."""
     q, k, v = random_qkv(4, 2, 200, 256, 4, 2, dim, dim, jnp.bfloat16)
     gate = (jax.random.normal(jax.random.key(5), q.shape) * 3).astype(jnp.bfloat16)
     options = {**MOSAIC, "forward_items_per_program": items}
