@@ -56,7 +56,7 @@ from pallas_flex.kernels.mosaic_eligibility import (
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, DiagonalRunsTile, Vector, apply_mask, evaluate, index_vector,
+    ROWS_PER_WARPGROUP, Affine, DiagonalTile, Vector, apply_mask, evaluate, index_vector,
     map_each_element, matmul, reads_index, score_parts, split_rows, split_tile_refs,
     tile_inputs, weighted_row_sums)
 from pallas_flex.kernels.relative_reads import diagonal_blocks, numbered
@@ -167,10 +167,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     diagonal_reads: per relative read of the score_mod that is dense on some block
     diagonals (`relative_reads.diagonal_blocks`: T5 buckets near the main diagonal),
     (read key, first block diagonal, count): its dense tiles [Bm, H, count, 128, 128]
-    follow the mods' inputs; the memory warpgroup copies a K/V tile's [128, keys] block
-    of them into a ring of its own (after the bias blocks' rings and barriers) only on
-    those block diagonals, and a compute warpgroup waits for it and loads its rows only
-    there (`DiagonalRunsTile`); elsewhere the read is its one run.
+    follow the mods' inputs, then (after all reads' tiles) its side values [Bm, H, 2];
+    the memory warpgroup copies a K/V tile's [128, keys] block of the tiles into a ring
+    of its own (after the bias blocks' rings and barriers) only on those block
+    diagonals, and a compute warpgroup waits for it and loads its rows only there
+    (`DiagonalTile`); elsewhere the read is the side's value, loaded once an item.
 
     Work items are (head, query block, batch) triples, heads varying fastest and the
     query blocks from the last (a causal mask's longest rows first). Program p runs
@@ -187,7 +188,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     mask_refs, score_refs, rest = split_tile_refs(refs, mask_program, mask_reads,
                                                   score_program, score_reads)
     diagonal_refs = rest[:len(diagonal_reads)]
-    out_ref, lse_ref, *row_refs, scratch = rest[len(diagonal_reads):]
+    side_refs = rest[len(diagonal_reads):2 * len(diagonal_reads)]
+    out_ref, lse_ref, *row_refs, scratch = rest[2 * len(diagonal_reads):]
     max_ref, sum_refs = row_refs[:with_max], row_refs[with_max:]
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
     # the row sums' and a persistent program's output tiles (see `_launch`).
@@ -260,6 +262,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             # the walk) to 0.543 (0.534 ungated); noop 0.942 to 0.918.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             load_gate()
+        # A dense relative read's values past its dense block diagonals, below and
+        # above: loaded once for the item.
+        side_values = [tuple(ref[0 if ref.shape[0] == 1 else batch, head, side]
+                             for side in range(2)) for ref in side_refs]
         plgpu.barrier_wait(q_barriers.at[warpgroup])
         tile = (ROWS_PER_WARPGROUP, tile_rows)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -353,18 +359,21 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     return load_rows(ring, barrier)
                 return read
 
-            def diagonal_reader(ring, barrier, first, count):
+            def diagonal_reader(ring, barrier, first, count, sides):
                 def wrap(runs):
                     held = lax.div(block_start, jnp.int32(BLOCK)) - q_block - first
                     fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
-                    return DiagonalRunsTile(**fields, dense=(held >= 0) & (held < count),
-                                            load=lambda: load_rows(ring, barrier))
+                    return DiagonalTile(**fields, dense=(held >= 0) & (held < count),
+                                        load=lambda: load_rows(ring, barrier),
+                                        side=jnp.where(held < 0, *sides)
+                                        if SIDE_VALUES else None)
                 return wrap
             readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
                        in zip(bias_blocks, block_rings, block_barriers)}
-            readers.update({key: diagonal_reader(ring, barrier, first, count)
-                            for (key, first, count), ring, barrier
-                            in zip(diagonal_reads, diagonal_rings, diagonal_barriers)})
+            readers.update({key: diagonal_reader(ring, barrier, first, count, sides)
+                            for (key, first, count), ring, barrier, sides
+                            in zip(diagonal_reads, diagonal_rings, diagonal_barriers,
+                                   side_values)})
             return readers
 
         def visit(step, carry, masked):
@@ -828,20 +837,23 @@ def _bias_blocks(score_program, score_reads):
 # paired rounds, ms, dense / runs: causal one-way T5 B4 H16 S4096 D128 0.752 / 0.954, B8
 # S2048 D64 0.355 / 0.634; a table clipped to [-64, 64] 0.727 / 1.263 (docs/gpu-notes.md).
 DENSE_DIAGONALS = True
+# WIP (branch wip-relative-sides): off the dense block diagonals, the side's one value
+# (True) or the runs (False, main's scheme); benchmarks/dense_diagonals_ab.py times them.
+SIDE_VALUES = True
 
 
 def _diagonal_reads(score_program, score_reads, *, paged, batch, heads, q_length,
                     kv_length):
-    """(`_kernel`'s diagonal_reads, their dense tiles) for the score_mod's relative reads
-    of float tables that are dense on some block diagonals (`diagonal_blocks`); none on
+    """(`_kernel`'s diagonal_reads, their dense tiles, their side values) for the
+    score_mod's relative reads of float tables that `diagonal_blocks` covers; none on
     pages (whose walk keeps its stages: `stages_and_parts` is not asked)."""
     if paged or score_program is None or not DENSE_DIAGONALS:
-        return (), []
+        return (), [], []
     found = diagonal_blocks(score_program, score_reads, batch, heads, q_length, kv_length)
     reads = [(key, found[number]) for key, number in numbered(score_reads).items()
              if number in found and jnp.dtype(found[number].tiles.dtype) in BLOCK_DTYPES]
     return (tuple((key, blocks.first, blocks.count) for key, blocks in reads),
-            [blocks.tiles for _, blocks in reads])
+            [blocks.tiles for _, blocks in reads], [blocks.sides for _, blocks in reads])
 
 
 def block_transforms(columns: int, dtype):
@@ -1016,14 +1028,14 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
     bias_dtypes = block_dtypes(score_program, score_reads)
-    diagonal_reads, diagonal_tiles = _diagonal_reads(
+    diagonal_reads, diagonal_tiles, diagonal_sides = _diagonal_reads(
         score_program, score_reads, paged=paged, batch=batch, heads=q_heads,
         q_length=num_q_blocks * BLOCK, kv_length=num_kv_blocks * BLOCK)
     fitted = (1, _STAGES[head_dim]) if paged else stages_and_parts(
         head_dim, q.dtype, bias_dtypes + [t.dtype for t in diagonal_tiles],
         persistent=persistent, row_buffers=row_buffers)
     if fitted is None and diagonal_tiles:  # their rings do not fit: the runs alone
-        diagonal_reads, diagonal_tiles = (), []
+        diagonal_reads, diagonal_tiles, diagonal_sides = (), [], []
         fitted = stages_and_parts(head_dim, q.dtype, bias_dtypes, persistent=persistent,
                                   row_buffers=row_buffers)
     parts_per_block, planned_stages = fitted
@@ -1099,5 +1111,5 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(q, k, v, *tables, *paging, *([] if sinks is None else [sinks]),
-      *([] if gate is None else [gate]), *captured, *diagonal_tiles)
+      *([] if gate is None else [gate]), *captured, *diagonal_tiles, *diagonal_sides)
     return (out[:, :q_len],) + tuple(row[:, :, :q_len] for row in rows)

@@ -479,7 +479,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
     kernels pass `Affine(raw, scale)`, so that the mod's own scalings fold into one).
     block_readers: {read key: read(captured, indices) -> the [q, kv] tile} for the
     reads `reads` calls blocks (the Mosaic forward's, from its TMA-fed rings), and
-    {key: RunsTile -> DiagonalRunsTile} for relative reads with dense block diagonals."""
+    {key: RunsTile -> DiagonalTile} for relative reads with dense block diagonals."""
     consts = [CapturedRef(ref, jnp.shape(c), position, CaptureLog())
               for position, (ref, c) in enumerate(zip(refs, program.consts))]
     first_index_arg = 2 + (program.kind == "score")
@@ -510,7 +510,7 @@ def evaluate(program, reads, refs, args, *, tile, q_axis, q_start, kv_start, int
                                       kv_start=kv_start, tile=tile, q_axis=q_axis,
                                       interpret=interpret)
             # Dense on some block diagonals (`relative_reads.diagonal_blocks`): the
-            # kernel's reader makes it a `DiagonalRunsTile`.
+            # kernel's reader makes it a `DiagonalTile`.
             return block_readers[key](runs) if key in (block_readers or {}) else runs
         return read
 
@@ -627,24 +627,31 @@ class RunsTile:
 
 
 @dataclasses.dataclass(frozen=True)
-class DiagonalRunsTile(RunsTile):
-    """A relative read that is dense on some block diagonals
-    (`relative_reads.diagonal_blocks`): on a tile of those (`dense`, a traced bool) its
-    value is `load()` (the [rows, columns] tile in the table's dtype, which the Mosaic
-    forward's memory warpgroup copied into a ring), elsewhere the runs (one there)."""
+class DiagonalTile(RunsTile):
+    """A relative read that `relative_reads.diagonal_blocks` covers: on a tile of its
+    dense block diagonals (`dense`, a traced bool) its value is `load()` (the [rows,
+    columns] tile in the table's dtype, which the Mosaic forward's memory warpgroup
+    copied into a ring), elsewhere the one value `side` of that side (a scalar the
+    kernel loaded once for the item). Its runs are not walked."""
     dense: object = None
     load: object = None
+    side: object = None
 
-    def _loaded(self):
-        value = self.load()
+    def _as_value(self, value):
         return value if self.dtype is None else value.astype(self.dtype)
 
     def value_tile(self):
-        return lax.cond(self.dense, self._loaded, super().value_tile)
+        def side():
+            value = jnp.full(self.tile, self._as_value(self.side))
+            return value if self.interpret else plgpu.layout_cast(value,
+                                                                   plgpu.Layout.WGMMA)
+        return lax.cond(self.dense, lambda: self._as_value(self.load()),
+                        super().value_tile if self.side is None else side)  # (WIP A/B)
 
     def added_to(self, base):
-        return lax.cond(self.dense, lambda base: base + self._loaded(), super().added_to,
-                        base)
+        return lax.cond(self.dense, lambda base: base + self._as_value(self.load()),
+                        super().added_to if self.side is None  # (WIP A/B: the runs)
+                        else lambda base: base + self._as_value(self.side), base)
 
 
 def padded_for_slices(program, reads, q_length: int, kv_length: int):

@@ -11,9 +11,9 @@ logarithmic buckets near the main diagonal, one run everywhere past `max_distanc
 Inside, the tile starts as the first run's value and takes each later run's value where
 kv_idx - q_idx reaches its start (`mosaic_tiles.relative_read_tile`): one scalar
 broadcast on most tiles, two operations per element and run near the diagonal. The index
-arithmetic (a T5 bucket's log) is never evaluated in the kernel. Near the diagonal the
-forward reads dense tiles instead (`diagonal_blocks`: one load per score where T5 takes
-some 30 runs).
+arithmetic (a T5 bucket's log) is never evaluated in the kernel. The forward reads dense
+tiles near the diagonal instead and one of two values elsewhere, where that covers the
+read (`diagonal_blocks`: one load per score where T5 takes some 30 runs).
 
 For a table's gradient (`backward_mosaic`), `entry_tables` lists the runs by table
 entry instead of by value, with where each entry lies in the table.
@@ -177,33 +177,35 @@ def relative_tables(program, reads, batch: int, heads: int, q_length: int,
     return tables
 
 
-# Block diagonals whose tiles reach more runs than this take the read as a dense tile
-# (`diagonal_blocks`); at most MAX_DIAGONAL_BLOCKS of them a read.
-DIAGONAL_MIN_RUNS = 4
+# The most block diagonals a read takes as dense tiles (`diagonal_blocks`).
 MAX_DIAGONAL_BLOCKS = 8
 
 
 class DiagonalBlocks(NamedTuple):
     """A relative read's value on the block diagonals `first` .. first + count - 1 (key
     block less query block) as dense tiles: tiles [Bm, H, count, BLOCK, BLOCK], the value
-    at each (query row, key column) of a block pair on that diagonal."""
+    at each (query row, key column) of a block pair on that diagonal; and on every other
+    block diagonal, where it is one value, that value: sides [Bm, H, 2], below `first`
+    and past the last."""
     first: int
     count: int
     tiles: jax.Array
+    sides: jax.Array
 
 
 def diagonal_blocks(program, reads, batch: int, heads: int, q_length: int,
                     kv_length: int) -> dict:
-    """{relative read number: DiagonalBlocks} for the reads whose runs are many near the
-    main diagonal (T5: some 30 runs on the two block diagonals a causal mask reaches
-    there; clipped relative tables: 2 clip + 1): the Mosaic forward's memory warpgroup
-    copies those block diagonals' tiles by TMA, where a run costs a compare and a select
-    per score (`mosaic_tiles.RunsTile`); the other block diagonals hold one run each.
+    """{relative read number: DiagonalBlocks} for the reads whose value changes on at
+    most MAX_DIAGONAL_BLOCKS consecutive block diagonals (T5: the main one and the one
+    below it one way, also the one above two ways; a table clipped to [-c, c]: those
+    within c of the main one): the Mosaic forward's memory warpgroup copies those block
+    diagonals' tiles by TMA, and every other tile adds one of the two side values,
+    where the runs (`mosaic_tiles.RunsTile`) cost a compare and a select per score and
+    run (some 30 runs a T5 tile near the diagonal) and scalar table loads on every tile.
 
     Which block diagonals those are is known at trace time where the read's indices
     depend on b, h and kv_idx - q_idx only (not on a traced array); the values are the
-    mod's own at every (b, h, difference), as `relative_tables`' are. A read whose dense
-    block diagonals span more than MAX_DIAGONAL_BLOCKS is left out."""
+    mod's own at every (b, h, difference), as `relative_tables`' are."""
     numbers = numbered(reads)
     if not numbers:
         return {}
@@ -225,8 +227,8 @@ def diagonal_blocks(program, reads, batch: int, heads: int, q_length: int,
         changes = np.zeros(shape[-1] - 1, bool)
         for index in clamped:
             changes |= np.any(index[..., 1:] != index[..., :-1], axis=(0, 1))
-        runs = 1 + changes[window[:, :-1]].sum(axis=1)
-        dense = np.flatnonzero(runs > DIAGONAL_MIN_RUNS)
+        # A block diagonal whose differences reach a change holds more than one value.
+        dense = np.flatnonzero(changes[window[:, :-1]].any(axis=1))
         if not dense.size or dense[-1] - dense[0] + 1 > MAX_DIAGONAL_BLOCKS:
             continue
         if values is None:
@@ -235,8 +237,10 @@ def diagonal_blocks(program, reads, batch: int, heads: int, q_length: int,
         diagonals = np.arange(dense[0], dense[-1] + 1)
         rows, columns = np.indices((BLOCK, BLOCK))
         positions = window[diagonals][:, columns - rows + BLOCK - 1]  # [count, q, kv]
-        found[number] = DiagonalBlocks(int(dense[0]) - (blocks - 1), len(diagonals),
-                                       values[number][:, :, positions])
+        value = values[number]
+        found[number] = DiagonalBlocks(
+            int(dense[0]) - (blocks - 1), len(diagonals), value[:, :, positions],
+            jnp.stack([value[:, :, 0], value[:, :, -1]], axis=-1))
     return found
 
 

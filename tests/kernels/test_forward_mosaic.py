@@ -921,11 +921,13 @@ def test_reads_at_relative_positions(case, backend):
 
 
 def test_dense_block_diagonals_come_from_their_tiles(monkeypatch):
-    """A T5 bias's block diagonals near the main one (`relative_reads.diagonal_blocks`)
-    are read from the tiles the memory warpgroup copies, the others from their one run
+    """A two-way T5 bias's block diagonals near the main one
+    (`relative_reads.diagonal_blocks`: -1, 0 and 1) are read from the tiles the memory
+    warpgroup copies, the others take one value per side
     (`test_reads_at_relative_positions` checks both against the golden): the runs alone
-    (DENSE_DIAGONALS off) give the same lse within float32 rounding, tiles raised by 1
-    raise the lse of every row (each row's keys on those diagonals)."""
+    (DENSE_DIAGONALS off) give the same lse within float32 rounding; tiles raised by 1
+    raise the lse of every row (each has keys on those diagonals); sides raised by 1 only
+    the first query block's, whose last key block lies on block diagonal 2."""
     from pallas_flex.kernels import forward_mosaic
     q, k, v = random_qkv(9, 1, 256, 384, 2, 2, 64, 64, jnp.bfloat16)
     table = jnp.asarray(np.random.default_rng(4).standard_normal((2, 32)), jnp.float32)
@@ -941,10 +943,16 @@ def test_dense_block_diagonals_come_from_their_tiles(monkeypatch):
     np.testing.assert_allclose(lse_of(), dense, rtol=1e-5, atol=0)
     monkeypatch.setattr(forward_mosaic, "DENSE_DIAGONALS", True)
     found = forward_mosaic.diagonal_blocks
-    monkeypatch.setattr(forward_mosaic, "diagonal_blocks", lambda *args: {
-        number: blocks._replace(tiles=blocks.tiles + 1.0)
-        for number, blocks in found(*args).items()})
-    assert np.all(lse_of() > dense + 0.05)
+    for field in ("tiles", "sides"):
+        monkeypatch.setattr(forward_mosaic, "diagonal_blocks", lambda *args: {
+            number: blocks._replace(**{field: getattr(blocks, field) + 1.0})
+            for number, blocks in found(*args).items()})
+        raised = lse_of()
+        if field == "tiles":
+            assert np.all(raised > dense + 0.05)
+        else:
+            assert np.all(raised[..., :128] > dense[..., :128] + 0.01)
+            np.testing.assert_array_equal(raised[..., 128:], dense[..., 128:])
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])

@@ -126,10 +126,10 @@ def test_a_table_read_at_b_and_a_clipped_difference():
 
 @pytest.mark.parametrize("bidirectional", [False, True])
 def test_dense_block_diagonals_hold_the_read_per_score(bidirectional):
-    """`diagonal_blocks`: the block diagonals whose tiles reach more than
-    DIAGONAL_MIN_RUNS runs (a one-way T5 bucket: the main one and the one below it; two
-    ways: also the one above), each as the read's value at every (query row, key column)
-    of a block pair on it, checked against the bucket function per score."""
+    """`diagonal_blocks`: the block diagonals whose tiles reach more than one value (a
+    one-way T5 bucket: the main one and the one below it; two ways: also the one above),
+    each as the read's value at every (query row, key column) of a block pair on it,
+    checked against the bucket function per score; the others' one value per side."""
     table = jnp.asarray(np.random.default_rng(3).standard_normal((3, 32)), jnp.float32)
     program = make_mod_program(masks.t5_relative_bias(table, bidirectional=bidirectional),
                                SCORE)
@@ -146,25 +146,29 @@ def test_dense_block_diagonals_hold_the_read_per_score(bidirectional):
         for head in range(3):
             np.testing.assert_array_equal(np.asarray(found.tiles[0, head, index]),
                                           np.asarray(table)[head][buckets])
+    far = np.asarray(masks.t5_relative_bucket(jnp.array([-1000, 1000]), num_buckets=32,
+                                              max_distance=128, bidirectional=bidirectional))
+    np.testing.assert_array_equal(np.asarray(found.sides[0]), np.asarray(table)[:, far])
 
 
-def test_few_runs_and_traced_indices_keep_the_runs():
-    """A table read at a difference clipped to [-2, 2] reaches 5 runs on the main block
-    diagonal and at most 3 elsewhere: only the main one is dense; at [-1, 1] none is. An
-    index read from a captured array is traced: no block diagonal is known dense."""
-    table = jnp.arange(2 * 41, dtype=jnp.float32).reshape(2, 41)
+def test_wide_tables_and_traced_indices_keep_the_runs():
+    """A table read at a difference clipped to [-2, 2] changes on the main block diagonal
+    and its two neighbours (dense, with one value per side past them); clipped to
+    [-600, 600], on more than MAX_DIAGONAL_BLOCKS: runs. An index read from a captured
+    array is traced: no block diagonal is known dense."""
+    table = jnp.arange(2 * 1201, dtype=jnp.float32).reshape(2, 1201)
 
     def clipped(limit):
         return lambda s, b, h, q_idx, kv_idx: s + table[h, jnp.clip(kv_idx - q_idx, -limit,
-                                                                     limit) + 20]
+                                                                     limit) + 600]
     found = []
-    for limit in (2, 1):
+    for limit in (2, 600):
         program = make_mod_program(clipped(limit), SCORE)
-        found.append({number: (blocks.first, blocks.count) for number, blocks in
-                      relative_reads.diagonal_blocks(
-                          program, mosaic_eligibility.tile_reads(program), 1, 2, 384,
-                          384).items()})
-    assert found == [{0: (0, 1)}, {}]
+        found.append({number: (blocks.first, blocks.count, np.asarray(blocks.sides).tolist())
+                      for number, blocks in relative_reads.diagonal_blocks(
+                          program, mosaic_eligibility.tile_reads(program), 1, 2, 2048,
+                          2048).items()})
+    assert found == [{0: (-1, 3, [[[598.0, 602.0], [1799.0, 1803.0]]])}, {}]
     # Under jit (as the kernels are built) a captured array is traced.
     seen = []
 
