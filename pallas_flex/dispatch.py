@@ -220,7 +220,7 @@ def _mosaic_items_per_program(q, block_mask, options: KernelOptions, paged: bool
     num_items = batch * q_heads * block_mask.num_blocks[0]
     return forward_mosaic.choose_items_per_program(
         options.forward_items_per_program, head_dim, block_mask.mask_mod, num_items,
-        q_heads, paged=paged)
+        q_heads, paged=paged, kv_len=block_mask.seq_lengths[1])
 
 
 def run_forward(choice: Choice, q, k, v, block_mask, score_program, *, scale: float,

@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
+from pallas_flex.kernels.config import SHORT_KEYS
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, BLOCK_DTYPES, block_dtypes, block_indices, exp2_fma_share, hand_over_early,
     named_turn_barriers, tile_reads)
@@ -116,6 +117,15 @@ _ITEMS_PER_PROGRAM = 2
 # Where rows are equal at D 64 (also where the items do not fit one such wave, and on
 # pages): 1 / 2 / 4 / 8 items 0.354 / 0.347 / 0.341 / 0.330 ms (B8 H16 S2048 D64 noop).
 _ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
+# Where rows are equal on a contiguous cache, keys are few (at most config.SHORT_KEYS)
+# and there are more items than one wave of programs of num_heads each spreads (many
+# batch rows: the Evoformer's MSA rows), a program walks 8 of them where that still
+# makes at least one wave: its prologue and epilogue are a large part of a short walk,
+# and a batch row's K/V are small enough that the programs running together read them
+# from L2. H200, paired rounds, ms, Evoformer gated row attention R256 S256 H8 (4096
+# items) with its pair bias, 1 / 2 / 4 / 8 items a program: D128 0.325 / 0.279 / 0.261 /
+# 0.253 (XLA 1.325); D64 0.235 / - / 0.169 / 0.164 (8 was already its default).
+_ITEMS_PER_PROGRAM_SHORT_KEYS = 8
 # Head dims where the one-wave spread was measured; the others keep 2.
 _ONE_WAVE_HEAD_DIMS = (64, 128)
 # Work items (`_kernel`) vary heads fastest, then query blocks, then batch rows: heads
@@ -365,8 +375,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
                     return DiagonalTile(**fields, dense=(held >= 0) & (held < count),
                                         load=lambda: load_rows(ring, barrier),
-                                        side=jnp.where(held < 0, *sides)
-                                        if SIDE_VALUES else None)
+                                        side=jnp.where(held < 0, *sides))
                 return wrap
             readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
                        in zip(bias_blocks, block_rings, block_barriers)}
@@ -832,14 +841,15 @@ def _bias_blocks(score_program, score_reads):
                  for key, (position, axes, kind) in score_reads.items() if kind == "block")
 
 
-# Whether relative reads take their dense block diagonals from TMA-fed rings
-# (`_diagonal_reads`); False: the runs everywhere (what the tests compare with). H200,
-# paired rounds, ms, dense / runs: causal one-way T5 B4 H16 S4096 D128 0.752 / 0.954, B8
-# S2048 D64 0.355 / 0.634; a table clipped to [-64, 64] 0.727 / 1.263 (docs/gpu-notes.md).
+# Whether relative reads that `diagonal_blocks` covers take their dense block diagonals
+# from TMA-fed rings and one side value elsewhere (`_diagonal_reads`); False: the runs
+# everywhere (what the tests compare with). H200, paired rounds, ms, dense + sides /
+# dense + runs elsewhere / runs everywhere / no mod: causal one-way T5 B4 H16 S4096 D128
+# 0.683 / 0.742 / 0.943 / 0.501; B8 S2048 D64 0.342 / 0.362 / 0.634 / 0.227; two-way T5
+# noop 1.173 / 1.333 / 1.357 / 0.838; a table clipped to [-64, 64] 0.643 / 0.738 / 1.273;
+# B1 S16384 causal 2.770 / 3.040 / 2.972 / 2.216 (docs/gpu-notes.md). The runs' scalar
+# table loads, which every tile pays, are what the side values save off the diagonals.
 DENSE_DIAGONALS = True
-# WIP (branch wip-relative-sides): off the dense block diagonals, the side's one value
-# (True) or the runs (False, main's scheme); benchmarks/dense_diagonals_ab.py times them.
-SIDE_VALUES = True
 
 
 def _diagonal_reads(score_program, score_reads, *, paged, batch, heads, q_length,
@@ -897,11 +907,13 @@ def stages_and_parts(head_dim: int, dtype, block_dtypes, *, persistent: bool,
 
 
 def choose_items_per_program(requested: int, head_dim: int, mask_program, num_items: int,
-                             num_heads: int, *, paged: bool = False) -> int:
+                             num_heads: int, *, paged: bool = False,
+                             kv_len: int | None = None) -> int:
     """The items a program walks: `requested` (KernelOptions.forward_items_per_program),
     or where that is 0, by head dim, whether the mask reads q_idx, whether the cache is
-    paged and how the num_items (head, query block, batch) items compare with one wave
-    of programs of at most num_heads (query heads) each: see `_ITEMS_PER_PROGRAM`."""
+    paged, the key length (None: long) and how the num_items (head, query block, batch)
+    items compare with one wave of programs of at most num_heads (query heads) each: see
+    `_ITEMS_PER_PROGRAM` and `_ITEMS_PER_PROGRAM_SHORT_KEYS`."""
     if head_dim == 256:  # a persistent program's output buffer would not fit
         return 1
     if requested:
@@ -909,10 +921,15 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program, num_it
     equal_rows = not reads_index(mask_program, {}, "q_idx")
     default = (_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 if head_dim == 64 and equal_rows
                else _ITEMS_PER_PROGRAM)
-    one_wave = pl.cdiv(num_items, multiprocessor_count())
-    if (equal_rows and head_dim in _ONE_WAVE_HEAD_DIMS and not paged
-            and one_wave <= num_heads):
+    programs = multiprocessor_count()
+    one_wave = pl.cdiv(num_items, programs)
+    if not (equal_rows and head_dim in _ONE_WAVE_HEAD_DIMS and not paged):
+        return default
+    if one_wave <= num_heads:
         return max(default, one_wave)
+    short = _ITEMS_PER_PROGRAM_SHORT_KEYS
+    if kv_len is not None and kv_len <= SHORT_KEYS and num_items >= short * programs:
+        return max(default, short)
     return default
 
 

@@ -645,13 +645,11 @@ class DiagonalTile(RunsTile):
             value = jnp.full(self.tile, self._as_value(self.side))
             return value if self.interpret else plgpu.layout_cast(value,
                                                                    plgpu.Layout.WGMMA)
-        return lax.cond(self.dense, lambda: self._as_value(self.load()),
-                        super().value_tile if self.side is None else side)  # (WIP A/B)
+        return lax.cond(self.dense, lambda: self._as_value(self.load()), side)
 
     def added_to(self, base):
         return lax.cond(self.dense, lambda base: base + self._as_value(self.load()),
-                        super().added_to if self.side is None  # (WIP A/B: the runs)
-                        else lambda base: base + self._as_value(self.side), base)
+                        lambda base: base + self._as_value(self.side), base)
 
 
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
