@@ -119,12 +119,15 @@ _ITEMS_PER_PROGRAM = 2
 _ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
 # Where rows are equal on a contiguous cache, keys are few (at most config.SHORT_KEYS)
 # and there are more items than one wave of programs of num_heads each spreads (many
-# batch rows: the Evoformer's MSA rows), a program walks 8 of them where that still
-# makes at least one wave: its prologue and epilogue are a large part of a short walk,
-# and a batch row's K/V are small enough that the programs running together read them
-# from L2. H200, paired rounds, ms, Evoformer gated row attention R256 S256 H8 (4096
-# items) with its pair bias, 1 / 2 / 4 / 8 items a program: D128 0.325 / 0.279 / 0.261 /
-# 0.253 (XLA 1.325); D64 0.235 / - / 0.169 / 0.164 (8 was already its default).
+# batch rows: the Evoformer's MSA rows), a program walks up to 8 of them, no more than
+# the heads (one query block of one batch row), where that still makes at least one
+# wave: its prologue and epilogue are a large part of a short walk. H200, paired rounds,
+# ms, D128, at 2 / 4 / 8 items a program: Evoformer gated row attention R256 S256 H8
+# (4096 items, its pair bias as blocks) 0.279 / 0.261 / 0.253 (1: 0.325; XLA 1.325);
+# plain B128 H8 S256 0.1059 / 0.1034 / 0.1013 (cuDNN 0.1229); B256 H4 S256 0.1056 /
+# 0.101 / 0.1164 (8 spans two batch rows; cuDNN 0.1046); B32 H8 S384 (768 items, under
+# a wave of 8s: keeps 2) 0.1207 / 0.1209 / 0.1234. At D64 8 was already the default
+# (Evoformer 0.164 against 0.235 with 1).
 _ITEMS_PER_PROGRAM_SHORT_KEYS = 8
 # Head dims where the one-wave spread was measured; the others keep 2.
 _ONE_WAVE_HEAD_DIMS = (64, 128)
@@ -927,7 +930,7 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program, num_it
         return default
     if one_wave <= num_heads:
         return max(default, one_wave)
-    short = _ITEMS_PER_PROGRAM_SHORT_KEYS
+    short = min(_ITEMS_PER_PROGRAM_SHORT_KEYS, num_heads)
     if kv_len is not None and kv_len <= SHORT_KEYS and num_items >= short * programs:
         return max(default, short)
     return default

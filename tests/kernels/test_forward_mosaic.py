@@ -599,8 +599,8 @@ def test_items_per_program_by_head_dim_and_mask():
     """2 items per program, 8 at D 64 where every query block of a head walks the same
     blocks (a mask that reads no q_idx); there, at D 64 and 128 on a contiguous cache,
     as many as make one wave of programs on the device's SMs (132 off the GPU) where
-    that is at most the query heads, else 8 where keys are few (at most SHORT_KEYS) and
-    8-item programs still fill a wave; 1 at D 256; a number given in kernel_options is
+    that is at most the query heads, else 8 (the heads at most) where keys are few (at
+    most SHORT_KEYS) and such programs still fill a wave; 1 at D 256; a number given in kernel_options is
     kept."""
     from pallas_flex.kernels.forward_mosaic import choose_items_per_program
     from pallas_flex.masks.mod_program import MASK
@@ -636,11 +636,13 @@ def test_items_per_program_by_head_dim_and_mask():
     assert choose(0, 128, program["none"], 4096, 8, kv_len=256) == 8
     assert choose(0, 128, program["none"], 4096, 8, kv_len=512) == 8
     assert choose(0, 128, program["none"], 4096, 8, kv_len=513) == 2
-    assert choose(0, 128, program["none"], 1000, 4, kv_len=256) == 2  # < a wave of 8s
+    assert choose(0, 128, program["none"], 1000, 8, kv_len=256) == 2  # < a wave of 8s
     assert choose(0, 128, program["causal"], 4096, 8, kv_len=256) == 2
     assert choose(0, 128, program["none"], 4096, 8, kv_len=256, paged=True) == 2
     assert choose(0, 128, program["none"], items, 16, kv_len=256) == 16  # one wave
     assert choose(0, 96, program["none"], 4096, 8, kv_len=256) == 2
+    assert choose(0, 128, program["none"], 2048, 4, kv_len=256) == 4  # the heads at most
+    assert choose(0, 128, program["none"], 2048, 2, kv_len=256) == 2
 
 
 # Paged prefill: (lengths, page_size, q_len, Hq, Hkv, D, dtype, mask, score). Page sizes
