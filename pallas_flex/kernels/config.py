@@ -85,7 +85,7 @@ class KernelOptions:
       or 8 at D 64 where every query block of a head has the same blocks; there, at D 64
       and 128 on a contiguous cache, as many as make one wave of programs where that is
       at most the query heads, else up to 8 (the heads at most) where keys are at most
-      SHORT_KEYS and such programs still make a wave). H100, bf16,
+      SHORT_KEYS). H100, bf16,
       1 -> 2 items (B4 H16 S4096 D128, B1 S16384, B8 S2048 D64, GQA 32:8;
       docs/gpu-notes.md has the times): noop 1.1-1.9 % faster, causal -0.6 to +4.5 %,
       12 documents -2.7 to +11.5 %, soft-cap 1.3-4.4 %, ALiBi 0-5.8 %. 4 or 8 items, or

@@ -120,13 +120,13 @@ _ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 = 8
 # Where rows are equal on a contiguous cache, keys are few (at most config.SHORT_KEYS)
 # and there are more items than one wave of programs of num_heads each spreads (many
 # batch rows: the Evoformer's MSA rows), a program walks up to 8 of them, no more than
-# the heads (one query block of one batch row), where that still makes at least one
-# wave: its prologue and epilogue are a large part of a short walk. H200, paired rounds,
+# the heads (one query block of one batch row): its prologue and epilogue are a large
+# part of a short walk. H200, paired rounds,
 # ms, D128, at 2 / 4 / 8 items a program: Evoformer gated row attention R256 S256 H8
 # (4096 items, its pair bias as blocks) 0.279 / 0.261 / 0.253 (1: 0.325; XLA 1.325);
 # plain B128 H8 S256 0.1059 / 0.1034 / 0.1013 (cuDNN 0.1229); B256 H4 S256 0.1056 /
-# 0.101 / 0.1164 (8 spans two batch rows; cuDNN 0.1046); B32 H8 S384 (768 items, under
-# a wave of 8s: keeps 2) 0.1207 / 0.1209 / 0.1234. At D64 8 was already the default
+# 0.101 / 0.1164 (8 spans two batch rows; cuDNN 0.1046). B32 H8 S384 (768 items: one
+# wave of 6, the rule above) 0.1207 / 0.1209 / 0.1234. At D64 8 was already the default
 # (Evoformer 0.164 against 0.235 with 1).
 _ITEMS_PER_PROGRAM_SHORT_KEYS = 8
 # Head dims where the one-wave spread was measured; the others keep 2.
@@ -924,15 +924,15 @@ def choose_items_per_program(requested: int, head_dim: int, mask_program, num_it
     equal_rows = not reads_index(mask_program, {}, "q_idx")
     default = (_ITEMS_PER_PROGRAM_EQUAL_ROWS_D64 if head_dim == 64 and equal_rows
                else _ITEMS_PER_PROGRAM)
-    programs = multiprocessor_count()
-    one_wave = pl.cdiv(num_items, programs)
+    one_wave = pl.cdiv(num_items, multiprocessor_count())
     if not (equal_rows and head_dim in _ONE_WAVE_HEAD_DIMS and not paged):
         return default
     if one_wave <= num_heads:
         return max(default, one_wave)
-    short = min(_ITEMS_PER_PROGRAM_SHORT_KEYS, num_heads)
-    if kv_len is not None and kv_len <= SHORT_KEYS and num_items >= short * programs:
-        return max(default, short)
+    # Here num_items > num_heads * programs: a program of up to num_heads items still
+    # leaves a whole wave.
+    if kv_len is not None and kv_len <= SHORT_KEYS:
+        return max(default, min(_ITEMS_PER_PROGRAM_SHORT_KEYS, num_heads))
     return default
 
 
