@@ -36,7 +36,10 @@ test: $(VENV)/.installed
 # GPU_FIRST=0 GPU_LAST=4, then 5..13, each within 10 minutes (three on the H100:
 # 0..4, 5..9, 10..13). Hosts differ: on another H200 host the same day every cell took
 # ~1.5x as long and shards 0..4 were not done in 400 s; a slow host needs three calls
-# there too. Each
+# there too. On nvidia-h200-x2 (2 GPUs, 32 cores; GPU_DEVICES=2, 2026-11-30) all 14 at
+# once did not fit either: 3 shards were done in 415-459 s, the other 11 had run 53-80 of
+# their ~69-80 tests when a 470 s timeout stopped them (900 passed, none failed): there
+# too, two calls. Each
 # process allocates device memory as it goes and frees it after each test
 # (XLA_PYTHON_CLIENT_ALLOCATOR=platform): with JAX's caching allocator, 14 processes holding their peaks ran the GPU out of memory.
 #
