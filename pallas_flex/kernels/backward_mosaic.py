@@ -70,13 +70,14 @@ from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
     accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys, pair_gradients,
     relative_gradient)
-from pallas_flex.kernels.forward_mosaic import tile_transforms
+from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, evaluate, index_vector,
-    issue, load_vector, materialize, reads_index, result, run_per_element_under_vmap,
-    score_parts, split_tile_refs, tile_inputs, to_tile, vector_layout, with_accumulators)
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, diagonal_loads, evaluate,
+    index_vector, issue, load_vector, materialize, reads_index, result,
+    run_per_element_under_vmap, score_parts, split_tile_refs, tile_inputs, to_tile,
+    vector_layout, with_accumulators)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
@@ -112,19 +113,22 @@ _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
-                      q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret):
+                      q_idx, kv_idx, tile, q_axis, q_start, kv_start, interpret,
+                      block_readers=None):
     """(base-2 logits of a tile, d score_mod / d score or None where it is 1, the mod's
     base-2 term that depends on the query only, left out of the logits, or None: the
     caller subtracts it from the lse instead, once per query, as the forward added it,
     the derivatives of the values the mod read from the differentiated captured arrays,
     as they came out: `mosaic_tiles.split_rows` takes them apart). score_program computes
-    the mod and its derivatives (`with_score_derivative` or `with_read_derivatives`)."""
+    the mod and its derivatives (`with_score_derivative` or `with_read_derivatives`);
+    block_readers: its relative reads' dense block diagonals (`diagonal_loads`)."""
     if score_program is None:
         return raw * (scale * online_softmax.LOG2_E), None, None, []
     scores, derivative, *read_derivatives = evaluate(
         score_program, score_reads, score_refs,
         (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=q_axis,
-        q_start=q_start, kv_start=kv_start, interpret=interpret, keep_affine=True)
+        q_start=q_start, kv_start=kv_start, interpret=interpret, keep_affine=True,
+        block_readers=block_readers)
     scores, factor, query_term = score_parts(scores, tile, q_axis)
     if query_term is not None:
         query_term = query_term.value * online_softmax.LOG2_E
@@ -135,11 +139,21 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     return logits, to_tile(derivative, tile), query_term, read_derivatives
 
 
+def _diagonal_readers(diagonal_reads, refs, interpret):
+    """(block_readers for `_scores_to_logits`, the refs after the dense tiles and side
+    values the kernel's inputs hold per read of diagonal_reads, first among the refs
+    after the mods' own)."""
+    count = len(diagonal_reads)
+    readers = diagonal_loads(diagonal_reads, refs[:count], refs[count:2 * count],
+                             interpret=interpret) if count else None
+    return readers, refs[2 * count:]
+
+
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 dump_offsets, interpret, fuse_dq=False, pair_sites=0):
+                 dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=()):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -156,6 +170,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
+    readers, rest = _diagonal_readers(diagonal_reads, rest, interpret)
     sites = len(relative_entries)
     # Three entry tables per array that sums its runs, none per dumped one.
     entry_refs, position = [], 0
@@ -268,6 +283,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                block_readers=readers,
                 kv_idx=kv_idx, q_start=q_start, **mods)
             if masked:
                 logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
@@ -449,7 +465,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               row_count, interpret, forward_sites=0):
+               row_count, interpret, forward_sites=0, diagonal_reads=()):
     """row_count: 0; 1 (sum P dP, the exact deltas only); or 2 + 2 n for the n captured
     arrays read at indices of b and h whose gradients the program accumulates (the score
     program's read derivatives g):
@@ -460,6 +476,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
+    readers, rest = _diagonal_readers(diagonal_reads, rest, interpret)
     forward_sums_ref = rest[0] if forward_sites else None
     dq_ref, *rows_ref, scratch = rest[bool(forward_sites):]
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
@@ -554,6 +571,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
+                block_readers=readers,
                 kv_idx=kv_idx, kv_start=kv_start, **mods)
             if masked:
                 key_tail = (Vector(kv_position.value < kv_len, 1) if clamps_key_tail
@@ -712,7 +730,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                   dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites,
-                  row_sums):
+                  row_sums, diagonal_reads=()):
     """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv, then
     the sums of the captured arrays' reads, `sites`' outputs). dQ is summed in float32
     over the key blocks by TMA reduce-adds into a zeroed array (`jax.new_ref`), in
@@ -732,7 +750,8 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
         extra_smem += (plgpu.SMEM((stages, sites.pair_sites, Q_TILE), jnp.float32),)
     extra_smem += sites.smem
     dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
-                            score_reads=dkv_reads, relative_entries=sites.relative_entries,
+                            score_reads=dkv_reads, diagonal_reads=diagonal_reads,
+                            relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
                             fuse_dq=True, **settings)
     # A stage's copies: Q, dO, lse, delta, and the row sums.
@@ -744,7 +763,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
     d_k, d_v, *site_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads), *sites.tables,
+        (*captured_for(dkv_program, dkv_reads, keys_on_rows=True), *sites.tables,
          *(() if row_sums is None else (row_sums,))),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
@@ -817,9 +836,19 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     mask_reads = tile_reads(mask_program)
     dq_reads, dkv_reads = tile_reads(dq_program), tile_reads(dkv_program)
 
-    def captured_for(program, reads):
-        return tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
-                           heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
+    def captured_for(program, reads, keys_on_rows=False):
+        """The kernel's inputs for the mods, then the dense block diagonals' tiles (keys
+        on their rows for the dK/dV kernel) and side values of its relative reads."""
+        inputs = tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
+                             heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
+        _, tiles, sides = _diagonals(program, reads)
+        if keys_on_rows:
+            tiles = [t.swapaxes(-1, -2) for t in tiles]
+        return (*inputs, *tiles, *sides)
+
+    def _diagonals(program, reads):
+        return diagonal_inputs(program, reads, paged=False, batch=batch, heads=q_heads,
+                               q_length=padded_q_len, kv_length=padded_kv_len)
     kv_tables, q_tables = tables[:4], tables[4:]
     settings = dict(mask_program=mask_program, scale=scale, group=group, q_len=q_len,
                     kv_len=kv_len, broadcast_batch=tables[0].shape[0] == 1,
@@ -884,7 +913,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
-                             sites, row_sums)
+                             sites, row_sums, _diagonals(dkv_program, dkv_reads)[0])
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only; with the forward's
     # row sums of those, one row each (and sum P dP first for the relative reads).
@@ -896,6 +925,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                      else 1 if relative_positions else 0)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
+                           diagonal_reads=_diagonals(dq_program, dq_reads)[0],
                            row_count=row_count, forward_sites=forward_sites, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
@@ -924,11 +954,13 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         delta = exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
     dkv_stages = _DKV_STAGES[head_dim]
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
-                            score_reads=dkv_reads, relative_entries=relative_entries,
+                            score_reads=dkv_reads,
+                            diagonal_reads=_diagonals(dkv_program, dkv_reads)[0],
+                            relative_entries=relative_entries,
                             dump_offsets=dump_offsets, **settings)
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads), *sites.tables),
+        (*captured_for(dkv_program, dkv_reads, keys_on_rows=True), *sites.tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},

@@ -845,7 +845,7 @@ def _bias_blocks(score_program, score_reads):
 
 
 # Whether relative reads that `diagonal_blocks` covers take their dense block diagonals
-# from TMA-fed rings and one side value elsewhere (`_diagonal_reads`); False: the runs
+# from TMA-fed rings and one side value elsewhere (`diagonal_inputs`); False: the runs
 # everywhere (what the tests compare with). H200, paired rounds, ms, dense + sides /
 # dense + runs elsewhere / runs everywhere / no mod: causal one-way T5 B4 H16 S4096 D128
 # 0.683 / 0.742 / 0.943 / 0.501; B8 S2048 D64 0.342 / 0.362 / 0.634 / 0.227; two-way T5
@@ -855,7 +855,7 @@ def _bias_blocks(score_program, score_reads):
 DENSE_DIAGONALS = True
 
 
-def _diagonal_reads(score_program, score_reads, *, paged, batch, heads, q_length,
+def diagonal_inputs(score_program, score_reads, *, paged, batch, heads, q_length,
                     kv_length):
     """(`_kernel`'s diagonal_reads, their dense tiles, their side values) for the
     score_mod's relative reads of float tables that `diagonal_blocks` covers; none on
@@ -1048,7 +1048,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
     # Pages are copied into 128-row tiles (`_tile_pages`); the paged head dims have one
     # tile a block.
     bias_dtypes = block_dtypes(score_program, score_reads)
-    diagonal_reads, diagonal_tiles, diagonal_sides = _diagonal_reads(
+    diagonal_reads, diagonal_tiles, diagonal_sides = diagonal_inputs(
         score_program, score_reads, paged=paged, batch=batch, heads=q_heads,
         q_length=num_q_blocks * BLOCK, kv_length=num_kv_blocks * BLOCK)
     fitted = (1, _STAGES[head_dim]) if paged else stages_and_parts(

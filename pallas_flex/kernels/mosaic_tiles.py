@@ -652,6 +652,41 @@ class DiagonalTile(RunsTile):
                         lambda base: base + self._as_value(self.side), base)
 
 
+def diagonal_loads(diagonal_reads, tile_refs, side_refs, *, interpret):
+    """`evaluate`'s block_readers for relative reads with dense block diagonals
+    (`relative_reads.diagonal_blocks`) read straight from global memory: diagonal_reads
+    ((read key, first, count), ...), per read its dense tiles [Bm, H, count, 128, 128]
+    (query rows, key columns; or keys on the rows for a kernel whose tiles put them
+    there, q_axis 1) and side values [Bm, H, 2]. A tile on those block diagonals loads
+    its [rows, columns] piece of the block pair's tile in the wgmma layout (the same
+    tiles for every query block of a head: L2 holds them); the others take the side's
+    value (two scalar loads)."""
+    def reader(first, count, tiles_ref, sides_ref):
+        def wrap(runs):
+            batch, head, diagonal = runs.row
+            blocks = (runs.tables[0].shape[2] + 1) // 2
+            held = diagonal - (blocks - 1) - first
+            rows, columns = runs.tile
+            offsets = (lax.rem(runs.q_start, BLOCK), lax.rem(runs.kv_start, BLOCK))
+            if runs.q_axis == 1:
+                offsets = offsets[::-1]
+
+            def load():
+                view = tiles_ref.at[batch, head, jnp.clip(held, 0, count - 1),
+                                    pl.ds(offsets[0], rows), pl.ds(offsets[1], columns)]
+                if interpret:
+                    return view[...]
+                return plgpu.load(view, layout=plgpu.Layout.WGMMA, optimized=False)
+            side = jnp.where(held < 0, sides_ref[batch, head, 0], sides_ref[batch, head, 1])
+            fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
+            return DiagonalTile(**fields, dense=(held >= 0) & (held < count), load=load,
+                                side=side)
+        return wrap
+    return {key: reader(first, count, tiles_ref, sides_ref)
+            for (key, first, count), tiles_ref, sides_ref
+            in zip(diagonal_reads, tile_refs, side_refs)}
+
+
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
     """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
     the read's axis to the kernel's padded q_length / kv_length: a slice read past the

@@ -300,6 +300,55 @@ def test_t5_tables_train_on_the_mosaic_backward(backend, causal, monkeypatch):
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
 
+def test_dense_block_diagonals_in_the_backward(monkeypatch):
+    """A two-way T5 bias whose buckets change within 16 positions of the main diagonal
+    (`relative_reads.diagonal_blocks`: block diagonals -1 .. 1 of 4 x 4) is read by both
+    backward kernels from its dense tiles there (loaded from global memory) and as one
+    value per side elsewhere: the gradients, the table's included, equal those of the
+    runs on every tile (DENSE_DIAGONALS off) to rounding, and the backward's
+    tiles or sides raised by 1 (the forward's left alone) move dq (the dQ kernel's), dv
+    (= P^T dO: the dK/dV kernel's own P) and the table's gradient."""
+    from pallas_flex.kernels import backward_mosaic, forward_mosaic
+    q, k, v = random_qkv(21, 1, 512, 512, 1, 1, 64, 64, jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(22), (1, 8), jnp.float32)
+    d_out = _cotangent(q.shape, 23)
+    score_mod = pf.scores.t5_relative_bias(table, num_buckets=8, max_distance=16)
+
+    def loss(q, k, v, table):
+        score_mod = pf.scores.t5_relative_bias(table, num_buckets=8, max_distance=16)
+        out = pf.attention(q, k, v, score_mod=score_mod, backend="interpret",
+                           kernel_options=MOSAIC)
+        return jnp.sum(out.astype(jnp.float32) * d_out)
+
+    def gradients():
+        jax.clear_caches()
+        return [np.asarray(g, np.float32)
+                for g in jax.jit(jax.grad(loss, argnums=range(4)))(q, k, v, table)]
+    program = make_mod_program(score_mod, SCORE)
+    found = relative_reads.diagonal_blocks(program, backward_mosaic.tile_reads(program),
+                                           1, 1, 512, 512)
+    assert [(blocks.first, blocks.count) for blocks in found.values()] == [(-1, 3)]
+    dense = gradients()
+    monkeypatch.setattr(forward_mosaic, "DENSE_DIAGONALS", False)
+    runs = gradients()
+    for name, got, expected in zip(("dq", "dk", "dv", "d_table"), dense, runs):
+        # dq, dk, dv come out in bfloat16: a sum rounded otherwise may flip its last bit.
+        tolerance = 1e-4 if name == "d_table" else 1e-2
+        assert np.max(np.abs(got - expected)) <= tolerance * np.abs(expected).max(), name
+    monkeypatch.setattr(forward_mosaic, "DENSE_DIAGONALS", True)
+    inputs = backward_mosaic.diagonal_inputs
+    for part in (1, 2):  # the tiles, the sides
+        def raised(*args, part=part, **kwargs):
+            found = list(inputs(*args, **kwargs))
+            found[part] = [array + 1.0 for array in found[part]]
+            return tuple(found)
+        monkeypatch.setattr(backward_mosaic, "diagonal_inputs", raised)
+        moved = gradients()
+        for index, name in ((0, "dq"), (2, "dv"), (3, "d_table")):
+            change = np.max(np.abs(moved[index] - dense[index]))
+            assert change > 5e-2 * np.abs(dense[index]).max(), (part, name)
+
+
 def test_a_table_read_times_an_index_expression_trains(monkeypatch):
     """A T5 table whose value the mod scales by an expression of kv_idx - q_idx: the
     read's derivative has a part varying along the keys and one per query, which add
