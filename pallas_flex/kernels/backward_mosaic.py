@@ -38,6 +38,12 @@ variant measured (the figures are in `fuses_dq`'s docstring); the dQ kernel and 
 kernel run at ~780 and ~680 TFLOP/s there (B4 H16 S4096 noop on the H100, 1.06 and 1.61
 ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5.
 
+Relative reads (T5 buckets) take their values from runs (`mosaic_tiles.RunsTile`), or
+where `relative_reads.diagonal_blocks` covers them and `dense_diagonals_in_backward`
+says so, from their dense block diagonals' tiles, loaded straight from global memory in
+both kernels (`mosaic_tiles.diagonal_loads`; the dK/dV kernel's transposed outside),
+and one side value elsewhere.
+
 What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
 (`mosaic_eligibility.captured_gradient_unsupported_reason`): at indices of b and h only,
@@ -137,6 +143,17 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     if constant_value(derivative) == 1.0:
         return logits, None, query_term, read_derivatives  # a bias: dS passes through
     return logits, to_tile(derivative, tile), query_term, read_derivatives
+
+
+def dense_diagonals_in_backward(head_dim, relative_positions) -> bool:
+    """Whether the backward kernels read relative reads' dense block diagonals
+    (`mosaic_tiles.diagonal_loads`: tiles loaded from global memory there, one side value
+    elsewhere) rather than their runs on every tile: not at head dim 128 where a table's
+    gradient is summed (its dK/dV kernel is at its registers' limit). H200, causal one-way
+    T5 fwd+bwd, paired rounds, ms, dense / runs, with the table's gradient / a fixed
+    table: B4 H16 S4096 D128 3.564 / 3.338, 2.684 / 2.839 (causal alone 2.003); B8 H16
+    S2048 D64 1.232 / 1.634, 0.944 / 1.191 (0.766)."""
+    return not (head_dim == 128 and tuple(relative_positions))
 
 
 def _diagonal_readers(diagonal_reads, refs, interpret):
@@ -847,6 +864,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         return (*inputs, *tiles, *sides)
 
     def _diagonals(program, reads):
+        if not dense_diagonals_in_backward(head_dim, relative_positions):
+            return (), [], []
         return diagonal_inputs(program, reads, paged=False, batch=batch, heads=q_heads,
                                q_length=padded_q_len, kv_length=padded_kv_len)
     kv_tables, q_tables = tables[:4], tables[4:]
