@@ -747,7 +747,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                   dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites,
-                  row_sums, diagonal_reads=()):
+                  row_sums):
     """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv, then
     the sums of the captured arrays' reads, `sites`' outputs). dQ is summed in float32
     over the key blocks by TMA reduce-adds into a zeroed array (`jax.new_ref`), in
@@ -766,6 +766,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     if sites.pair_sites:  # per stage, the query tile's row sums from the forward
         extra_smem += (plgpu.SMEM((stages, sites.pair_sites, Q_TILE), jnp.float32),)
     extra_smem += sites.smem
+    diagonal_reads, captured = captured_for(dkv_program, dkv_reads, keys_on_rows=True)
     dkv = functools.partial(_dkdv_kernel, num_stages=stages, score_program=dkv_program,
                             score_reads=dkv_reads, diagonal_reads=diagonal_reads,
                             relative_entries=sites.relative_entries,
@@ -780,8 +781,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     accumulator = jax.new_ref(jnp.zeros(parts + q.shape, jnp.float32))
     d_k, d_v, *site_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads, keys_on_rows=True), *sites.tables,
-         *(() if row_sums is None else (row_sums,))),
+        (*captured, *sites.tables, *(() if row_sums is None else (row_sums,))),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
@@ -854,20 +854,19 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     dq_reads, dkv_reads = tile_reads(dq_program), tile_reads(dkv_program)
 
     def captured_for(program, reads, keys_on_rows=False):
-        """The kernel's inputs for the mods, then the dense block diagonals' tiles (keys
-        on their rows for the dK/dV kernel) and side values of its relative reads."""
+        """(the kernel's diagonal_reads, its inputs for the mods followed by the dense
+        block diagonals' tiles, keys on their rows for the dK/dV kernel, and side values
+        of its relative reads)."""
         inputs = tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
                              heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
-        _, tiles, sides = _diagonals(program, reads)
+        if not dense_diagonals_in_backward(head_dim, relative_positions):
+            return (), inputs
+        diagonal_reads, tiles, sides = diagonal_inputs(
+            program, reads, paged=False, batch=batch, heads=q_heads,
+            q_length=padded_q_len, kv_length=padded_kv_len)
         if keys_on_rows:
             tiles = [t.swapaxes(-1, -2) for t in tiles]
-        return (*inputs, *tiles, *sides)
-
-    def _diagonals(program, reads):
-        if not dense_diagonals_in_backward(head_dim, relative_positions):
-            return (), [], []
-        return diagonal_inputs(program, reads, paged=False, batch=batch, heads=q_heads,
-                               q_length=padded_q_len, kv_length=padded_kv_len)
+        return diagonal_reads, (*inputs, *tiles, *sides)
     kv_tables, q_tables = tables[:4], tables[4:]
     settings = dict(mask_program=mask_program, scale=scale, group=group, q_len=q_len,
                     kv_len=kv_len, broadcast_batch=tables[0].shape[0] == 1,
@@ -932,7 +931,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
-                             sites, row_sums, _diagonals(dkv_program, dkv_reads)[0])
+                             sites, row_sums)
     dq_stages = _DQ_STAGES[head_dim]
     # Without reads at b and h, the exact deltas need sum P dP only; with the forward's
     # row sums of those, one row each (and sum P dP first for the relative reads).
@@ -942,9 +941,10 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     else:
         row_count = (2 + 2 * len(pair_positions) if pair_positions
                      else 1 if relative_positions else 0)
+    dq_diagonal_reads, dq_captured = captured_for(dq_program, dq_reads)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
-                           diagonal_reads=_diagonals(dq_program, dq_reads)[0],
+                           diagonal_reads=dq_diagonal_reads,
                            row_count=row_count, forward_sites=forward_sites, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
@@ -954,7 +954,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                      ) + rows_smem
     d_q, *rows = call(
         dq, (q, k, v, d_out, lse_log2, delta), kv_tables,
-        (*captured_for(dq_program, dq_reads), *(() if row_sums is None else (row_sums,))),
+        (*dq_captured, *(() if row_sums is None else (row_sums,))),
         (jax.ShapeDtypeStruct(q.shape, q.dtype), *rows_type),
         {"heads": q_heads, "q_seq": num_q_blocks, "batch": batch},
         (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
@@ -972,14 +972,16 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     if relative_positions:
         delta = exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
     dkv_stages = _DKV_STAGES[head_dim]
+    dkv_diagonal_reads, dkv_captured = captured_for(dkv_program, dkv_reads,
+                                                    keys_on_rows=True)
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
                             score_reads=dkv_reads,
-                            diagonal_reads=_diagonals(dkv_program, dkv_reads)[0],
+                            diagonal_reads=dkv_diagonal_reads,
                             relative_entries=relative_entries,
                             dump_offsets=dump_offsets, **settings)
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
-        (*captured_for(dkv_program, dkv_reads, keys_on_rows=True), *sites.tables),
+        (*dkv_captured, *sites.tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},

@@ -40,7 +40,6 @@ the rest (TMA copies, barriers, the three warpgroups) is simulated.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -375,10 +374,9 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             def diagonal_reader(ring, barrier, first, count, sides):
                 def wrap(runs):
                     held = lax.div(block_start, jnp.int32(BLOCK)) - q_block - first
-                    fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
-                    return DiagonalTile(**fields, dense=(held >= 0) & (held < count),
-                                        load=lambda: load_rows(ring, barrier),
-                                        side=jnp.where(held < 0, *sides))
+                    return DiagonalTile.around(runs, held=held, count=count,
+                                               load=lambda: load_rows(ring, barrier),
+                                               side=jnp.where(held < 0, *sides))
                 return wrap
             readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
                        in zip(bias_blocks, block_rings, block_barriers)}

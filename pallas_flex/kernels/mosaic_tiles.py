@@ -638,6 +638,13 @@ class DiagonalTile(RunsTile):
     load: object = None
     side: object = None
 
+    @classmethod
+    def around(cls, runs, *, held, count, load, side):
+        """`runs` (a RunsTile) on a tile whose block diagonal is `held` past the read's
+        first dense one, of `count`: dense there when 0 <= held < count."""
+        fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
+        return cls(**fields, dense=(held >= 0) & (held < count), load=load, side=side)
+
     def _as_value(self, value):
         return value if self.dtype is None else value.astype(self.dtype)
 
@@ -679,9 +686,7 @@ def diagonal_loads(diagonal_reads, tile_refs, side_refs, *, interpret):
                     return view[...]
                 return plgpu.load(view, layout=plgpu.Layout.WGMMA, optimized=False)
             side = jnp.where(held < 0, sides_ref[batch, head, 0], sides_ref[batch, head, 1])
-            fields = {f.name: getattr(runs, f.name) for f in dataclasses.fields(runs)}
-            return DiagonalTile(**fields, dense=(held >= 0) & (held < count), load=load,
-                                side=side)
+            return DiagonalTile.around(runs, held=held, count=count, load=load, side=side)
         return wrap
     return {key: reader(first, count, tiles_ref, sides_ref)
             for (key, first, count), tiles_ref, sides_ref
