@@ -26,7 +26,8 @@ kv_idx (document ids: `mosaic_eligibility.contiguous_reads` loads those as one v
 per tile), at exactly (q_idx, kv_idx) on contiguous K/V (a bias tensor: the memory
 warpgroup copies its [128, keys] blocks by TMA into a ring beside the K/V stages), or at
 indices of kv_idx - q_idx (T5 buckets: `relative_reads`, built from per-diagonal
-tables; the block diagonals near the main one copied as dense tiles the same way).
+tables; the block diagonals near the main one read as dense tiles straight from global
+memory, `mosaic_tiles.diagonal_loads`).
 Reads at other indices are per-element gathers, which the Triton kernel does and this
 one does not. Attention sinks (one logit per query head,
 `pallas_flex/sinks.py`) join each row's softmax in the final normalization, as in the
@@ -56,7 +57,7 @@ from pallas_flex.kernels.mosaic_eligibility import (
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, DiagonalTile, Vector, apply_mask, evaluate, index_vector,
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, diagonal_loads, evaluate, index_vector,
     map_each_element, matmul, reads_index, score_parts, split_rows, split_tile_refs,
     tile_inputs, weighted_row_sums)
 from pallas_flex.kernels.relative_reads import diagonal_blocks, numbered
@@ -180,10 +181,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     diagonals (`relative_reads.diagonal_blocks`: T5 buckets near the main diagonal),
     (read key, first block diagonal, count): its dense tiles [Bm, H, count, 128, 128]
     follow the mods' inputs, then (after all reads' tiles) its side values [Bm, H, 2];
-    the memory warpgroup copies a K/V tile's [128, keys] block of the tiles into a ring
-    of its own (after the bias blocks' rings and barriers) only on those block
-    diagonals, and a compute warpgroup waits for it and loads its rows only there
-    (`DiagonalTile`); elsewhere the read is the side's value, loaded once an item.
+    on those block diagonals a compute warpgroup loads its rows of the tile straight
+    from global memory in the wgmma layout (`mosaic_tiles.diagonal_loads`, as the
+    backward does; the same tiles for every query block of a head, so L2 holds them),
+    elsewhere the read is the side's value (`DiagonalTile`).
 
     Work items are (head, query block, batch) triples, heads varying fastest and the
     query blocks from the last (a causal mask's longest rows first). Program p runs
@@ -206,9 +207,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
     # the row sums' and a persistent program's output tiles (see `_launch`).
     (q_smem2, k_smem, v_smem, lse_smem2, *extra_smem), barriers = scratch
-    rings = extra_smem[len(extra_smem) - len(bias_blocks) - len(diagonal_reads):]
-    extra_smem = extra_smem[:len(extra_smem) - len(rings)]
-    block_rings, diagonal_rings = rings[:len(bias_blocks)], rings[len(bias_blocks):]
+    block_rings = extra_smem[len(extra_smem) - len(bias_blocks):]
+    extra_smem = extra_smem[:len(extra_smem) - len(block_rings)]
     persistent = items_per_program > 1
     max_smem2 = extra_smem[:1] if with_max else []
     sum_smem2 = extra_smem[with_max:with_max + row_sum_sites]
@@ -217,7 +217,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
     (q_barriers, k_barriers, v_barriers, k_consumed, v_consumed, schedule_barrier,
      *rest) = barriers
     gate_barriers, rest = rest[:with_gate], rest[with_gate:]
-    block_barriers, diagonal_barriers = rest[:len(bias_blocks)], rest[len(bias_blocks):]
+    block_barriers = rest
     head_dim = q_ref.shape[3]
     tile_rows = BLOCK // parts_per_block  # keys of a K/V tile
     dtype = q_ref.dtype
@@ -274,10 +274,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             # the walk) to 0.543 (0.534 ungated); noop 0.942 to 0.918.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
             load_gate()
-        # A dense relative read's values past its dense block diagonals, below and
-        # above: loaded once for the item.
-        side_values = [tuple(ref[0 if ref.shape[0] == 1 else batch, head, side]
-                             for side in range(2)) for ref in side_refs]
         plgpu.barrier_wait(q_barriers.at[warpgroup])
         tile = (ROWS_PER_WARPGROUP, tile_rows)
         row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -353,17 +349,16 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                           jnp.zeros_like(values))
                     plgpu.commit_smem()  # before the wgmma reads the tile
 
-        def block_readers(slot, block_start):
+        def block_readers(slot):
             """The bias blocks' readers on the tile in `slot`: this warpgroup's 64 rows
             of the block its ring holds there, once its copy has landed; and the dense
-            relative reads' wrappers of their runs (the same rows, where the tile's block
-            diagonal is one of the read's dense ones)."""
+            relative reads' wrappers of their runs (`diagonal_loads`)."""
             def load_rows(ring, barrier):
                 plgpu.barrier_wait(barrier.at[slot])
                 rows = ring.at[slot, warpgroup]
                 if interpret:
                     return rows[...]
-                return plgpu.load(rows, (), layout=plgpu.Layout.WGMMA)
+                return plgpu.load(rows, layout=plgpu.Layout.WGMMA)
 
             def reader(ring, barrier):
                 def read(captured, indices):
@@ -371,19 +366,10 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     return load_rows(ring, barrier)
                 return read
 
-            def diagonal_reader(ring, barrier, first, count, sides):
-                def wrap(runs):
-                    held = lax.div(block_start, jnp.int32(BLOCK)) - q_block - first
-                    return DiagonalTile.around(runs, held=held, count=count,
-                                               load=lambda: load_rows(ring, barrier),
-                                               side=jnp.where(held < 0, *sides))
-                return wrap
             readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
                        in zip(bias_blocks, block_rings, block_barriers)}
-            readers.update({key: diagonal_reader(ring, barrier, first, count, sides)
-                            for (key, first, count), ring, barrier, sides
-                            in zip(diagonal_reads, diagonal_rings, diagonal_barriers,
-                                   side_values)})
+            readers.update(diagonal_loads(diagonal_reads, diagonal_refs, side_refs,
+                                          interpret=interpret))
             return readers
 
         def visit(step, carry, masked):
@@ -434,7 +420,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     score_program, score_reads, score_refs,
                     (Affine(raw, scale), batch, head, q_idx, kv_idx), tile=tile, q_axis=0,
                     q_start=q_start, kv_start=kv_start, interpret=interpret,
-                    keep_affine=True, block_readers=block_readers(slot, block_start))
+                    keep_affine=True, block_readers=block_readers(slot))
                 read_derivatives = derivatives[1:]
                 logits, factor, query_term = score_parts(modded, tile, 0)
                 if query_term is not None:
@@ -614,9 +600,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                                             barrier.at[slot])
 
             def copy_blocks(location, part, slot):
-                """The K/V tile's block of each bias tensor, and of each dense relative
-                read where the tile's block diagonal is one of its dense ones."""
-                keys = pl.ds(part * tile_rows, tile_rows)
+                """The K/V tile's block of each bias tensor."""
                 for source, index, q_axis, kv_axis, ring, barrier in block_sources:
                     def bias_rows(half, source=source, index=index, q_axis=q_axis,
                                   kv_axis=kv_axis):
@@ -626,16 +610,6 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                         at[kv_axis] = pl.ds(location * BLOCK + part * tile_rows, tile_rows)
                         return source.at[tuple(at)]
                     copy_halves(bias_rows, ring, barrier, slot)
-                for (_, first, count), source, ring, barrier in zip(
-                        diagonal_reads, diagonal_refs, diagonal_rings, diagonal_barriers):
-                    held = location - q_block - first
-
-                    @pl.when((held >= 0) & (held < count))
-                    def _(source=source, ring=ring, barrier=barrier, held=held):
-                        copy_halves(lambda half: source.at[
-                            0 if source.shape[0] == 1 else batch, head, held,
-                            pl.ds(half * ROWS_PER_WARPGROUP, ROWS_PER_WARPGROUP), keys],
-                            ring, barrier, slot)
 
             def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
@@ -843,13 +817,19 @@ def _bias_blocks(score_program, score_reads):
 
 
 # Whether relative reads that `diagonal_blocks` covers take their dense block diagonals
-# from TMA-fed rings and one side value elsewhere (`diagonal_inputs`); False: the runs
+# from their tiles and one side value elsewhere (`diagonal_inputs`); False: the runs
 # everywhere (what the tests compare with). H200, paired rounds, ms, dense + sides /
 # dense + runs elsewhere / runs everywhere / no mod: causal one-way T5 B4 H16 S4096 D128
 # 0.683 / 0.742 / 0.943 / 0.501; B8 S2048 D64 0.342 / 0.362 / 0.634 / 0.227; two-way T5
 # noop 1.173 / 1.333 / 1.357 / 0.838; a table clipped to [-64, 64] 0.643 / 0.738 / 1.273;
 # B1 S16384 causal 2.770 / 3.040 / 2.972 / 2.216 (docs/gpu-notes.md). The runs' scalar
 # table loads, which every tile pays, are what the side values save off the diagonals.
+# The dense tiles are loaded by the compute warpgroups from global memory rather than
+# copied by TMA into rings beside the K/V stages (whose float32 ring took D 128 to 64-key
+# tiles): H200, paired rounds, ms, loads / rings / no mod: causal one-way T5 B4 H16
+# S4096 D128 0.678 / 0.704 / 0.511, B8 S2048 D64 0.346 / 0.355 / 0.236, two-way T5 noop
+# B4 1.109 / 1.240 / 0.880, bf16 table 0.695 / 0.695, B1 S16384 causal 2.589 / 2.825 /
+# 2.272.
 DENSE_DIAGONALS = True
 
 
@@ -857,7 +837,7 @@ def diagonal_inputs(score_program, score_reads, *, paged, batch, heads, q_length
                     kv_length):
     """(`_kernel`'s diagonal_reads, their dense tiles, their side values) for the
     score_mod's relative reads of float tables that `diagonal_blocks` covers; none on
-    pages (whose walk keeps its stages: `stages_and_parts` is not asked)."""
+    pages (not measured there: their relative reads keep the runs)."""
     if paged or score_program is None or not DENSE_DIAGONALS:
         return (), [], []
     found = diagonal_blocks(score_program, score_reads, batch, heads, q_length, kv_length)
@@ -1050,12 +1030,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         score_program, score_reads, paged=paged, batch=batch, heads=q_heads,
         q_length=num_q_blocks * BLOCK, kv_length=num_kv_blocks * BLOCK)
     fitted = (1, _STAGES[head_dim]) if paged else stages_and_parts(
-        head_dim, q.dtype, bias_dtypes + [t.dtype for t in diagonal_tiles],
-        persistent=persistent, row_buffers=row_buffers)
-    if fitted is None and diagonal_tiles:  # their rings do not fit: the runs alone
-        diagonal_reads, diagonal_tiles, diagonal_sides = (), [], []
-        fitted = stages_and_parts(head_dim, q.dtype, bias_dtypes, persistent=persistent,
-                                  row_buffers=row_buffers)
+        head_dim, q.dtype, bias_dtypes, persistent=persistent, row_buffers=row_buffers)
     parts_per_block, planned_stages = fitted
     num_stages = num_stages or planned_stages
     captured = tile_inputs(mask_program, mask_reads, score_program, score_reads,
@@ -1078,8 +1053,8 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         fixed_max=fixed_max, parts_per_block=parts_per_block,
         row_sum_sites=len(row_sums_of), mod_program=mod_program, bias_blocks=bias_blocks,
         diagonal_reads=diagonal_reads)
-    # (and a persistent program's output, and the bias blocks' and dense diagonals' rings)
-    smem_buffers = 3 + row_buffers + persistent + len(bias_blocks) + len(diagonal_reads)
+    # (and a persistent program's output, and the bias blocks' rings)
+    smem_buffers = 3 + row_buffers + persistent + len(bias_blocks)
     tile_rows = BLOCK // parts_per_block
 
     def entry(*refs):
@@ -1103,7 +1078,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
                           transforms=transforms)] if persistent else []),
             *[plgpu.SMEM((num_stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, tile_rows),
                          dtype, transforms=block_transforms(tile_rows, dtype))
-              for dtype in bias_dtypes + [t.dtype for t in diagonal_tiles]],
+              for dtype in bias_dtypes],
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
@@ -1112,7 +1087,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
             plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),
             *([plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS)] if gate is not None else []),
             *[plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=num_stages)
-              for _ in range(len(bias_blocks) + len(diagonal_reads))],
+              for _ in range(len(bias_blocks))],
             collective_axes="warpgroup",
         )
 

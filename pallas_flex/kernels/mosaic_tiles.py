@@ -630,10 +630,8 @@ class RunsTile:
 class DiagonalTile(RunsTile):
     """A relative read that `relative_reads.diagonal_blocks` covers: on a tile of its
     dense block diagonals (`dense`, a traced bool) its value is `load()` (the [rows,
-    columns] tile in the table's dtype: from the ring the Mosaic forward's memory
-    warpgroup copies it into, or from global memory in the backward, `diagonal_loads`),
-    elsewhere the one value `side` of that side (a scalar: the forward loads it once an
-    item). Its runs are not walked."""
+    columns] tile in the table's dtype, loaded from global memory by `diagonal_loads`),
+    elsewhere the one value `side` of that side (a scalar). Its runs are not walked."""
     dense: object = None
     load: object = None
     side: object = None

@@ -198,8 +198,9 @@ def diagonal_blocks(program, reads, batch: int, heads: int, q_length: int,
     """{relative read number: DiagonalBlocks} for the reads whose value changes on at
     most MAX_DIAGONAL_BLOCKS consecutive block diagonals (T5: the main one and the one
     below it one way, also the one above two ways; a table clipped to [-c, c]: those
-    within c of the main one): the Mosaic forward's memory warpgroup copies those block
-    diagonals' tiles by TMA, and every other tile adds one of the two side values,
+    within c of the main one): the Mosaic kernels load those block diagonals' tiles
+    from global memory (`mosaic_tiles.diagonal_loads`), and every other tile adds one
+    of the two side values,
     where the runs (`mosaic_tiles.RunsTile`) cost a compare and a select per score and
     run (some 30 runs a T5 tile near the diagonal) and scalar table loads on every tile.
 

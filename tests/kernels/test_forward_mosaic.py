@@ -934,8 +934,8 @@ def test_reads_at_relative_positions(case, backend):
 
 def test_dense_block_diagonals_come_from_their_tiles(monkeypatch):
     """A two-way T5 bias's block diagonals near the main one
-    (`relative_reads.diagonal_blocks`: -1, 0 and 1) are read from the tiles the memory
-    warpgroup copies, the others take one value per side
+    (`relative_reads.diagonal_blocks`: -1, 0 and 1) are read from their tiles in global
+    memory (`mosaic_tiles.diagonal_loads`), the others take one value per side
     (`test_reads_at_relative_positions` checks both against the golden): the runs alone
     (DENSE_DIAGONALS off) give the same lse within float32 rounding; tiles raised by 1
     raise the lse of every row (each has keys on those diagonals); sides raised by 1 only
