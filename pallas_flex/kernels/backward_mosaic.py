@@ -40,9 +40,9 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 
 Relative reads (T5 buckets) take their values from runs (`mosaic_tiles.RunsTile`), or
 where `relative_reads.diagonal_blocks` covers them and `dense_diagonals_in_backward`
-says so, from their dense block diagonals' tiles, loaded straight from global memory in
-both kernels (`mosaic_tiles.diagonal_loads`; the dK/dV kernel's transposed outside),
-and one side value elsewhere.
+says so (head dim 64), from their dense block diagonals' tiles, loaded straight from
+global memory in both kernels (`mosaic_tiles.diagonal_loads`; the dK/dV kernel's
+transposed outside), and one side value elsewhere.
 
 What it covers is the forward kernel's set
 (`mosaic_eligibility.unsupported_reason`), with gradients of the captured arrays read once
@@ -145,15 +145,22 @@ def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, bat
     return logits, to_tile(derivative, tile), query_term, read_derivatives
 
 
-def dense_diagonals_in_backward(head_dim, relative_positions) -> bool:
+def dense_diagonals_in_backward(head_dim) -> bool:
     """Whether the backward kernels read relative reads' dense block diagonals
     (`mosaic_tiles.diagonal_loads`: tiles loaded from global memory there, one side value
-    elsewhere) rather than their runs on every tile: not at head dim 128 where a table's
-    gradient is summed (its dK/dV kernel is at its registers' limit). H200, causal one-way
-    T5 fwd+bwd, paired rounds, ms, dense / runs, with the table's gradient / a fixed
-    table: B4 H16 S4096 D128 3.564 / 3.338, 2.684 / 2.839 (causal alone 2.003); B8 H16
-    S2048 D64 1.232 / 1.634, 0.944 / 1.191 (0.766)."""
-    return not (head_dim == 128 and tuple(relative_positions))
+    elsewhere) rather than their runs on every tile: not at head dim 128, where the
+    dense tiles' gain on the band near the main diagonal is lost to the other tiles
+    (their branch between the dense tile and the side value costs more there than a
+    one-run tile) once the rows are long, and with a table's gradient everywhere.
+    H200, causal one-way T5 fwd+bwd, paired rounds, ms, dense / runs: a fixed table B4
+    H16 S4096 D128 2.729 / 2.756 (an earlier host 2.684 / 2.839), GQA 32:8 5.297 / 5.316,
+    B1 S16384 9.76 / 9.03; with the table's gradient B4 3.564 / 3.338 (in the dQ kernel
+    only 3.474 / 3.228), B1 S16384 12.35 / 10.68 (dQ kernel only 11.91 / 10.56); at D64
+    B8 H16 S2048 with the table's gradient 1.232 / 1.634, fixed 0.944 / 1.191. The side
+    values loaded once a program instead of on every tile (in the dQ kernel and the
+    forward) changed nothing: B1 S16384 fixed table 9.762 / 9.764, D64 with the table's
+    gradient 1.277 / 1.279."""
+    return head_dim != 128
 
 
 def _diagonal_readers(diagonal_reads, refs, interpret):
@@ -859,7 +866,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         of its relative reads)."""
         inputs = tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
                              heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
-        if not dense_diagonals_in_backward(head_dim, relative_positions):
+        if not dense_diagonals_in_backward(head_dim):
             return (), inputs
         diagonal_reads, tiles, sides = diagonal_inputs(
             program, reads, paged=False, batch=batch, heads=q_heads,
