@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_WORKERS ?= 2
 
-.PHONY: demo test test-gpu api-docs bench wheel clean
+.PHONY: demo test test-gpu test-gpu-smoke api-docs bench wheel clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -85,6 +85,13 @@ test-gpu:
 	exit $$status
 
 # The API reference, from the docstrings (tests/test_api_reference.py builds it too).
+# A quick check of every kernel family in one device call (~130 tests: the first test of
+# each gpu test function and slices of the two matrices, tests/gpu/conftest.py's _smoke),
+# in 6 shards: `make test-gpu-smoke PYTHON="timeout 400 python3" GPU_OUT=$OUT`. Not a
+# substitute for the whole suite; add GPU_PYTEST_ARGS='-k ...' for a change's own tests.
+test-gpu-smoke:
+	PALLAS_FLEX_GPU_SMOKE=1 $(MAKE) test-gpu GPU_SHARDS=6 GPU_FIRST=0 GPU_LAST=5
+
 api-docs: $(VENV)/.installed
 	$(PY) -m pdoc -o build/api pallas_flex pallas_flex.nn
 

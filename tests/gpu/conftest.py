@@ -22,6 +22,9 @@ Environment:
     loads this file, and so the sharding, only when a path under tests/gpu is among
     those it collects: a run of other files names one too (a -k may deselect its
     tests), or every shard runs all of them.
+  PALLAS_FLEX_GPU_SMOKE=1: a quick check of every kernel family in one device call
+    (`make test-gpu-smoke`): the first test of every test function, and of the two
+    matrices a slice (`_smoke`), before sharding.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ SMALL = os.environ.get("PALLAS_FLEX_TEST_SMALL", "") not in ("", "0")
 BUDGET_ENV = "PALLAS_FLEX_SHARED_MEMORY_KIB"
 RESULTS_ENV = "PALLAS_FLEX_RESULTS"
 SHARD_ENV = "PALLAS_FLEX_TEST_SHARD"
+SMOKE_ENV = "PALLAS_FLEX_GPU_SMOKE"
 # Shared-memory budgets (KiB) the kernels' configurations must fit: None is the device's
 # own (227 KiB on the H100), then an A100's, an sm_89's and a T4's.
 BUDGETS_KIB = [None, 164, 100, 64]
@@ -394,8 +398,44 @@ def _shard_spec(config):
     return index, count
 
 
+# The smoke run's slice of the dtype matrix: the device's own shared-memory budget, one
+# layout, the head dims of distinct kernel paths (Mosaic 64 / 128, Mosaic D96 past the
+# powers of two, 256 on Triton's smaller tiles), every dtype and op.
+_SMOKE_MATRIX = {"budget": (None,), "layout": ("gqa",), "head_dim": (64, 96, 128, 256)}
+
+
+def _smoke_key(item):
+    """The key a smoke run keeps one test of (the first collected), or None: drop it."""
+    params = item.callspec.params if hasattr(item, "callspec") else {}
+    function = item.nodeid.split("[")[0]
+    if "budget" in params:  # test_dtype_matrix cells: each cell of the slice
+        if any(params[name] not in kept for name, kept in _SMOKE_MATRIX.items()):
+            return None
+        return item.nodeid
+    if "length" in params:  # test_captured_gradients cells: one per array kind and dtype
+        return function, params.get("kind"), params.get("dtype_name")
+    return function
+
+
+def _smoke(items):
+    """The tests of a smoke run (`SMOKE_ENV`), in collection order."""
+    seen, kept = set(), []
+    for item in items:
+        key = _smoke_key(item)
+        if key is not None and key not in seen:
+            seen.add(key)
+            kept.append(item)
+    return kept
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: every shard sees the same items
 def pytest_collection_modifyitems(config, items):
+    if os.environ.get(SMOKE_ENV, "") not in ("", "0"):
+        kept = _smoke(items)
+        chosen = set(map(id, kept))
+        config.hook.pytest_deselected(items=[item for item in items
+                                             if id(item) not in chosen])
+        items[:] = kept
     spec = _shard_spec(config)
     if spec is None:
         return
