@@ -80,8 +80,8 @@ from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, diagonal_loads, evaluate,
-    index_vector, issue, load_vector, materialize, reads_index, result,
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, diagonal_readers,
+    evaluate, index_vector, issue, load_vector, materialize, reads_index, result,
     run_per_element_under_vmap, score_parts, split_tile_refs, tile_inputs, to_tile,
     vector_layout, with_accumulators)
 from pallas_flex.kernels.padding import pad_axis
@@ -163,16 +163,6 @@ def dense_diagonals_in_backward(head_dim) -> bool:
     return head_dim != 128
 
 
-def _diagonal_readers(diagonal_reads, refs, interpret):
-    """(block_readers for `_scores_to_logits`, the refs after the dense tiles and side
-    values the kernel's inputs hold per read of diagonal_reads, first among the refs
-    after the mods' own)."""
-    count = len(diagonal_reads)
-    readers = diagonal_loads(diagonal_reads, refs[:count], refs[count:2 * count],
-                             interpret=interpret) if count else None
-    return readers, refs[2 * count:]
-
-
 def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
@@ -194,7 +184,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
-    readers, rest = _diagonal_readers(diagonal_reads, rest, interpret)
+    readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
     sites = len(relative_entries)
     # Three entry tables per array that sums its runs, none per dumped one.
     entry_refs, position = [], 0
@@ -500,7 +490,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
-    readers, rest = _diagonal_readers(diagonal_reads, rest, interpret)
+    readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
     forward_sums_ref = rest[0] if forward_sites else None
     dq_ref, *rows_ref, scratch = rest[bool(forward_sites):]
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch

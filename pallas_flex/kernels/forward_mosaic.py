@@ -57,7 +57,7 @@ from pallas_flex.kernels.mosaic_eligibility import (
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
 from pallas_flex.kernels.mosaic_tiles import (
-    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, diagonal_loads, evaluate, index_vector,
+    ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, diagonal_readers, evaluate, index_vector,
     map_each_element, matmul, reads_index, score_parts, split_rows, split_tile_refs,
     tile_inputs, weighted_row_sums)
 from pallas_flex.kernels.relative_reads import diagonal_blocks, numbered
@@ -200,9 +200,8 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
         gate_ref, *refs = refs
     mask_refs, score_refs, rest = split_tile_refs(refs, mask_program, mask_reads,
                                                   score_program, score_reads)
-    diagonal_refs = rest[:len(diagonal_reads)]
-    side_refs = rest[len(diagonal_reads):2 * len(diagonal_reads)]
-    out_ref, lse_ref, *row_refs, scratch = rest[2 * len(diagonal_reads):]
+    dense_readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
+    out_ref, lse_ref, *row_refs, scratch = rest
     max_ref, sum_refs = row_refs[:with_max], row_refs[with_max:]
     # Shared memory: queries, K/V stages, lse rows, then the row max's rows (with_max),
     # the row sums' and a persistent program's output tiles (see `_launch`).
@@ -368,8 +367,7 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
 
             readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
                        in zip(bias_blocks, block_rings, block_barriers)}
-            readers.update(diagonal_loads(diagonal_reads, diagonal_refs, side_refs,
-                                          interpret=interpret))
+            readers.update(dense_readers or {})
             return readers
 
         def visit(step, carry, masked):

@@ -691,6 +691,16 @@ def diagonal_loads(diagonal_reads, tile_refs, side_refs, *, interpret):
             in zip(diagonal_reads, tile_refs, side_refs)}
 
 
+def diagonal_readers(diagonal_reads, refs, *, interpret):
+    """(`diagonal_loads`' block_readers, or None without dense reads; the refs after the
+    dense tiles and side values a kernel's inputs hold per read of diagonal_reads, first
+    among `refs`)."""
+    count = len(diagonal_reads)
+    readers = diagonal_loads(diagonal_reads, refs[:count], refs[count:2 * count],
+                             interpret=interpret) if count else None
+    return readers, refs[2 * count:]
+
+
 def padded_for_slices(program, reads, q_length: int, kv_length: int):
     """`captured_inputs(program)`, each array of its contiguous `reads` edge-padded along
     the read's axis to the kernel's padded q_length / kv_length: a slice read past the
