@@ -150,8 +150,9 @@ def dense_diagonals_in_backward(head_dim) -> bool:
     (`mosaic_tiles.diagonal_loads`: tiles loaded from global memory there, one side value
     elsewhere) rather than their runs on every tile: not at head dim 128, where the
     dense tiles' gain on the band near the main diagonal is lost to the other tiles
-    (their branch between the dense tile and the side value costs more there than a
-    one-run tile) once the rows are long, and with a table's gradient everywhere.
+    once the rows are long, and with a table's gradient everywhere (the suspect: each
+    tile's branch between the dense tile and the side value, with dP's wgmma in flight
+    across it; branch `wip-backward-band` walks the band apart to test that).
     H200, causal one-way T5 fwd+bwd, paired rounds, ms, dense / runs: a fixed table B4
     H16 S4096 D128 2.729 / 2.756 (an earlier host 2.684 / 2.839), GQA 32:8 5.297 / 5.316,
     B1 S16384 9.76 / 9.03; with the table's gradient B4 3.564 / 3.338 (in the dQ kernel

@@ -428,14 +428,17 @@ def _smoke(items):
     return kept
 
 
+def _keep_only(config, items, kept):
+    """Deselects every item not in `kept` (reported as deselected), in place."""
+    chosen = set(map(id, kept))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in chosen])
+    items[:] = kept
+
+
 @pytest.hookimpl(trylast=True)  # after -m / -k deselection: every shard sees the same items
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(SMOKE_ENV, "") not in ("", "0"):
-        kept = _smoke(items)
-        chosen = set(map(id, kept))
-        config.hook.pytest_deselected(items=[item for item in items
-                                             if id(item) not in chosen])
-        items[:] = kept
+        _keep_only(config, items, _smoke(items))
     spec = _shard_spec(config)
     if spec is None:
         return
@@ -456,9 +459,7 @@ def pytest_collection_modifyitems(config, items):
         loads[shard] += cost
         if shard == index:
             mine.update(id(member) for member in members)
-    kept = [item for item in items if id(item) in mine]
-    config.hook.pytest_deselected(items=[item for item in items if id(item) not in mine])
-    items[:] = kept
+    _keep_only(config, items, [item for item in items if id(item) in mine])
 
 
 def merge_results(shard_directory, output_path):
