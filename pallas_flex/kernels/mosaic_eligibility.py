@@ -133,6 +133,8 @@ def captured_row_sums(head_dim) -> bool:
 # of the two kernels') and slow: 0.993 / 1.619 / 0.868, 3.092 / 5.393 / 2.587,
 # 3.211 / 5.821 / 2.661.
 FUSE_CAPTURED_GRADIENTS = True
+# The query-rows fused backward at head dim 128 (`backward_mosaic._query_rows_compute`).
+FUSE_DQ_AT_128 = True
 
 
 def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
@@ -165,6 +167,8 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     5.19). With 32-query steps instead (S^T, dP^T [64, 32] and dQ^T = K^T dS^T [128, 32]:
     60 B of spills) it lost to the two kernels 4.76 / 3.88 (B4 noop) and 16.99 / 15.36
     (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md)."""
+    if head_dim == 128 and FUSE_DQ_AT_128:
+        return not (deterministic or tuple(gradient_positions))
     if head_dim != 64 or deterministic or tuple(relative_positions):
         return False
     return not tuple(gradient_positions) or (FUSE_CAPTURED_GRADIENTS and forward_row_sums)
