@@ -76,7 +76,7 @@ from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
     accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys, pair_gradients,
     relative_gradient)
-from pallas_flex.kernels.forward_mosaic import diagonal_inputs, named_barrier, tile_transforms
+from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
@@ -103,11 +103,8 @@ assert Q_TILE == ROWS_PER_WARPGROUP == TILE
 _DQ_STAGES = {64: 4, 80: 3, 96: 3, 128: 2}
 # The dK/dV kernel that computes dQ too (`mosaic_eligibility.fuses_dq`) keeps dS^T and
 # DQ_STAGING float32 [64, 64] dQ tiles per warpgroup in shared memory as well.
-_FUSED_STAGES = {64: 4, 128: 2}
+_FUSED_STAGES = {64: 4}
 DQ_STAGING = 2
-# Named barrier of the query-rows fused kernel's rendezvous (the forward's turns take 8
-# and 9; Mosaic GPU the ids below 8).
-_BOTH_WROTE_BARRIER = 10
 _FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 # Registers a thread of a compute / the memory warpgroup (setmaxnreg): 8 more for the
 # compute warpgroups than the forward's (232, 40). H100, paired rounds, ms, 240 / 232:
@@ -171,8 +168,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
-                 dq_halves=False):
+                 dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=()):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -186,10 +182,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
     in registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks,
     1, 64] (`accumulate_pair`); C, each row's sum P g from the forward, comes in
-    row_sums_ref [B, Hq, pair_sites, S] (the last input).
-    dq_halves (with fuse_dq, no captured gradients): tiles with the queries on their rows,
-    each warpgroup dQ's half of the columns over both warpgroups' keys
-    (`_query_rows_compute`)."""
+    row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
@@ -211,16 +204,12 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     dump_refs, scratch = iter(rest[position + 2 + summed_sites:outputs_end]), rest[-1]
     dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
-    if dq_halves:
-        p_smem, ds_smem, dq_staging, *entry_smem = entry_smem
-        kv_barriers, ready, consumed, both_wrote = barriers
-    elif fuse_dq:
+    if fuse_dq:
         ds_smem, dq_staging, *entry_smem = entry_smem
     if pair_sites:  # per stage, the forward's row sums of the query tile
         row_sums_smem, *entry_smem = entry_smem
     staging = entry_smem.pop() if any(ref is not None for ref in dump_refs) else None
-    if not dq_halves:
-        kv_barriers, ready, consumed = barriers
+    kv_barriers, ready, consumed = barriers
     head_dim, value_dim = k_ref.shape[3], v_ref.shape[3]
     key_tiles = k_ref.shape[1] // ROWS_PER_WARPGROUP
     dtype = q_ref.dtype
@@ -258,135 +247,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
 
     warpgroup = lax.axis_index("warpgroup")
 
-    def _query_rows_compute():
-        """dK, dV and dQ with the queries on the tiles' rows (FlashAttention-3's layout at
-        head dim 128): S = Q K^T and dP = dO V^T [64 queries, 64 keys] per warpgroup, so
-        that lse and delta are row vectors (two registers a thread where keys on the rows
-        spread them over 16 each); P and dS go to shared memory, which dV's and dK's
-        wgmmas read transposed; once both warpgroups have written their dS tiles, each
-        computes dQ's half of the columns over both warpgroups' keys, a float32 [64, 64]
-        tile TMA-reduce-added into dq_ref. Registers: dK, dV 64 each, S and dP 32 each,
-        then dQ 32."""
-        if not interpret:
-            plgpu.set_max_registers(_REGISTERS[0], action="increase")
-        k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
-        kv_start = kv_block * BLOCK + warpgroup * ROWS_PER_WARPGROUP
-        rows = (batch, pl.ds(kv_start, ROWS_PER_WARPGROUP), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_barriers.at[warpgroup])
-        plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_barriers.at[warpgroup])
-        # dQ reads the other warpgroup's keys too.
-        for other in range(COMPUTE_WARPGROUPS):
-            plgpu.barrier_wait(kv_barriers.at[other])
-        half = head_dim // COMPUTE_WARPGROUPS
-        columns = pl.ds(warpgroup * half, half)
-
-        tile = (Q_TILE, ROWS_PER_WARPGROUP)
-        kv_idx = None
-        if (reads_index(mask_program, mask_reads, "kv_idx")
-                or reads_index(score_program, score_reads, "kv_idx")):
-            kv_idx = index_vector(kv_start, ROWS_PER_WARPGROUP, 1,
-                                  below=kv_len if kv_len % BLOCK else None)
-        needs_q_idx = {
-            masked: (reads_index(score_program, score_reads, "q_idx")
-                     or (masked and reads_index(mask_program, mask_reads, "q_idx")))
-            for masked in (False, True)}
-        mods = dict(tile=tile, q_axis=0, kv_start=kv_start, interpret=interpret)
-
-        def rendezvous():
-            if interpret:
-                plgpu.barrier_arrive(both_wrote)
-                plgpu.barrier_wait(both_wrote)
-            else:
-                named_barrier("sync", _BOTH_WROTE_BARRIER)
-
-        def visit(step, head, q_start, masked, carry):
-            slot = lax.rem(step, jnp.int32(num_stages))
-            plgpu.barrier_wait(ready.at[slot])
-            return with_accumulators(
-                functools.partial(step_matmuls, q_smem.at[slot], do_smem.at[slot], slot,
-                                  head, q_start, masked, step=step),
-                carry, (tile, tile), interpret=interpret)
-
-        def step_matmuls(q_tile, do_tile, slot, head, q_start, masked, carried, fresh,
-                         step=None):
-            (d_k, d_v), (scores_ref, d_probabilities_ref) = carried, fresh
-            issue(scores_ref, q_tile, k_smem, transpose_b=True, interpret=interpret)
-            issue(d_probabilities_ref, do_tile, v_smem, transpose_b=True, interpret=interpret)
-            scores = result(scores_ref, in_flight_after=1, interpret=interpret)
-            q_idx = None
-            if needs_q_idx[masked]:
-                q_idx = index_vector(q_start, Q_TILE, 0,
-                                     below=q_len if q_len % BLOCK else None)
-            logits, score_derivative, query_term, _ = _scores_to_logits(
-                scores, score_program=score_program, score_reads=score_reads,
-                score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
-                kv_idx=kv_idx, q_start=q_start, **mods)
-            if masked:
-                logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
-                                    (batch, head, q_idx, kv_idx), q_start=q_start, **mods)
-            lse_log2 = load_vector(lse_smem.at[slot], 0, interpret)
-            if query_term is not None:
-                lse_log2 = lse_log2 - query_term
-            probabilities = jnp.exp2(logits - lax.broadcast_in_dim(lse_log2, tile, [0]))
-            p_tile = p_smem.at[warpgroup]
-            p_tile[...] = probabilities.astype(dtype)
-            plgpu.commit_smem()
-            issue(d_v, p_tile, do_tile, transpose_a=True, interpret=interpret)
-            d_probabilities = result(d_probabilities_ref, in_flight_after=1,
-                                     interpret=interpret)
-            delta = load_vector(delta_smem.at[slot], 0, interpret)
-            d_scores = probabilities * (d_probabilities
-                                        - lax.broadcast_in_dim(delta, tile, [0]))
-            if score_derivative is not None:
-                d_scores = d_scores * score_derivative
-            buffer = lax.rem(step, jnp.int32(2))
-            ds_tile = ds_smem.at[buffer, warpgroup]
-            ds_tile[...] = d_scores.astype(dtype)
-            plgpu.commit_smem()
-            issue(d_k, ds_tile, q_tile, transpose_a=True, interpret=interpret)
-            # Both dS tiles written (the other's of this buffer was read two steps ago:
-            # the other warpgroup passed the last rendezvous after its dQ wgmma landed).
-            rendezvous()
-
-            def dq_matmul(_, fresh):
-                (d_q,) = fresh
-                for other in range(COMPUTE_WARPGROUPS):
-                    issue(d_q, ds_smem.at[buffer, other], k_smem2.at[other, :, columns],
-                          interpret=interpret)
-                d_q = result(d_q, in_flight_after=0, interpret=interpret)  # and dK, dV's
-                plgpu.barrier_arrive(consumed.at[slot])
-                # The copy from the staging tile a step ago has read it.
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                staging = dq_staging.at[warpgroup]
-                staging[...] = d_q
-                plgpu.commit_smem()
-                q_rows = (batch, pl.ds(q_start, Q_TILE), head, columns)
-                if interpret:  # no TMA reductions there: each key block sums its own
-                    plgpu.copy_smem_to_gmem(staging, dq_ref.at[(kv_block, 0) + q_rows])
-                else:
-                    plgpu.copy_smem_to_gmem(staging, dq_ref.at[q_rows], reduction_op="add")
-            with_accumulators(dq_matmul, [], [(Q_TILE, half)], interpret=interpret)
-
-        zeros = functools.partial(jnp.full, fill_value=0.0, dtype=jnp.float32)
-        carry = [plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, head_dim)), plgpu.Layout.WGMMA),
-                 plgpu.layout_cast(zeros((ROWS_PER_WARPGROUP, value_dim)), plgpu.Layout.WGMMA)]
-        _, (d_k, d_v) = walk(visit, carry)
-        plgpu.wait_smem_to_gmem(0)
-        # Both warpgroups' dQ wgmmas have read K: the last rendezvous followed them.
-        rendezvous()
-        k_smem[...] = (d_k * scale).astype(dtype)
-        v_smem[...] = d_v.astype(dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[rows], commit_group=False)
-        plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[rows], commit_group=False)
-        plgpu.commit_smem_to_gmem_group()
-        plgpu.wait_smem_to_gmem(0)
-
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
     def _compute():
-        if dq_halves:
-            _query_rows_compute()
-            return
         if not interpret:
             plgpu.set_max_registers(_REGISTERS[0], action="increase")
         k_smem, v_smem = k_smem2.at[warpgroup], v_smem2.at[warpgroup]
@@ -891,25 +753,12 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     batch, _, q_heads, head_dim = q.shape
     kv_heads = k.shape[2]
     interpret = settings["interpret"]
-    dq_halves = head_dim == 128
-    if dq_halves:
-        # P per warpgroup, dS per step parity and warpgroup, a float32 dQ staging tile
-        # per warpgroup (`_query_rows_compute`).
-        extra_smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, Q_TILE, ROWS_PER_WARPGROUP), q.dtype,
-                       transforms=tile_transforms(Q_TILE)),
-            plgpu.SMEM((2, COMPUTE_WARPGROUPS, Q_TILE, ROWS_PER_WARPGROUP), q.dtype,
-                       transforms=tile_transforms(Q_TILE)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, Q_TILE, head_dim // COMPUTE_WARPGROUPS),
-                       jnp.float32, transforms=_FLOAT32_TRANSFORMS))
-    else:
-        # dS^T and the float32 dQ staging tiles, per compute warpgroup, then the sites'
-        # sums.
-        extra_smem = (
-            plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
-                       transforms=tile_transforms(Q_TILE)),
-            plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
-                       transforms=_FLOAT32_TRANSFORMS))
+    # dS^T and the float32 dQ staging tiles, per compute warpgroup, then the sites' sums.
+    extra_smem = (
+        plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
+                   transforms=tile_transforms(Q_TILE)),
+        plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
+                   transforms=_FLOAT32_TRANSFORMS))
     # (The sites' sums take a few KiB: the stages fit beside them.)
     stages = _FUSED_STAGES[head_dim]
     if sites.pair_sites:  # per stage, the query tile's row sums from the forward
@@ -920,12 +769,10 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                             score_reads=dkv_reads, diagonal_reads=diagonal_reads,
                             relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
-                            fuse_dq=True, dq_halves=dq_halves, **settings)
+                            fuse_dq=True, **settings)
     # A stage's copies: Q, dO, lse, delta, and the row sums.
-    scratch, num_smem = dkv_scratch(
-        stages, extra_smem, ready_arrivals=4 + bool(sites.pair_sites),
-        # The two warpgroups' rendezvous in interpret mode (a named barrier on the GPU).
-        extra_barriers=(plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS),) if dq_halves else ())
+    scratch, num_smem = dkv_scratch(stages, extra_smem,
+                                    ready_arrivals=4 + bool(sites.pair_sites))
     # Interpret mode has no TMA reductions: there every key tile (key block and
     # warpgroup) writes partial sums of its own, summed here.
     parts = () if not interpret else (num_kv_blocks, COMPUTE_WARPGROUPS)
@@ -1030,7 +877,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
-    def dkv_scratch(stages, extra_smem=(), ready_arrivals=4, extra_barriers=()):
+    def dkv_scratch(stages, extra_smem=(), ready_arrivals=4):
         """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and
         delta per stage, then `extra_smem`) and barriers (a stage ready after
         `ready_arrivals` copies); the count of the former."""
@@ -1040,8 +887,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                    vectors(stages, Q_TILE), vectors(stages, Q_TILE), *extra_smem)
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
                     plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages),
-                    *extra_barriers)
+                    plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
         return buffers + barriers, len(buffers)
 
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,

@@ -133,8 +133,6 @@ def captured_row_sums(head_dim) -> bool:
 # of the two kernels') and slow: 0.993 / 1.619 / 0.868, 3.092 / 5.393 / 2.587,
 # 3.211 / 5.821 / 2.661.
 FUSE_CAPTURED_GRADIENTS = True
-# The query-rows fused backward at head dim 128 (`backward_mosaic._query_rows_compute`).
-FUSE_DQ_AT_128 = True
 
 
 def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
@@ -166,9 +164,13 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     query block) and key blocks first in the grid were slower (4.72 / 6.34 against
     5.19). With 32-query steps instead (S^T, dP^T [64, 32] and dQ^T = K^T dS^T [128, 32]:
     60 B of spills) it lost to the two kernels 4.76 / 3.88 (B4 noop) and 16.99 / 15.36
-    (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md)."""
-    if head_dim == 128 and FUSE_DQ_AT_128:
-        return not (deterministic or tuple(gradient_positions))
+    (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md). FlashAttention-3's
+    layout (commit 0ed59cd: queries on the tiles' rows, so that lse and delta are row
+    vectors; P and dS through shared memory for dV's and dK's wgmmas; each warpgroup half
+    of dQ's columns over both warpgroups' keys) was right on the H100's GPU tests, still
+    spilled 304 B and lost at every shape, fwd+bwd ms, two kernels / it / cuDNN: B4
+    S4096 noop 3.93 / 4.64 / 3.71, causal 2.10 / 2.62 / 2.12; B1 S16384 noop 14.96 /
+    16.47 / 13.84 (docs/gpu-notes.md)."""
     if head_dim != 64 or deterministic or tuple(relative_positions):
         return False
     return not tuple(gradient_positions) or (FUSE_CAPTURED_GRADIENTS and forward_row_sums)

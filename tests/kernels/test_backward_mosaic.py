@@ -74,12 +74,6 @@ def _check_gradients(variant, dtype, layout, q_len, kv_len, dim, backend, seed=5
 INTERPRET_LENGTHS = {300: 200, 384: 256}
 
 
-def _fuses(dim):
-    """Whether a call at head dim `dim` without captured-array gradients fuses dQ."""
-    from pallas_flex.kernels import mosaic_eligibility
-    return dim == 64 or (dim == 128 and mosaic_eligibility.FUSE_DQ_AT_128)
-
-
 def _cases(variants, shape_offset=0, backend="pallas"):
     for index, variant in enumerate(variants):
         dtype, layout, q_len, kv_len, dim = SHAPES[(index + shape_offset) % len(SHAPES)]
@@ -110,9 +104,9 @@ def test_gallery_in_interpret_mode(variant, dtype, layout, q_len, kv_len, dim,
     batch = 2 if variant in READS_B else 1
     _check_gradients(variant, dtype, layout, q_len, kv_len, dim, "interpret", batch=batch,
                      check_forward=True)
-    # dQ fused into the dK/dV kernel at D 64 and 128 (no captured-array gradient here,
-    # not deterministic), two kernels otherwise (test_fused_dq_rule).
-    assert bool(fused_launches) == _fuses(dim)
+    # dQ fused into the dK/dV kernel at D 64 (no captured-array gradient here, not
+    # deterministic), two kernels otherwise (test_fused_dq_rule).
+    assert bool(fused_launches) == (dim == 64)
 
 
 @pytest.mark.gpu
@@ -629,12 +623,8 @@ def test_fused_dq_rule(monkeypatch):
     assert not fuses_dq(64, (0,), False)  # (the statistics handed in: no row sums)
     assert not fuses_dq(64, (0,), False, relative_positions=(0,), forward_row_sums=True)
     assert not fuses_dq(64, (0,), True, forward_row_sums=True)
-    for dim in (80, 96):
+    for dim in (80, 96, 128):
         assert not fuses_dq(dim, (), False)
-    # At head dim 128 (the query-rows kernel) without gradients of captured arrays.
-    assert fuses_dq(128, (), False) == mosaic_eligibility.FUSE_DQ_AT_128
-    assert not fuses_dq(128, (), True)
-    assert not fuses_dq(128, (0,), False, forward_row_sums=True)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -677,7 +667,7 @@ def test_deterministic_backward_does_not_fuse_dq_in_interpret_mode(fused_launche
 @pytest.mark.parametrize("dim", [64, 128])
 def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly(dim):
     """With default options a covered call's backward lowers to Mosaic GPU kernels (at D
-    64 and 128 one: dQ fused into the dK/dV kernel by TMA reduce-adds), with
+    64 one: dQ fused into the dK/dV kernel by TMA reduce-adds), with
     backward_deterministic to two, whose results are the same bits run to run; the Triton
     backward agrees with both."""
     q, k, v = random_qkv(3, 2, 1024, 1024, 8, 2, dim, dim, jnp.bfloat16)
@@ -699,7 +689,7 @@ def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly(dim):
     # The forward and the backward's kernels: one fused at D 64, two otherwise.
     two_kernels, default_kernels = kernels(deterministic), kernels(None)
     assert two_kernels >= 3
-    assert default_kernels < two_kernels if _fuses(dim) else default_kernels == two_kernels
+    assert default_kernels < two_kernels if dim == 64 else default_kernels == two_kernels
     first, second = grads(deterministic), grads(deterministic)
     default = grads(None)
     triton = grads({"backward_kernel": "triton"})
