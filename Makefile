@@ -28,7 +28,7 @@ test: $(VENV)/.installed
 # RUNTIME (H100): compiling is nearly all of it, ~95 min of test time one shard after
 # another. No single pytest process fits the device tool's 10 minutes, so the target runs
 # GPU_SHARDS (14) pytest shards, balanced by their estimated cost
-# (PALLAS_FLEX_TEST_SHARD=i/n, tests/gpu/conftest.py). All 14 at once took 520-575 s per
+# (PALLAS_FLEX_TEST_SHARD=i/n, tests/selection.py). All 14 at once took 520-575 s per
 # shard on the H100 machine's 16 cores (saturated; 16 shards ran slower), past the device
 # tool's 10 minutes with its start. 7 shards at once took 430-540 s each on 2026-11-27
 # (260-360 s earlier: the suite grew), 4 at once 380-400 s. On the H200 machine
@@ -85,7 +85,7 @@ test-gpu:
 	exit $$status
 
 # A quick check of every kernel family in one device call (~130 tests: the first test of
-# each gpu test function and slices of the two matrices, tests/gpu/conftest.py's _smoke),
+# each gpu test function and slices of the two matrices, tests/selection.py's _smoke),
 # in 6 shards: `make test-gpu-smoke PYTHON="timeout 400 python3" GPU_OUT=$OUT`. Not a
 # substitute for the whole suite; add GPU_PYTEST_ARGS='-k ...' for a change's own tests.
 test-gpu-smoke:

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from pallas_flex.kernels.reference import reference_attention
+from tests import selection
 
 
 def _compilation_cache_for_this_process():
@@ -179,3 +180,9 @@ def assert_close_to_golden(out, expected, q, k, v, mask_mod=None, score_mod=None
     baseline = dense_low_precision(q, k, v, mask_mod, score_mod, scale)
     ours, theirs = rmse(out, expected), rmse(baseline, expected)
     assert ours <= theirs, f"RMSE {ours:.3g} worse than dense {q.dtype} XLA's {theirs:.3g}"
+
+
+@pytest.hookimpl(trylast=True)  # after -m / -k deselection: every shard sees the same items
+def pytest_collection_modifyitems(config, items):
+    """The GPU runs' shard and smoke selection (tests/selection.py)."""
+    selection.select(config, items)

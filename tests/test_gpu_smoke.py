@@ -1,8 +1,9 @@
 """The GPU suite's smoke selection (`PALLAS_FLEX_GPU_SMOKE=1`, `make test-gpu-smoke`,
-tests/gpu/conftest.py's `_smoke`), checked on the CPU by collecting: every gpu test
+tests/selection.py's `_smoke`) and shards, checked on the CPU by collecting: every gpu test
 function keeps a test, the dtype matrix keeps its slice (every dtype and op at head dims
 64, 96, 128, 256, the device's own budget, GQA), the captured-gradient matrix one cell
-per array kind and dtype, and the whole stays small enough for one device call."""
+per array kind and dtype, and the whole stays small enough for one device call; the
+shards of a run that collects no path under tests/gpu split its tests too."""
 
 import os
 import re
@@ -12,14 +13,16 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _collect(smoke):
+def _collect(smoke, shard=None, paths=("tests",)):
     env = dict(os.environ)
     env.pop("PALLAS_FLEX_TEST_SHARD", None)
+    if shard is not None:
+        env["PALLAS_FLEX_TEST_SHARD"] = shard
     env["PALLAS_FLEX_GPU_SMOKE"] = "1" if smoke else ""
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
          "-p", "no:cacheprovider", "--ignore=tests/test_notebooks.py",
-         "--ignore=tests/test_api_reference.py", "tests"],
+         "--ignore=tests/test_api_reference.py", *paths],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return [line for line in run.stdout.splitlines() if "::" in line]
@@ -40,3 +43,14 @@ def test_the_smoke_run_keeps_every_function_and_the_matrix_slices():
     captured = [re.search(r"\[(.*)\]", test).group(1).split("-")[0::5] for test in smoke
                 if "test_captured_array_gradient_matches_float64_reference" in test]
     assert len(captured) == len({tuple(cell) for cell in captured}) >= 6
+
+
+def test_shards_split_a_run_outside_tests_gpu():
+    """PALLAS_FLEX_TEST_SHARD splits the gpu tests of one kernel file (no tests/gpu path
+    collected) into disjoint shards that together hold all of them."""
+    paths = ("tests/kernels/test_backward_mosaic.py",)
+    everything = _collect(False, paths=paths)
+    shards = [_collect(False, shard=f"{index}/3", paths=paths) for index in range(3)]
+    assert len(everything) > 10 and all(shards)
+    assert sorted(sum(shards, [])) == sorted(everything)
+
