@@ -167,7 +167,7 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     (B1 S16384 noop): twice the steps' fixed costs (docs/gpu-notes.md). FlashAttention-3's
     layout (commit 0ed59cd: queries on the tiles' rows, so that lse and delta are row
     vectors; P and dS through shared memory for dV's and dK's wgmmas; each warpgroup half
-    of dQ's columns over both warpgroups' keys) was right on the H100's GPU tests, still
+    of dQ's columns over both warpgroups' keys) was right on the H100 (GPU tests), still
     spilled 304 B and lost at every shape, fwd+bwd ms, two kernels / it / cuDNN: B4
     S4096 noop 3.93 / 4.64 / 3.71, causal 2.10 / 2.62 / 2.12; B1 S16384 noop 14.96 /
     16.47 / 13.84 (docs/gpu-notes.md)."""
