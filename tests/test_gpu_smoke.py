@@ -53,4 +53,3 @@ def test_shards_split_a_run_outside_tests_gpu():
     shards = [_collect(False, shard=f"{index}/3", paths=paths) for index in range(3)]
     assert len(everything) > 10 and all(shards)
     assert sorted(sum(shards, [])) == sorted(everything)
-
