@@ -75,7 +75,7 @@ from pallas_flex.kernels.backward import prepare_operands
 from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
     accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys, pair_gradients,
-    relative_gradient)
+    relative_gradient, relative_totals)
 from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
@@ -86,7 +86,8 @@ from pallas_flex.kernels.mosaic_tiles import (
     vector_layout, with_accumulators)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
-from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
+from pallas_flex.masks.mod_program import (
+    constant_output, with_read_derivatives, with_score_derivative)
 
 COMPUTE_WARPGROUPS = BLOCK // ROWS_PER_WARPGROUP
 # Query rows of one dK/dV step: two [64, 64] float32 tiles (S^T, dP^T) next to the
@@ -168,7 +169,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
-                 dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=()):
+                 dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
+                 before_from_totals=()):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -176,7 +178,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     [B, Hq, 2 num_kv_blocks, entries, 64]. dump_offsets: per such array, None or the
     (first, count) of its `relative_reads.Dump`, whose tiles go to its dump_ref
     [B Hq 2 num_kv_blocks count, 64 keys, 64 queries] instead. delta_ref then holds each
-    row's exact delta (`exact_delta`).
+    row's exact delta (`exact_delta`). before_from_totals: per such array, whether
+    `relative_gradient` takes its sums before the dump's offsets from the rows' totals
+    (`relative_totals`), so the kernel skips them.
     fuse_dq: dQ too, added into the float32 dq_ref after the outputs (`_fused_dq`).
     pair_sites (with fuse_dq only): how many captured arrays read at indices of b and h
     (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
@@ -348,7 +352,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     key_tile = kv_block * COMPUTE_WARPGROUPS + warpgroup
                     dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
                             ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count,
-                            (next(states), next(states)))
+                            (next(states), next(states)),
+                            site < len(before_from_totals) and before_from_totals[site])
                 accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
                                  entry_refs[site], dump, batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
@@ -693,6 +698,13 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     dumps = [dump for _, _, dump in entries]
+    # Where a dumped read is a bias (its derivative 1) and no array read at b and h is
+    # differentiated, its sums before the dump come from the rows' totals
+    # (`relative_totals`).
+    bias_reads = (with_read_derivatives(score_program, relative) if relative else None)
+    before_from_totals = tuple(
+        not pair_positions and dump is not None and constant_output(bias_reads, 2 + i) == 1.0
+        for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
     stacked_row_sums = None
@@ -708,7 +720,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         relative_positions=relative,
         dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
                            for dump in dumps),
-        fuse_dq=fuse_dq))
+        before_from_totals=before_from_totals, fuse_dq=fuse_dq))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
@@ -736,10 +748,14 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                     q.shape[1])
     for position, grad in zip(pair_positions, grads):
         const_grads[position] = grad
-    for position, run_sum, (_, flat, dump) in zip(relative, run_sums, entries):
+    totals = (relative_totals(rows, launch.delta, padded_d_lse, q.shape[1])
+              if any(before_from_totals) else None)
+    for position, run_sum, (_, flat, dump), from_totals in zip(
+            relative, run_sums, entries, before_from_totals):
         const_grads[position] = relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
-            score_program.consts[position], block_mask, k.shape[1])
+            score_program.consts[position], block_mask, k.shape[1],
+            totals=totals if from_totals else None)
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
@@ -769,6 +785,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                             score_reads=dkv_reads, diagonal_reads=diagonal_reads,
                             relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
+                            before_from_totals=sites.before_from_totals,
                             fuse_dq=True, **settings)
     # A stage's copies: Q, dO, lse, delta, and the row sums.
     scratch, num_smem = dkv_scratch(stages, extra_smem,
@@ -796,8 +813,9 @@ class _Sites:
     sums (fused only), their shared-memory buffers, entry tables and outputs."""
 
     def __init__(self, relative_entries, dump_offsets, pair_sites, batch, q_heads,
-                 num_kv_blocks, entry_tables_):
+                 num_kv_blocks, entry_tables_, before_from_totals=()):
         self.relative_entries, self.dump_offsets = relative_entries, dump_offsets
+        self.before_from_totals = before_from_totals
         self.pair_sites = pair_sites
         # A dumped table's sums have two rows (the tiles before and past its offsets); an
         # array read at b and h one.
@@ -824,7 +842,8 @@ class _Sites:
 
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, row_sums, *, q_len, kv_len, scale, interpret, masked_first,
-            pair_positions, relative_positions, dump_offsets, fuse_dq=False):
+            pair_positions, relative_positions, dump_offsets, fuse_dq=False,
+            before_from_totals=()):
     """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`) on
     block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
     kernel's row sums where any gradient of a captured array is wanted, then per array
@@ -925,7 +944,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     relative_entries = tuple(entry_count(score_program, position)
                              for position in relative_positions)
     sites = _Sites(relative_entries, dump_offsets, len(pair_positions) if fuse_dq else 0,
-                   batch, q_heads, num_kv_blocks, entry_tables_)
+                   batch, q_heads, num_kv_blocks, entry_tables_, before_from_totals)
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
@@ -938,7 +957,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         row_count = forward_sites + bool(relative_positions)
     else:
         row_count = (2 + 2 * len(pair_positions) if pair_positions
-                     else 1 if relative_positions else 0)
+                     else 2 if any(before_from_totals) else 1 if relative_positions else 0)
     dq_diagonal_reads, dq_captured = captured_for(dq_program, dq_reads)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
@@ -976,7 +995,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                             score_reads=dkv_reads,
                             diagonal_reads=dkv_diagonal_reads,
                             relative_entries=relative_entries,
-                            dump_offsets=dump_offsets, **settings)
+                            dump_offsets=dump_offsets,
+                            before_from_totals=before_from_totals, **settings)
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
         (*dkv_captured, *sites.tables),

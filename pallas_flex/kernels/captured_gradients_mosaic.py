@@ -172,12 +172,19 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
     other tiles' row sums 0.13, the dQ kernel's row sums for the exact deltas 0.13, the
     rest (the dK/dV program with the read's derivative, the per-head flushes of the 34
     rows, the entry tables computed per call) 0.21."""
-    dump_ref, staging, first_offset, count, first_slot, (before, after) = dump
+    dump_ref, staging, first_offset, count, first_slot, (before, after), before_from_totals = dump
     offset = lax.div(kv_start - q_start, TILE) - first_offset
-    sums = weighted.sum(axis=1)
-    # Selected by a factor, not a branch: the sums stay in registers.
-    before[...] = before[...] + sums * (offset < 0).astype(jnp.float32)
-    after[...] = after[...] + sums * (offset >= count).astype(jnp.float32)
+    if before_from_totals:
+        # The tiles before the dumped offsets are left to `relative_gradient` (each row's
+        # dS' sums to its dlse): only a tile past them pays a row sum, behind a branch
+        # (a causal walk never takes it).
+        after[...] = lax.cond(offset >= count, lambda sums: sums + weighted.sum(axis=1),
+                              lambda sums: sums, after[...])
+    else:
+        sums = weighted.sum(axis=1)
+        # Selected by a factor, not a branch: the sums stay in registers.
+        before[...] = before[...] + sums * (offset < 0).astype(jnp.float32)
+        after[...] = after[...] + sums * (offset >= count).astype(jnp.float32)
 
     @pl.when((offset >= 0) & (offset < count))
     def _():
@@ -319,13 +326,16 @@ def pair_gradients(per_pair, row_sums, d_lse, score_program, positions):
     return grads
 
 
-def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
+def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len, totals=None):
     """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
     kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]), or
     with a `relative_reads.Dump`, its sums per key of the tiles before and past the
     dumped offsets (2 rows in place of E) and its `dumped` tiles: summed over the keys
     (padded ones left out) per (b, h, local entry), then into the array's entries by
-    `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`)."""
+    `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`).
+    totals: None, or each (b, h)'s sum of dS' over all its elements [B, Hq]
+    (`relative_totals`), where the kernel left the tiles before the dump's offsets out:
+    their sum is what the dumped tiles and those past them leave of it."""
     per_row = over_keys(run_sums, kv_len)
     if dump is None:
         per_entry = per_row
@@ -333,11 +343,15 @@ def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len):
         entries = flat.shape[-1]
         per_entry = _dumped_entry_sums(dumped, dump, _visited_tiles(block_mask, dump),
                                        entries, kv_len)
+        before, after = per_row[..., 0], per_row[..., 1]
+        if totals is not None:
+            before = totals - jnp.sum(per_entry, axis=-1) - after
         # Every tile before the dumped offsets reaches the first dumped diagonal's entry,
         # every tile past them the last one's.
-        for row, entry in ((0, dump.entries[:, :, 0, 0]), (1, dump.entries[:, :, -1, -1])):
+        for sums, entry in ((before, dump.entries[:, :, 0, 0]),
+                            (after, dump.entries[:, :, -1, -1])):
             per_entry = per_entry + jnp.where(entry[..., None] == np.arange(entries),
-                                              per_row[..., row, None], 0.0)
+                                              sums[..., None], 0.0)
     return _into_entries(flat, per_entry, const)
 
 
@@ -375,6 +389,19 @@ def _dumped_entry_sums(dumped, dump, visited, entries, kv_len):
     diagonals = skewed.reshape(batch, heads, count, TILE, 2 * TILE - 1).sum(axis=3)
     one_hot = dump.entries[..., None] == np.arange(entries)  # [Bm, Hq, count, 127, E]
     return jnp.sum(jnp.where(one_hot, diagonals[..., None], 0.0), axis=(2, 3))
+
+
+def relative_totals(rows, delta, d_lse, q_len):
+    """Each (b, h)'s sum of dS' = P (dP - delta*) over all its elements, [B, Hq] float32,
+    from the dQ kernel's row sums D = sum dS' and E = sum P (`accumulate_rows`) and the
+    exact delta* the dK/dV kernel took (`exact_delta`): a row's sum is
+    sum P dP - delta* E, sum P dP = D + delta E. (With E = 1, i.e. dlse, the lse's float32
+    rounding, ~1e-6 of E a row, moved a T5 table's gradient by 1e-4 of its largest
+    entry at 200 rows.)"""
+    rows, delta = rows[..., :q_len], delta[..., :q_len]
+    exact = exact_delta(rows, delta, None if d_lse is None else d_lse[..., :q_len])
+    products = rows[0] + delta * rows[1]
+    return jnp.sum(products - exact * rows[1], axis=-1)
 
 
 def exact_delta(rows, delta, d_lse):

@@ -345,6 +345,30 @@ def _with_read_derivatives(structure, const_types, positions, name):
     return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
 
 
+def constant_output(program: ModProgram, index: int):
+    """Output `index` of the program's jaxpr as a Python float where it depends on none
+    of its inputs (indices, score, captured arrays): a bias's derivative with respect to
+    the value it reads, 1, from `with_read_derivatives`; else None. Decided by the
+    jaxpr's data flow (an equation that takes a dependent value makes its outputs
+    dependent), then the independent output evaluated once."""
+    jaxpr = program.jaxpr
+    out = jaxpr.outvars[index]
+    if isinstance(out, jex_core.Literal):
+        return float(np.asarray(out.val))
+    dependent = set(jaxpr.constvars) | set(jaxpr.invars)
+    for equation in jaxpr.eqns:
+        if equation.effects or any(not isinstance(v, jex_core.Literal) and v in dependent
+                                   for v in equation.invars):
+            dependent.update(equation.outvars)
+    if out in dependent:
+        return None
+    zeros = [np.zeros(v.aval.shape, v.aval.dtype) for v in (*jaxpr.constvars, *jaxpr.invars)]
+    with jax.ensure_compile_time_eval():  # concrete under an outer trace too
+        values = jax.core.eval_jaxpr(jaxpr, zeros[:len(jaxpr.constvars)],
+                                     *zeros[len(jaxpr.constvars):])
+    return float(np.asarray(values[index]))
+
+
 def vmap_mask(program: ModProgram) -> Callable[..., Any]:
     """mask(b, h, q_idx [Q], kv_idx [K]) -> [Q, K] for scalar b, h."""
     over_kv = jax.vmap(program, in_axes=(None, None, None, 0))

@@ -300,6 +300,45 @@ def test_t5_tables_train_on_the_mosaic_backward(backend, causal, monkeypatch):
         assert np.max(np.abs(got - expected)) <= tolerance * np.max(np.abs(expected)), name
 
 
+def test_a_t5_tables_tiles_before_its_dump_are_summed_from_the_rows_totals(monkeypatch):
+    """Causal one-way T5 (its buckets change near the diagonal only: the tiles there are
+    dumped, `relative_reads.Dump`), a loss on out and lse, ragged rows: the dK/dV kernel
+    leaves the tiles before the dumped offsets out, and `relative_totals` gives their sum
+    from each row's total dS' (the dQ kernel's sum dS' and sum P). The table's gradient
+    equals the one with those tiles summed in the kernel (the read's derivative not
+    recognised as 1) to float32 rounding, and the totals raised by 1 raise one entry a
+    head (the far bucket) by 1 per batch row."""
+    from pallas_flex.kernels import backward_mosaic
+    batch, length, heads = 2, 300, 2
+    q, k, v = random_qkv(31, batch, length, length, heads, heads, 64, 64, jnp.bfloat16)
+    table = jax.random.normal(jax.random.key(32), (heads, 32), jnp.float32)
+    d_out = _cotangent(q.shape, 33)
+    d_lse = _cotangent((batch, heads, length), 34)
+
+    def table_gradient():
+        jax.clear_caches()  # the backward's trace is cached past the patches otherwise
+
+        def loss(table):
+            out, lse = pf.attention(
+                q, k, v, mask_mod=masks.causal_mask,
+                score_mod=pf.scores.t5_relative_bias(table, max_distance=64,
+                                                     bidirectional=False),
+                return_lse=True, backend="interpret", kernel_options=MOSAIC)
+            return jnp.sum(out.astype(jnp.float32) * d_out) + jnp.sum(lse * d_lse)
+        return np.asarray(jax.jit(jax.grad(loss))(table))
+
+    from_totals = table_gradient()
+    with monkeypatch.context() as patch:
+        patch.setattr(backward_mosaic, "constant_output", lambda *args: None)
+        in_kernel = table_gradient()
+    assert np.max(np.abs(from_totals - in_kernel)) <= 1e-5 * np.max(np.abs(in_kernel))
+    real = backward_mosaic.relative_totals
+    monkeypatch.setattr(backward_mosaic, "relative_totals", lambda *a: real(*a) + 1.0)
+    raised = table_gradient() - from_totals
+    np.testing.assert_allclose(raised.sum(axis=1), batch, rtol=1e-3)
+    np.testing.assert_allclose(raised.max(axis=1), batch, rtol=1e-3)
+
+
 @pytest.mark.parametrize("train_table", [True, False], ids=["table_gradient", "fixed_table"])
 def test_dense_block_diagonals_in_the_backward(monkeypatch, fused_launches, train_table):
     """A two-way T5 bias whose buckets change within 16 positions of the main diagonal
