@@ -53,7 +53,9 @@ the forward's row sums at head dim 64, `mosaic_eligibility.captured_row_sums`,
 (`accumulate_pair`, `pair_gradients`), or at
 indices of kv_idx - q_idx (T5 tables), which the dK/dV kernel sums per key and table
 entry (`accumulate_runs`, `relative_gradient`) with each row's exact delta from the dQ
-kernel's row sums (`exact_delta`: the dQ kernel then runs first);
+kernel's row sums (`exact_delta`: the dQ kernel then runs first; for a bias read whose
+tiles near the diagonal are dumped, the far tiles' share from the rows' totals,
+`relative_totals`, so the dK/dV kernel skips their sums);
 `pallas_flex.dispatch.choose_backward` sends the others to the Triton backward.
 Accumulating those row sums after dQ's wgmma issue (P and dS' live beside its 16-bit
 operand) cost 29 % at B4 S4096 D128 ALiBi (2.98 ms against 2.30 without the slopes'
@@ -153,7 +155,8 @@ def dense_diagonals_in_backward(head_dim) -> bool:
     dense tiles' gain on the band near the main diagonal is lost to the other tiles
     once the rows are long, and with a table's gradient everywhere (the suspect: each
     tile's branch between the dense tile and the side value, with dP's wgmma in flight
-    across it; branch `wip-backward-band` walks the band apart to test that).
+    across it; untested: walking the band apart from the other tiles, each walk with a
+    static tile kind, would tell).
     H200, causal one-way T5 fwd+bwd, paired rounds, ms, dense / runs: a fixed table B4
     H16 S4096 D128 2.729 / 2.756 (an earlier host 2.684 / 2.839), GQA 32:8 5.297 / 5.316,
     B1 S16384 9.76 / 9.03; with the table's gradient B4 3.564 / 3.338 (in the dQ kernel
