@@ -87,7 +87,7 @@ test-gpu:
 # A quick check of every kernel family in one device call (~130 tests: the first test of
 # each gpu test function and slices of the two matrices, tests/selection.py's _smoke),
 # in 6 shards: `make test-gpu-smoke PYTHON="timeout 400 python3" GPU_OUT=$OUT` (H100,
-# 2026-12-07: 131 passed, shards 153-250 s; tests/gpu/results/h100-gpu-smoke.json). Not a
+# 2026-12-07: 131 passed, shards 153-259 s; tests/gpu/results/h100-gpu-smoke.json). Not a
 # substitute for the whole suite; add GPU_PYTEST_ARGS='-k ...' for a change's own tests.
 test-gpu-smoke:
 	PALLAS_FLEX_GPU_SMOKE=1 $(MAKE) test-gpu GPU_SHARDS=6
