@@ -701,13 +701,13 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     padded_d_lse = (None if d_lse is None or not relative
                     else pad_axis(d_lse.astype(jnp.float32), 2, padded_q_len))
     dumps = [dump for _, _, dump in entries]
-    # Where a dumped read is a bias (its derivative 1) and no array read at b and h is
-    # differentiated, its sums before the dump come from the rows' totals
-    # (`relative_totals`).
+    # Where a dumped read is a bias (its derivative 1), its sums before the dump come from
+    # the rows' totals (`relative_totals`), which take the dQ kernel's sum dS' and sum P:
+    # not where the forward's row sums of reads at b and h replace those.
     bias_reads = (with_read_derivatives(score_program, relative) if relative else None)
     before_from_totals = tuple(
-        not pair_positions and dump is not None and constant_output(bias_reads, 2 + i) == 1.0
-        for i, dump in enumerate(dumps))
+        not (pair_positions and row_sums) and dump is not None
+        and constant_output(bias_reads, 2 + i) == 1.0 for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
     stacked_row_sums = None

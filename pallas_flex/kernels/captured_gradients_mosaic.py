@@ -77,7 +77,8 @@ def accumulate_runs(sums_ref, d_scores_t, derivative, tables, dump, *, batch, he
     Each tile loops over the runs its differences reach only (the table's spans). This
     loop is what runs where the entries are traced (no `relative_reads.Dump`); with a
     `dump` (dump_ref, staging [64, 64] float32 shared memory, the Dump's first offset and
-    count, the key tile's first slot, refs to the two key sums the walk carries)
+    count, the key tile's first slot, refs to the two key sums the walk carries, whether
+    the tiles before the offsets are left to the rows' totals)
     `_dump_or_add` takes the tile instead.
 
     H100, causal + one-way T5 [Hq, 32] forward+backward with the run loop (`pallas-flex
@@ -180,12 +181,13 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
     other tiles' row sums 0.13, the dQ kernel's row sums for the exact deltas 0.13, the
     rest (the dK/dV program with the read's derivative, the per-head flushes of the 34
     rows, the entry tables computed per call) 0.21."""
-    dump_ref, staging, first_offset, count, first_slot, (before, after), before_from_totals = dump
+    (dump_ref, staging, first_offset, count, first_slot, (before, after),
+     before_from_totals) = dump
     offset = lax.div(kv_start - q_start, TILE) - first_offset
     if before_from_totals:
-        # The tiles before the dumped offsets are left to `relative_gradient` (each row's
-        # dS' sums to its dlse): only a tile past them pays a row sum, behind a branch
-        # (a causal walk never takes it).
+        # The tiles before the dumped offsets are left to `relative_gradient` (the rows'
+        # totals less the rest): only a tile past them pays a row sum, behind a branch (a
+        # causal walk never takes it).
         after[...] = lax.cond(offset >= count, lambda sums: sums + weighted.sum(axis=1),
                               lambda sums: sums, after[...])
     else:
