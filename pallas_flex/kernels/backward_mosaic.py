@@ -76,8 +76,8 @@ from pallas_flex.kernels import online_softmax
 from pallas_flex.kernels.backward import prepare_operands
 from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
-    accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys, pair_gradients,
-    relative_gradient, relative_totals)
+    ReducedDump, accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys,
+    pair_gradients, relative_gradient, relative_totals)
 from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, fuses_dq, relative_positions, tile_reads)
@@ -119,6 +119,11 @@ _REGISTERS = (240, 24)
 # 4 / 2 stages: B4 S4096 noop 4.017 / 4.023 / 4.024, causal 2.243 / 2.248 / 2.233; B1
 # S16384 noop 15.20 / 15.24 / 15.22, causal 8.30 / 8.24 / 8.22): the stream is ahead.
 _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
+# A T5 table's dumped tiles summed by TMA reduce-adds in the dK/dV kernel, one [64, 64]
+# tile a (batch, head, offset) (`captured_gradients_mosaic.ReducedDump`), instead of one
+# a key tile summed after the kernel (~200 MB written and read at B8 H16 S2048 D64, some
+# 15 % of that fwd+bwd). Off until measured on a GPU: `benchmarks/t5_gradient_ab.py`.
+REDUCED_DUMPS = False
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
@@ -173,7 +178,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
                  dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
-                 before_from_totals=()):
+                 before_from_totals=(), reduced_dump=None):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -183,7 +188,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     [B Hq 2 num_kv_blocks count, 64 keys, 64 queries] instead. delta_ref then holds each
     row's exact delta (`exact_delta`). before_from_totals: per such array, whether
     `relative_gradient` takes its sums before the dump's offsets from the rows' totals
-    (`relative_totals`), so the kernel skips them.
+    (`relative_totals`), so the kernel skips them. reduced_dump: None, or the
+    `ReducedDump` of the one dumped array, whose tiles are reduce-added into the float32
+    accumulator after the outputs (in place of its dump output).
     fuse_dq: dQ too, added into the float32 dq_ref after the outputs (`_fused_dq`).
     pair_sites (with fuse_dq only): how many captured arrays read at indices of b and h
     (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
@@ -204,12 +211,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     row_sums_ref = rest[position] if pair_sites else None
     position += bool(pair_sites)
     # The float32 dQ the kernel adds into comes after its outputs.
-    outputs_end = len(rest) - 1 - fuse_dq
+    outputs_end = len(rest) - 1 - fuse_dq - (reduced_dump is not None)
     dq_ref = rest[outputs_end] if fuse_dq else None
     dk_ref, dv_ref = rest[position:position + 2]
     run_sums_refs = rest[position + 2:position + 2 + summed_sites]
     dump_refs, scratch = iter(rest[position + 2 + summed_sites:outputs_end]), rest[-1]
-    dump_refs = [None if offsets is None else next(dump_refs) for offsets in dump_offsets]
+    dump_refs = [None if offsets is None
+                 else rest[outputs_end] if reduced_dump is not None else next(dump_refs)
+                 for offsets in dump_offsets]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     if fuse_dq:
         ds_smem, dq_staging, *entry_smem = entry_smem
@@ -353,10 +362,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     first_offset, count = dump_offsets[site]
                     # Slots [B, Hq, key tiles, count] flattened.
                     key_tile = kv_block * COMPUTE_WARPGROUPS + warpgroup
+                    first_slot = ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count
+                    if reduced_dump is not None:  # [Bd, Hq, count] flattened
+                        dump_batch = 0 if reduced_dump.batch == 1 else batch
+                        first_slot = (dump_batch * q_ref.shape[2] + head) * count
                     dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
-                            ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count,
-                            (next(states), next(states)),
-                            site < len(before_from_totals) and before_from_totals[site])
+                            first_slot, (next(states), next(states)),
+                            site < len(before_from_totals) and before_from_totals[site],
+                            reduced_dump)
                 accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
                                  entry_refs[site], dump, batch=batch, head=head,
                                  q_start=q_start, kv_start=kv_start, tile=tile,
@@ -710,6 +723,11 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         and constant_output(bias_reads, 2 + i) == 1.0 for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
+    dumped_reads = [dump for dump in dumps if dump is not None]
+    reduced = None
+    if REDUCED_DUMPS and not interpret and not deterministic and len(dumped_reads) == 1:
+        reduced = ReducedDump(batch=dumped_reads[0].entries.shape[0],
+                              keys_below=k.shape[1] if k.shape[1] % TILE else None)
     stacked_row_sums = None
     if row_sums and pair_positions:
         if len(row_sums) != len(pair_positions):
@@ -723,7 +741,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         relative_positions=relative,
         dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
                            for dump in dumps),
-        before_from_totals=before_from_totals, fuse_dq=fuse_dq))
+        before_from_totals=before_from_totals, fuse_dq=fuse_dq, reduced_dump=reduced))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
@@ -758,7 +776,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         const_grads[position] = relative_gradient(
             run_sum, None if dump is None else next(dumped), flat, dump,
             score_program.consts[position], block_mask, k.shape[1],
-            totals=totals if from_totals else None)
+            totals=totals if from_totals else None,
+            reduced=None if dump is None else reduced)
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
@@ -816,7 +835,7 @@ class _Sites:
     sums (fused only), their shared-memory buffers, entry tables and outputs."""
 
     def __init__(self, relative_entries, dump_offsets, pair_sites, batch, q_heads,
-                 num_kv_blocks, entry_tables_, before_from_totals=()):
+                 num_kv_blocks, entry_tables_, before_from_totals=(), reduced=False):
         self.relative_entries, self.dump_offsets = relative_entries, dump_offsets
         self.before_from_totals = before_from_totals
         self.pair_sites = pair_sites
@@ -832,7 +851,7 @@ class _Sites:
                                   ROWS_PER_WARPGROUP), jnp.float32)
             for count in rows)
         dump_counts = [count for _, count in filter(None, dump_offsets)]
-        self.out_types += tuple(
+        self.out_types += () if reduced else tuple(
             jax.ShapeDtypeStruct((batch * q_heads * COMPUTE_WARPGROUPS * num_kv_blocks * count,
                                   ROWS_PER_WARPGROUP, Q_TILE), jnp.float32)
             for count in dump_counts)
@@ -846,7 +865,7 @@ class _Sites:
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, row_sums, *, q_len, kv_len, scale, interpret, masked_first,
             pair_positions, relative_positions, dump_offsets, fuse_dq=False,
-            before_from_totals=()):
+            before_from_totals=(), reduced_dump=None):
     """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`) on
     block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
     kernel's row sums where any gradient of a captured array is wanted, then per array
@@ -947,7 +966,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     relative_entries = tuple(entry_count(score_program, position)
                              for position in relative_positions)
     sites = _Sites(relative_entries, dump_offsets, len(pair_positions) if fuse_dq else 0,
-                   batch, q_heads, num_kv_blocks, entry_tables_, before_from_totals)
+                   batch, q_heads, num_kv_blocks, entry_tables_, before_from_totals,
+                   reduced=reduced_dump is not None)
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
@@ -999,12 +1019,20 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                             diagonal_reads=dkv_diagonal_reads,
                             relative_entries=relative_entries,
                             dump_offsets=dump_offsets,
-                            before_from_totals=before_from_totals, **settings)
+                            before_from_totals=before_from_totals,
+                            reduced_dump=reduced_dump, **settings)
+    accumulator = None
+    if reduced_dump is not None:  # the one dumped array's tiles, reduce-added
+        (count,) = [count for _, count in filter(None, dump_offsets)]
+        accumulator = jax.new_ref(jnp.zeros((reduced_dump.batch * q_heads * count, Q_TILE,
+                                             Q_TILE), jnp.float32))
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
         (*dkv_captured, *sites.tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        *dkv_scratch(dkv_stages, sites.smem))
+        *dkv_scratch(dkv_stages, sites.smem), accumulator=accumulator)
+    if accumulator is not None:
+        run_sums.append(accumulator[...])
     return (d_q, d_k, d_v, *rows, *run_sums)

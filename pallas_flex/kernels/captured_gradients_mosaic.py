@@ -28,6 +28,8 @@ gradients are bitwise reproducible.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -168,7 +170,11 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
     table read and no shared-memory sum in the kernel. `relative_gradient` sums the
     dumped tiles by diagonal, then by entry.
 
-    With before_from_totals (the dump's last element) the tiles before the dumped
+    reduced (the dump's last element): None, or where the dumped tiles are summed by
+    TMA reduce-adds into one [64, 64] tile a (batch, head, offset) (`ReducedDump`):
+    first_slot is then that (batch, head)'s, and dump_ref the zeroed accumulator.
+
+    With before_from_totals (the dump's next-to-last element) the tiles before the dumped
     offsets add nothing here: `relative_gradient` takes their sum from the rows'
     totals; a tile past them sums behind a branch (H100, paired rounds, fwd+bwd ms,
     with it / without: B4 H16 S4096 D128 3.253 / 3.324, B1 S16384 9.771 / 10.163).
@@ -182,7 +188,7 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
     rest (the dK/dV program with the read's derivative, the per-head flushes of the 34
     rows, the entry tables computed per call) 0.21."""
     (dump_ref, staging, first_offset, count, first_slot, (before, after),
-     before_from_totals) = dump
+     before_from_totals, reduced) = dump
     offset = lax.div(kv_start - q_start, TILE) - first_offset
     if before_from_totals:
         # The tiles before the dumped offsets are left to `relative_gradient` (the rows'
@@ -201,9 +207,30 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
         # The last tile's copy has read the staging tile by now, or soon: tiles at the
         # dumped offsets are a few steps apart.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        staging[...] = weighted
+        if reduced is None:
+            staging[...] = weighted
+        else:  # the padded keys' rows (their P is not 0 here) left out of the sum
+            staging[...] = weighted if reduced.keys_below is None else jnp.where(
+                to_tile(index_vector(kv_start, weighted.shape[0], 0), weighted.shape)
+                < reduced.keys_below, weighted, 0.0)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
+        if reduced is None:
+            plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
+        else:
+            plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset],
+                                    reduction_op="add")
+
+
+class ReducedDump(NamedTuple):
+    """A dumped read's tiles summed in the kernel by TMA reduce-adds, per (batch, head,
+    offset) rather than one slot a (batch, head, key tile, offset): float32 [Bd Hq count,
+    64 keys, 64 queries] (Bd: 1 where the read's entries do not depend on b, summed over
+    the batch too) in place of 64x the traffic there and the sum after. Not bitwise
+    reproducible (the adds land in whatever order the programs reach them): not with
+    `backward_deterministic`, and not in interpret mode (no TMA reductions).
+    keys_below: the key length where it is not a multiple of 64, else None."""
+    batch: int
+    keys_below: int | None
 
 
 def accumulate_rows(rows, probabilities, d_probabilities, d_scores, read_derivatives, tile):
@@ -336,7 +363,8 @@ def pair_gradients(per_pair, row_sums, d_lse, score_program, positions):
     return grads
 
 
-def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len, totals=None):
+def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len, totals=None,
+                      reduced=None):
     """The gradient of a captured array read at indices of kv_idx - q_idx from the dK/dV
     kernel's sums per (b, h, key, entry) (run_sums [B, Hq, 2 num_kv_blocks, E, 64]), or
     with a `relative_reads.Dump`, its sums per key of the tiles before and past the
@@ -345,15 +373,24 @@ def relative_gradient(run_sums, dumped, flat, dump, const, block_mask, kv_len, t
     `entry_tables`' flat [Bm, Hq, E], in a fixed order (`fixed_order_scatter_sum`).
     totals: None, or each (b, h)'s sum of dS' over all its elements [B, Hq]
     (`relative_totals`), where the kernel left the tiles before the dump's offsets out:
-    their sum is what the dumped tiles and those past them leave of it."""
+    their sum is what the dumped tiles and those past them leave of it. reduced: None or
+    the `ReducedDump` the kernel summed `dumped` by."""
     per_row = over_keys(run_sums, kv_len)
     if dump is None:
         per_entry = per_row
     else:
         entries = flat.shape[-1]
-        per_entry = _dumped_entry_sums(dumped, dump, _visited_tiles(block_mask, dump),
-                                       entries, kv_len)
         before, after = per_row[..., 0], per_row[..., 1]
+        if reduced is None:
+            per_entry = _dumped_entry_sums(_summed_dumps(
+                dumped, dump, _visited_tiles(block_mask, dump), kv_len), dump, entries)
+        else:
+            batch, heads = per_row.shape[:2]
+            per_entry = _dumped_entry_sums(
+                dumped.reshape(reduced.batch, heads, dump.count, TILE, TILE), dump, entries)
+            if reduced.batch != batch:  # summed over the batch: so are the rest
+                before, after = (x.sum(axis=0, keepdims=True) for x in (before, after))
+                totals = None if totals is None else totals.sum(axis=0, keepdims=True)
         if totals is not None:
             before = totals - jnp.sum(per_entry, axis=-1) - after
         # Every tile before the dumped offsets reaches the first dumped diagonal's entry,
@@ -379,21 +416,27 @@ def _visited_tiles(block_mask, dump):
     return per_block[:, :, (key_tiles // TILES_PER_BLOCK)[:, None], query_blocks] & inside
 
 
-def _dumped_entry_sums(dumped, dump, visited, entries, kv_len):
-    """[B, Hq, entries]: the dumped tiles dS' g (dumped [B Hq key_tiles count, 64 keys,
-    64 queries], `relative_reads.Dump`) summed by local entry. Tiles the kernel did not
-    visit hold whatever the buffer held: `visited` [Bt, Ht, key tiles, count] selects
-    the others; padded keys are left out. Summed over the key tiles, then along each
-    diagonal (a skewed view: the tile's queries reversed and padded to a pitch of 128,
-    read at a pitch of 127, puts diagonal kv_idx - q_idx = TILE o + m - 63 in column m),
-    then by entry in a fixed order: bitwise reproducible."""
+def _summed_dumps(dumped, dump, visited, kv_len):
+    """The dumped tiles dS' g (dumped [B Hq key_tiles count, 64 keys, 64 queries],
+    `relative_reads.Dump`) summed over the key tiles: [B, Hq, count, 64, 64]. Tiles the
+    kernel did not visit hold whatever the buffer held: `visited` [Bt, Ht, key tiles,
+    count] selects the others; padded keys are left out."""
     key_tiles, count = visited.shape[2:]
     heads = dump.entries.shape[1]
     batch = dumped.shape[0] // (heads * key_tiles * count)
     tiles = dumped.reshape(batch, heads, key_tiles, count, TILE, TILE)
     keys = (jnp.arange(key_tiles)[:, None] * TILE + jnp.arange(TILE)[None, :]) < kv_len
     keep = visited[:, :, :, :, None, None] & keys[None, None, :, None, :, None]
-    summed = jnp.sum(jnp.where(keep, tiles, 0.0), axis=2)  # [B, Hq, count, keys, queries]
+    return jnp.sum(jnp.where(keep, tiles, 0.0), axis=2)
+
+
+def _dumped_entry_sums(summed, dump, entries):
+    """[B, Hq, entries]: the dumped tiles summed over the key tiles (summed [B, Hq,
+    count, 64 keys, 64 queries]) summed by local entry: along each diagonal (a skewed
+    view: the tile's queries reversed and padded to a pitch of 128, read at a pitch of
+    127, puts diagonal kv_idx - q_idx = TILE o + m - 63 in column m), then by entry in a
+    fixed order."""
+    batch, heads, count = summed.shape[:3]
     skewed = jnp.pad(summed[..., ::-1], [(0, 0)] * 4 + [(0, TILE)])
     skewed = skewed.reshape(batch, heads, count, TILE * 2 * TILE)[..., :TILE * (2 * TILE - 1)]
     diagonals = skewed.reshape(batch, heads, count, TILE, 2 * TILE - 1).sum(axis=3)

@@ -737,3 +737,39 @@ def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly(dim):
         a, c, d = (np.asarray(x.astype(jnp.float32)) for x in (a, c, d))
         assert np.max(np.abs(a - c)) <= 2e-2 * np.max(np.abs(c))
         assert np.max(np.abs(d - c)) <= 2e-2 * np.max(np.abs(c))
+
+
+@pytest.mark.parametrize("summed_over_batch", [False, True])
+def test_reduced_dumps_give_the_table_gradient_of_the_per_tile_dumps(summed_over_batch):
+    """`REDUCED_DUMPS` (off by default; GPU only: TMA reduce-adds): the dK/dV kernel adds
+    a dumped read's tiles into one [64, 64] tile a (batch, head, offset), or a (head,
+    offset) where the read's entries do not depend on b, in place of one a key tile. Given
+    what those adds leave (the visited tiles of the keys within the length, summed), the
+    table's gradient (`relative_gradient`, with and without the rows' totals) is the one
+    of the per-tile dumps, ragged keys included."""
+    from pallas_flex.kernels import captured_gradients_mosaic as cg
+    batch, heads, entries, length = 2, 3, 7, 300
+    rng = np.random.default_rng(0)
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, length, length)
+    key_tiles, count = 2 * block_mask.num_blocks[1], 3
+    dump = relative_reads.Dump(-2, count, rng.integers(0, entries, (1, heads, count, 127),
+                                                        dtype=np.int32))
+    flat = np.arange(heads)[None, :, None] * entries + np.arange(entries)
+    const = jnp.zeros((heads, entries), jnp.float32)
+    run_sums = jnp.asarray(rng.normal(size=(batch, heads, key_tiles, 2, 64)), jnp.float32)
+    dumped = jnp.asarray(rng.normal(size=(batch * heads * key_tiles * count, 64, 64)),
+                         jnp.float32)
+    totals = jnp.asarray(rng.normal(size=(batch, heads)), jnp.float32)
+    reduced_tiles = cg._summed_dumps(dumped, dump, cg._visited_tiles(block_mask, dump),
+                                     length)
+    reduced = cg.ReducedDump(batch=1 if summed_over_batch else batch, keys_below=length)
+    if summed_over_batch:
+        reduced_tiles = reduced_tiles.sum(axis=0, keepdims=True)
+    for with_totals in (None, totals):
+        want = cg.relative_gradient(run_sums, dumped, flat, dump, const, block_mask, length,
+                                    totals=with_totals)
+        got = cg.relative_gradient(run_sums, reduced_tiles.reshape(-1, 64, 64), flat, dump,
+                                   const, block_mask, length, totals=with_totals,
+                                   reduced=reduced)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5,
+                                   atol=1e-4 * float(np.max(np.abs(np.asarray(want)))))
