@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 import pallas_flex as pf
 from pallas_flex.bench import cases
+from pallas_flex.bench.jax_suites import _grad_step
 from pallas_flex.bench.timing import time_paired
 from pallas_flex.kernels import backward_mosaic
 
@@ -36,26 +37,19 @@ def main():
         block_mask = pf.create_block_mask(pf.masks.causal_mask, None, None,
                                           shape.seq_len, shape.seq_len)
 
-        def step_for(with_table):
-            def step(q, k, v, table, d_out, block_mask):
-                def attend(q, k, v, table):
-                    return pf.flex_attention(q, k, v, pf.scores.t5_relative_bias(
-                        table, bidirectional=False), block_mask)
-                if with_table:
-                    out, pullback = jax.vjp(attend, q, k, v, table)
-                else:
-                    out, pullback = jax.vjp(lambda q, k, v: attend(q, k, v, table), q, k, v)
-                return (out, *pullback(d_out))
-            return step
+        def attend(q, k, v, table, block_mask):
+            return pf.flex_attention(q, k, v, pf.scores.t5_relative_bias(
+                table, bidirectional=False), block_mask)
 
-        args = (q, k, v, table, d_out, block_mask)
+        args = (q, k, v, table, block_mask, d_out)
         entry, calls, grads = {}, {}, {}
         start = time.perf_counter()
         for arm, (with_table, reduced) in ARMS.items():
             backward_mosaic.REDUCED_DUMPS = reduced
             jax.clear_caches()
             try:
-                compiled = jax.jit(step_for(with_table)).lower(*args).compile()
+                step = _grad_step(attend, "fwd_bwd", (0, 1, 2, 3) if with_table else (0, 1, 2))
+                compiled = step.lower(*args).compile()
                 result = jax.block_until_ready(compiled(*args))
             except Exception as error:  # noqa: BLE001 - the probe records it
                 entry[arm] = repr(error)[:2000]

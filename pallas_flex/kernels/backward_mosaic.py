@@ -360,15 +360,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 dump = None
                 if dump_refs[site] is not None:
                     first_offset, count = dump_offsets[site]
-                    # Slots [B, Hq, key tiles, count] flattened.
+                    # Slots [B, Hq, key tiles, count] flattened (or a reduced dump's).
                     key_tile = kv_block * COMPUTE_WARPGROUPS + warpgroup
-                    first_slot = ((batch * q_ref.shape[2] + head) * key_tiles + key_tile) * count
-                    if reduced_dump is not None:  # [Bd, Hq, count] flattened
+                    if reduced_dump is None:
+                        first_slot = ((batch * q_ref.shape[2] + head) * key_tiles
+                                      + key_tile) * count
+                    else:  # [Bd, Hq, count] flattened
                         dump_batch = 0 if reduced_dump.batch == 1 else batch
                         first_slot = (dump_batch * q_ref.shape[2] + head) * count
                     dump = (dump_refs[site], staging.at[warpgroup], first_offset, count,
                             first_slot, (next(states), next(states)),
-                            site < len(before_from_totals) and before_from_totals[site],
+                            bool(before_from_totals) and before_from_totals[site],
                             reduced_dump)
                 accumulate_runs(entry_smem[site].at[warpgroup], d_scores_t, derivative,
                                  entry_refs[site], dump, batch=batch, head=head,
@@ -717,10 +719,12 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     # Where a dumped read is a bias (its derivative 1), its sums before the dump come from
     # the rows' totals (`relative_totals`), which take the dQ kernel's sum dS' and sum P:
     # not where the forward's row sums of reads at b and h replace those.
-    bias_reads = (with_read_derivatives(score_program, relative) if relative else None)
-    before_from_totals = tuple(
-        not (pair_positions and row_sums) and dump is not None
-        and constant_output(bias_reads, 2 + i) == 1.0 for i, dump in enumerate(dumps))
+    before_from_totals = (False,) * len(dumps)
+    if any(dump is not None for dump in dumps) and not (pair_positions and row_sums):
+        derivatives = with_read_derivatives(score_program, relative)
+        before_from_totals = tuple(
+            dump is not None and constant_output(derivatives, 2 + i) == 1.0
+            for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
     dumped_reads = [dump for dump in dumps if dump is not None]
@@ -807,7 +811,6 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                             score_reads=dkv_reads, diagonal_reads=diagonal_reads,
                             relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
-                            before_from_totals=sites.before_from_totals,
                             fuse_dq=True, **settings)
     # A stage's copies: Q, dO, lse, delta, and the row sums.
     scratch, num_smem = dkv_scratch(stages, extra_smem,
@@ -835,9 +838,8 @@ class _Sites:
     sums (fused only), their shared-memory buffers, entry tables and outputs."""
 
     def __init__(self, relative_entries, dump_offsets, pair_sites, batch, q_heads,
-                 num_kv_blocks, entry_tables_, before_from_totals=(), reduced=False):
+                 num_kv_blocks, entry_tables_, reduced=False):
         self.relative_entries, self.dump_offsets = relative_entries, dump_offsets
-        self.before_from_totals = before_from_totals
         self.pair_sites = pair_sites
         # A dumped table's sums have two rows (the tiles before and past its offsets); an
         # array read at b and h one.
@@ -966,7 +968,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     relative_entries = tuple(entry_count(score_program, position)
                              for position in relative_positions)
     sites = _Sites(relative_entries, dump_offsets, len(pair_positions) if fuse_dq else 0,
-                   batch, q_heads, num_kv_blocks, entry_tables_, before_from_totals,
+                   batch, q_heads, num_kv_blocks, entry_tables_,
                    reduced=reduced_dump is not None)
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,

@@ -207,18 +207,15 @@ def _dump_or_add(weighted, dump, *, kv_start, q_start):
         # The last tile's copy has read the staging tile by now, or soon: tiles at the
         # dumped offsets are a few steps apart.
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        if reduced is None:
-            staging[...] = weighted
-        else:  # the padded keys' rows (their P is not 0 here) left out of the sum
-            staging[...] = weighted if reduced.keys_below is None else jnp.where(
-                to_tile(index_vector(kv_start, weighted.shape[0], 0), weighted.shape)
-                < reduced.keys_below, weighted, 0.0)
+        tile = weighted
+        if reduced is not None and reduced.keys_below is not None:
+            # The padded keys' rows (their P is not 0 here) left out of the sum.
+            keys = to_tile(index_vector(kv_start, weighted.shape[0], 0), weighted.shape)
+            tile = jnp.where(keys < reduced.keys_below, weighted, 0.0)
+        staging[...] = tile
         plgpu.commit_smem()
-        if reduced is None:
-            plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset])
-        else:
-            plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset],
-                                    reduction_op="add")
+        plgpu.copy_smem_to_gmem(staging, dump_ref.at[first_slot + offset],
+                                **({} if reduced is None else {"reduction_op": "add"}))
 
 
 class ReducedDump(NamedTuple):

@@ -26,6 +26,7 @@ from jax.extend import core as jex_core
 
 from pallas_flex.manual_axes import vary, varying_axes
 from pallas_flex.masks.mod_program import CALL_JAXPR_PARAMS as _CALL_PARAMS
+from pallas_flex.masks.mod_program import dependent_vars
 
 # Primitives that only reshape between size-1 shapes in a scalar program: on a tile they
 # are the identity (the scalar program's `x[i]` is `dynamic_slice` then `squeeze`).
@@ -760,11 +761,7 @@ def captured_read_batch_axes(program) -> list[tuple[bool, ...]]:
         return [tuple(jnp.asarray(i) for i in site) for _, site in log.sites]
 
     closed, shapes = jax.make_jaxpr(indices, return_shape=True)(jnp.int32(0))
-    dependent = {closed.jaxpr.invars[0]}
-    for equation in closed.jaxpr.eqns:
-        if any(isinstance(atom, jex_core.Var) and atom in dependent
-               for atom in equation.invars):
-            dependent.update(equation.outvars)
+    dependent = dependent_vars(closed.jaxpr, closed.jaxpr.invars[:1])
     flags = [isinstance(atom, jex_core.Var) and atom in dependent
              for atom in closed.jaxpr.outvars]
     return [tuple(site) for site in jax.tree.unflatten(jax.tree.structure(shapes), flags)]

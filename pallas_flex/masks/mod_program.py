@@ -345,22 +345,27 @@ def _with_read_derivatives(structure, const_types, positions, name):
     return _JaxprStructure(jex_core.ClosedJaxpr(closed.jaxpr, placeholders).jaxpr)
 
 
+def dependent_vars(jaxpr, sources) -> set:
+    """The variables of `jaxpr` whose values depend on those in `sources` (forward data
+    flow: an equation that takes a dependent value makes its outputs dependent)."""
+    dependent = set(sources)
+    for equation in jaxpr.eqns:
+        if any(isinstance(atom, jex_core.Var) and atom in dependent
+               for atom in equation.invars):
+            dependent.update(equation.outvars)
+    return dependent
+
+
 def constant_output(program: ModProgram, index: int):
     """Output `index` of the program's jaxpr as a Python float where it depends on none
     of its inputs (indices, score, captured arrays): a bias's derivative with respect to
     the value it reads, 1, from `with_read_derivatives`; else None. Decided by the
-    jaxpr's data flow (an equation that takes a dependent value makes its outputs
-    dependent), then the independent output evaluated once."""
+    jaxpr's data flow (`dependent_vars`), then the independent output evaluated once."""
     jaxpr = program.jaxpr
     out = jaxpr.outvars[index]
     if isinstance(out, jex_core.Literal):
         return float(np.asarray(out.val))
-    dependent = set(jaxpr.constvars) | set(jaxpr.invars)
-    for equation in jaxpr.eqns:
-        if equation.effects or any(not isinstance(v, jex_core.Literal) and v in dependent
-                                   for v in equation.invars):
-            dependent.update(equation.outvars)
-    if out in dependent:
+    if out in dependent_vars(jaxpr, (*jaxpr.constvars, *jaxpr.invars)):
         return None
     zeros = [np.zeros(v.aval.shape, v.aval.dtype) for v in (*jaxpr.constvars, *jaxpr.invars)]
     with jax.ensure_compile_time_eval():  # concrete under an outer trace too
