@@ -741,7 +741,7 @@ def test_auto_runs_the_mosaic_backward_on_hopper_bitwise_reproducibly(dim):
 
 @pytest.mark.parametrize("summed_over_batch", [False, True])
 def test_reduced_dumps_give_the_table_gradient_of_the_per_tile_dumps(summed_over_batch):
-    """`REDUCED_DUMPS` (off by default; GPU only: TMA reduce-adds): the dK/dV kernel adds
+    """`REDUCED_DUMPS` (the default; GPU only: TMA reduce-adds): the dK/dV kernel adds
     a dumped read's tiles into one [64, 64] tile a (batch, head, offset), or a (head,
     offset) where the read's entries do not depend on b, in place of one a key tile. Given
     what those adds leave (the visited tiles of the keys within the length, summed), the
