@@ -40,6 +40,7 @@ from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import (
     as_int8_bits, load_rows, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
+from pallas_flex.kernels.rotate_blocks import rotated_key_chunks, slot_of_block
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
@@ -71,11 +72,14 @@ def work_items(subsequence_begins, tokens_per_item: int, num_items: int):
 def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, block_indices_ref,
                    block_begins_ref, scale_ref, window_ref, slopes_ref, q_ref, k_ref, v_ref,
                    *refs, group, tokens_per_item, rows, block_kv, page_size,
-                   dim_chunks, value_chunks, num_splits, interpret, quantized=None):
+                   dim_chunks, value_chunks, num_splits, interpret, quantized=None,
+                   rotation_half=0):
     """refs: (k_scales, v_scales: a quantized cache's [num_blocks, Hkv, block_size],)
+    (slot_of_block, deltas, lut: keys rotated in the reads, `rotation_half` > 0,)
     out, lse. quantized: None, or a quantized cache's dtype name: its blocks arrive as
     int8 bits (`kv_tiles.as_int8_bits`)."""
-    scale_refs, (out_ref, lse_ref) = refs[:-2], refs[-2:]
+    rotation_refs = refs[-5:-2] if rotation_half else None
+    scale_refs, (out_ref, lse_ref) = refs[:-5 if rotation_half else -2], refs[-2:]
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
@@ -128,6 +132,11 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                                              width=width), valid_rows)
 
         keys = [load(k_ref, *chunk) for chunk in dim_chunks]
+        if rotation_half:  # the history's listed blocks, rotated as read
+            keys = rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head,
+                                      tile_start, tile=block_kv, page_size=page_size,
+                                      dim_chunks=dim_chunks, half=rotation_half,
+                                      rotate_below=past)
         values = [load(v_ref, *chunk) for chunk in value_chunks]
         value_scale = None
         if quantized:
@@ -228,13 +237,16 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
                            block_indices, block_indices_begins, scale, sliding_window,
                            alibi_slopes, *, interpret: bool, block_kv: int = 64,
                            num_warps: int = 4, num_stages: int = 2, num_splits: int = 0,
-                           cache_scales=None):
+                           cache_scales=None, read_rotation=None):
     """(out [T, Hq, Dv] in query's dtype, lse [T, Hq] float32) from caches that already
     hold the new tokens. query [T, Hq, D]; caches [num_blocks, Hkv, block_size, D/Dv];
     scale, sliding_window: scalars (may be traced); alibi_slopes float [Hq].
     num_splits: programs per work item (0 = automatic, see `choose_num_splits`; a larger
     request than an item's possible tiles is capped). cache_scales: a quantized (int8 /
-    float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]."""
+    float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]. read_rotation:
+    None, or a 16/32-bit cache's listed blocks (indices [R], deltas [R, block_size], lut
+    [rows, D] float32) rotated in the key reads, positions below past_lens only
+    (`rotate_blocks.rotated_key_chunks`)."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
@@ -269,8 +281,17 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         _ragged_kernel, group=group, tokens_per_item=tokens_per_item, rows=rows,
         block_kv=block_kv, page_size=block_size, dim_chunks=column_chunks(padded_dim),
         value_chunks=column_chunks(padded_value_dim), num_splits=num_splits,
-        interpret=interpret, quantized=quantized)
+        interpret=interpret, quantized=quantized,
+        rotation_half=0 if read_rotation is None else head_dim // 2)
     scales = tuple(cache_scales or ())
+    if read_rotation is not None:
+        if quantized:
+            raise ValueError("keys rotated in the reads take 16/32-bit caches")
+        indices, deltas, lut = read_rotation
+        # Deltas clamped into the LUT: unchecked metadata under jit never reads past it.
+        scales += (slot_of_block(indices, key_cache.shape[0]),
+                   jnp.clip(deltas.astype(jnp.int32), 0, lut.shape[0] - 1),
+                   lut.astype(jnp.float32))
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
                      jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]

@@ -13,13 +13,22 @@ output, aliased to its input), so the call moves the listed blocks' bytes once e
 and nothing else. The arithmetic is `paged.ragged._rotate_blocks`' (float32, then the
 cache's dtype), which the XLA backend and quantized caches keep: there the gather of
 the blocks, the LUT gather and the scatter back are separate XLA kernels.
+
+`rotation_in_cache=False` (opt-in) rotates in the ragged kernel's key reads instead
+(`rotated_key_chunks`) and leaves the cache as it was: nothing is written, and a listed
+block costs its LUT rows and a second read of its keys (the pair partners, from L1/L2),
+only on the tiles that hold one (a branch per tile).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_flex.kernels.kv_tiles import page_and_offset
 
 
 def supported(key_cache) -> bool:
@@ -88,4 +97,63 @@ def rotate_blocks(key_cache, indices, deltas, lut, *, interpret: bool):
       key_cache)
 
 
-__all__ = ["rotate_blocks", "supported"]
+def slot_of_block(indices, num_blocks: int):
+    """int32 [num_blocks]: each block's entry in `indices` [R] (its row of the deltas),
+    -1 where it is not listed (entries outside the pool left out)."""
+    listed = jnp.arange(indices.shape[0], dtype=jnp.int32)
+    return jnp.full((num_blocks,), -1, jnp.int32).at[indices].set(listed, mode="drop")
+
+
+def rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head, tile_start, *,
+                       tile: int, page_size: int, dim_chunks, half: int, rotate_below):
+    """The key tile's column chunks `keys` ([tile, width] each, as loaded) with the rows
+    of listed blocks rotated by their LUT rows, for the rows at logical positions below
+    `rotate_below` (the cached history; the new tokens written this call are not
+    rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas [R, block_size],
+    lut [rows, 2 * half] float32). Arithmetic as `rotate_blocks`': float32, then the
+    keys' dtype, so the scores are those of the keys rotated in the cache.
+
+    A row's feature d pairs with d ^ 1 (chunks are even-aligned): d' = d c - (d ^ 1) s
+    for even d, d c + (d ^ 1) s for odd, with (c, s) = lut[row, d // 2], lut[row, half
+    + d // 2]. The partners are a second gathered read of the same rows, made (with the
+    LUT rows) only where the tile holds a listed row."""
+    slot_ref, deltas_ref, lut_ref = rotation_refs
+    positions = tile_start + lax.iota(jnp.int32, tile)
+    pages, offsets = page_and_offset(page_of, positions, page_size=page_size,
+                                     num_pages=k_ref.shape[0])
+    slots = slot_ref[pages]
+    rotated_rows = (slots >= 0) & (positions < rotate_below)
+
+    def rotate(keys):
+        lut_rows = deltas_ref[jnp.maximum(slots, 0), offsets][:, None]  # [tile, 1]
+        rows = rotated_rows[:, None]
+        out = []
+        for (start, width), key in zip(dim_chunks, keys):
+            columns = start + lax.broadcasted_iota(jnp.int32, (1, width), 1)
+            real = columns < 2 * half  # padded columns stay 0
+            pair = jnp.minimum(lax.div(columns, jnp.int32(2)), half - 1)
+            shape = (tile, width)
+            mask = jnp.broadcast_to(rows & real, shape)
+            partner = plgpu.load(
+                k_ref.at[jnp.broadcast_to(pages[:, None], shape),
+                         jnp.full(shape, kv_head, jnp.int32),
+                         jnp.broadcast_to(offsets[:, None], shape),
+                         jnp.broadcast_to(jnp.bitwise_xor(columns, 1), shape)],
+                mask=mask, other=0).astype(jnp.float32)
+            lut_index = jnp.broadcast_to(lut_rows, shape)
+            cos = plgpu.load(lut_ref.at[lut_index, jnp.broadcast_to(pair, shape)],
+                             mask=mask, other=1.0)
+            sin = plgpu.load(lut_ref.at[lut_index, jnp.broadcast_to(pair + half, shape)],
+                             mask=mask, other=0.0)
+            even = lax.rem(columns, jnp.int32(2)) == 0
+            rotated = jnp.where(even, key.astype(jnp.float32) * cos - partner * sin,
+                                partner * sin + key.astype(jnp.float32) * cos)
+            out.append(jnp.where(mask, rotated.astype(key.dtype), key))
+        return out
+
+    # Triton has no reduce-or: the tile holds a listed row where the largest flag is 1.
+    listed = jnp.max(rotated_rows.astype(jnp.int32)) > 0
+    return lax.cond(listed, rotate, lambda keys: list(keys), list(keys))
+
+
+__all__ = ["rotate_blocks", "rotated_key_chunks", "slot_of_block", "supported"]

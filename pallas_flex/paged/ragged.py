@@ -41,8 +41,8 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                     block_indices, block_indices_begins, *, scale=None, sliding_window=0,
                     alibi_slopes=None, score_aggregation_window=None, return_scores=False,
                     backend=None, num_splits=None, rotated_block_indices=None,
-                    rotation_deltas=None, rotation_trig_lut=None, sinks=None,
-                    key_cache_scales=None, value_cache_scales=None):
+                    rotation_deltas=None, rotation_trig_lut=None, rotation_in_cache=True,
+                    sinks=None, key_cache_scales=None, value_cache_scales=None):
     """Attention for a packed batch of new tokens over their sequences' paged history.
 
     Sequence `s` owns the new tokens `subsequence_begins[s] : subsequence_begins[s+1]`
@@ -89,6 +89,14 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         in the cache (the returned key_cache holds the rotated keys, so later steps read
         them as they are), by a scatter over the listed blocks alone; values are not
         rotated.
+      rotation_in_cache: True (the default, the spec's contract above), or False: the
+        listed blocks' cached keys (positions below past_lens; not the new tokens) are
+        rotated in the attention's key reads only, and the returned key_cache keeps them
+        as they were. Nothing is written: a step pays for the listed blocks' LUT rows
+        and a second read of their keys, not a pass over the cache. The caller then
+        keeps the cache unrotated and passes, every step, each listed block's rotation
+        from its stored keys (the deltas accumulated since they were written, not the
+        step's change). 16/32-bit caches.
       sinks: None, or float [Hq]: a logit per query head in every token's softmax with
         no value (attention sinks, as gpt-oss and OpenVINO's `sinks` input): weights
         become exp(s) / (sum exp(s) + exp(sink)), and `scores` count the keys' weights
@@ -171,12 +179,20 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
                        block_size=key_cache.shape[2], sliding_window=sliding_window)
     rotation = _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
                                  key_cache)
+    if not isinstance(rotation_in_cache, (bool, np.bool_)):
+        raise ValueError(f"rotation_in_cache must be a Python bool, got "
+                         f"{type(rotation_in_cache).__name__}")
+    if not rotation_in_cache and cache_scales is not None:
+        raise ValueError(f"rotation_in_cache=False takes 16/32-bit caches (keys rotated in "
+                         f"the reads), got {key_cache.dtype}: rotate quantized caches in "
+                         f"the cache (rotation_in_cache=True)")
     sinks = check_sinks(sinks, query.shape[1] // head_dim)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
         block_indices, block_indices_begins, scale, sliding_window, alibi_slopes,
         aggregation_window, rotation, sinks, cache_scales, return_scores=bool(return_scores),
-        backend=backend, num_splits=num_splits or 0)
+        backend=backend, num_splits=num_splits or 0,
+        rotation_in_reads=rotation is not None and not rotation_in_cache)
 
 
 def score_offsets(past_lens, subsequence_begins):
@@ -389,16 +405,23 @@ def _rotate_blocks(key_cache, indices, deltas, lut, key_scales=None):
     else:
         blocks = dequantize(key_cache[gathered], key_scales[gathered])
     trig = lut[jnp.clip(deltas, 0, lut.shape[0] - 1)][:, None]  # [R, 1, block_size, D]
-    cos, sin = trig[..., :head_dim // 2], trig[..., head_dim // 2:]
-    pairs = blocks.reshape(*blocks.shape[:-1], head_dim // 2, 2)
-    even, odd = pairs[..., 0], pairs[..., 1]
-    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
-    rotated = rotated.reshape(blocks.shape)
+    rotated = _rotated_pairs(blocks, trig)
     target = _unique_targets(indices, (indices >= 0) & (indices < num_blocks), num_blocks)
     if key_scales is None:
         return _store(key_cache, (target,), rotated.astype(key_cache.dtype)), None
     rotated, scales = quantize(rotated, key_cache.dtype)
     return _store(key_cache, (target,), rotated), _store(key_scales, (target,), scales)
+
+
+def _rotated_pairs(keys, trig):
+    """float32 keys [..., D] with each pair (2j, 2j + 1) rotated by (cos, sin) = trig
+    [..., j], trig[..., D/2 + j] (trig broadcast against keys, float32)."""
+    half = keys.shape[-1] // 2
+    cos, sin = trig[..., :half], trig[..., half:]
+    pairs = keys.reshape(*keys.shape[:-1], half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(keys.shape)
 
 
 def _unique_targets(blocks, valid, num_blocks):
@@ -543,11 +566,13 @@ def _block_of(xp, block_indices, block_indices_begins, seq, logical_block):
 # -- (b) cache write, (c) attention, (d) scores ----------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits"))
+@functools.partial(jax.jit, static_argnames=("return_scores", "backend", "num_splits",
+                                             "rotation_in_reads"))
 def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, subsequence_begins,
                          block_indices, block_indices_begins, scale, sliding_window,
                          alibi_slopes, aggregation_window, rotation=None, sinks=None,
-                         cache_scales=None, *, return_scores, backend="xla", num_splits=0):
+                         cache_scales=None, *, return_scores, backend="xla", num_splits=0,
+                         rotation_in_reads=False):
     # Tensor-parallel serving: caches split over KV heads ([blocks, Hkv, block, D]) with
     # the tokens' heads (query [T, Hq * D] split between heads) run each device's heads
     # alone; the scores, summed over heads, are summed over the devices.
@@ -563,7 +588,8 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
                     else (sharding.TOKENS,) + caches)
     return sharding.call(
         lambda operands, offsets: _paged_attention_shard(
-            *operands, return_scores=return_scores, backend=backend, num_splits=num_splits),
+            *operands, return_scores=return_scores, backend=backend, num_splits=num_splits,
+            rotation_in_reads=rotation_in_reads),
         operands, roles, lambda results: result_roles, batch=1,
         q_heads=query.shape[1] // key_cache.shape[3], kv_heads=key_cache.shape[1],
         split_batch=False)
@@ -572,10 +598,12 @@ def _paged_attention_jit(query, key, value, key_cache, value_cache, past_lens, s
 def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            subsequence_begins, block_indices, block_indices_begins, scale,
                            sliding_window, alibi_slopes, aggregation_window, rotation,
-                           sinks, cache_scales, *, return_scores, backend, num_splits):
+                           sinks, cache_scales, *, return_scores, backend, num_splits,
+                           rotation_in_reads=False):
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
-    if rotation is not None:  # (a') before the new tokens land in rotated blocks
+    read_rotation = rotation if rotation_in_reads else None
+    if rotation is not None and not rotation_in_reads:  # (a') before the new tokens land
         if (backend in ("pallas", "interpret") and cache_scales is None
                 and rotate_kernel.supported(key_cache)):
             # The listed blocks read and written once, by a kernel of their own.
@@ -613,7 +641,7 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
     context = (past_lens + jnp.diff(subsequence_begins))[layout.seq]  # [T]
     pages = _PageWalk(query.reshape(num_tokens, kv_heads, group, head_dim), key_cache, layout,
                       context, block_indices, block_indices_begins, scale, alibi_slopes,
-                      cache_scales)
+                      cache_scales, read_rotation)
     if backend == "xla":
         out, lse = pages.attend(value_cache)
     else:  # the Pallas kernel reads the updated caches in place
@@ -621,7 +649,7 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
             query.reshape(num_tokens, q_heads, head_dim), key_cache, value_cache, past_lens,
             subsequence_begins, block_indices, block_indices_begins, scale, sliding_window,
             alibi_slopes, interpret=backend == "interpret", num_splits=num_splits,
-            cache_scales=cache_scales)
+            cache_scales=cache_scales, read_rotation=read_rotation)
         lse = lse.reshape(num_tokens, kv_heads, group)
     if sinks is not None:  # one more part of every row, with no value
         out, lse = merge_sinks(out.reshape(num_tokens, q_heads, value_dim),
@@ -651,9 +679,14 @@ class _PageWalk:
     """
 
     def __init__(self, query, key_cache, layout, context, block_indices, block_indices_begins,
-                 scale, alibi_slopes, cache_scales=None):
+                 scale, alibi_slopes, cache_scales=None, read_rotation=None):
         self.query = query  # [T, Hkv, G, D]
         self.key_cache = key_cache
+        # (slot_of_block [num_blocks], deltas [R, block_size], lut [rows, D]): listed
+        # blocks' history keys rotated as read (`rotation_in_cache=False`).
+        self.read_rotation = None if read_rotation is None else (
+            rotate_kernel.slot_of_block(read_rotation[0], key_cache.shape[0]),
+            *read_rotation[1:])
         self.cache_scales = cache_scales  # a quantized cache's (key, value) scales
         self.layout = layout
         self.context = context  # [T]: positions its sequence holds (past + new tokens)
@@ -679,11 +712,13 @@ class _PageWalk:
         keys = self.key_cache[block]  # [T, Hkv, block_size, D]
         if self.cache_scales is not None:
             keys = dequantize(keys, self.cache_scales[0][block], self.query.dtype)
+        key_pos = (logical_block[:, None] * block_size
+                   + jnp.arange(block_size, dtype=jnp.int32)[None, :])  # [T, block_size]
+        if self.read_rotation is not None:
+            keys = self._rotated(keys, block, key_pos)
         logits = jnp.einsum("thgd,thkd->thgk", self.query, keys,
                             preferred_element_type=jnp.float32,
                             precision=self.precision) * self.scale
-        key_pos = (logical_block[:, None] * block_size
-                   + jnp.arange(block_size, dtype=jnp.int32)[None, :])  # [T, block_size]
         distance = (key_pos - layout.position[:, None]).astype(jnp.float32)
         logits = logits + self.slopes[None, :, :, None] * distance[:, None, None, :]
         visible = ((key_pos >= layout.first_visible[:, None])
@@ -692,10 +727,23 @@ class _PageWalk:
         logits = jnp.where(visible[:, None, None, :], logits * online_softmax.LOG2_E, -jnp.inf)
         return logits, visible, key_pos, block
 
+    def _rotated(self, keys, block, key_pos):
+        """keys [T, Hkv, block_size, D] of blocks [T] with the listed blocks' history
+        (positions below the token's past_lens) rotated, as `_rotate_blocks` rotates
+        them in the cache (float32, then the keys' dtype)."""
+        slot_of_block, deltas, lut = self.read_rotation
+        slot = slot_of_block[block]  # [T]
+        rows = jnp.clip(deltas[jnp.maximum(slot, 0)], 0, lut.shape[0] - 1)  # [T, bs]
+        rotated = _rotated_pairs(keys.astype(jnp.float32), lut[rows][:, None])
+        past = self.layout.position - self.layout.index  # [T]
+        listed = (slot[:, None] >= 0) & (key_pos < past[:, None])  # [T, block_size]
+        return jnp.where(listed[:, None, :, None], rotated.astype(keys.dtype), keys)
+
     def _varying_axes(self, *more):
         """The manual mesh axes the walk's inputs vary over (inside a shard_map that
         checks them): its loops' initial states vary as their bodies' results do."""
         return sharding.varying_axes(self.query, self.key_cache, self.cache_scales,
+                                     self.read_rotation,
                                      self.layout, self.context, self.block_indices,
                                      self.block_indices_begins, self.slopes, *more)
 

@@ -688,6 +688,61 @@ def test_rotated_blocks_match_reference(config_name, per_slot, backend):
     assert np.abs(to_float64(plain_k) - expected_k).max() > 0.1
 
 
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
+@pytest.mark.parametrize("per_slot", [True, False], ids=["deltas_per_slot", "deltas_per_block"])
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4",
+                                         "gqa_bf16_page16"])
+def test_rotation_in_the_reads_leaves_the_cache_and_attends_to_rotated_keys(
+        config_name, per_slot, backend):
+    """rotation_in_cache=False: the output and scores are those of the keys rotated in
+    the cache (the reference: the spec's in-cache rotation, then attention), the returned
+    key_cache that of the call without rotation (nothing written but the new tokens),
+    the new tokens written into listed blocks not rotated. Ragged prefill and decode
+    sequences, GQA / MQA, pages of 4 and 16 (a tile of several pages, and pages of
+    several tiles), deltas per slot or per block."""
+    config, seqs = case_config(config_name)
+    case = make_case(3, seqs, **config)
+    rotation = _rotation(case, config["block_size"], config["head_dim"], per_slot)
+    options = dict(sliding_window=0, alibi_slopes=alibi_slopes(config["q_heads"]))
+    out, scores, key_cache, value_cache = paged.paged_attention(
+        **case, **options, **rotation, rotation_in_cache=False, return_scores=True,
+        backend=backend)
+    expected, expected_scores, _, expected_v = reference_paged_attention(
+        **case, **options, **rotation)
+    assert_output_close(out, expected, case, config, options)
+    used = expected_scores.shape[0]
+    np.testing.assert_allclose(np.asarray(scores[:used], np.float64), expected_scores,
+                               atol=2e-2 if config["dtype"] == jnp.bfloat16 else 1e-4)
+    _, plain_k, plain_v = paged.paged_attention(**case, **options, backend=backend)
+    np.testing.assert_array_equal(np.asarray(key_cache), np.asarray(plain_k))
+    np.testing.assert_array_equal(np.asarray(value_cache), np.asarray(plain_v))
+    np.testing.assert_array_equal(to_float64(value_cache), expected_v)
+    # The rotation mattered: the unrotated call's output is far from the reference.
+    plain_out = paged.paged_attention(**case, **options, backend=backend)[0]
+    assert np.abs(to_float64(plain_out) - expected).max() > 0.05
+    # Against the in-cache rotation on the same backend: the same keys, rounded alike.
+    in_cache = paged.paged_attention(**case, **options, **rotation, backend=backend)[0]
+    np.testing.assert_allclose(to_float64(out), to_float64(in_cache),
+                               atol=2e-2 if config["dtype"] == jnp.bfloat16 else 1e-5)
+
+
+def test_rotation_in_the_reads_refuses_quantized_caches_and_non_bools():
+    config, seqs = case_config("mha_f32_page4")
+    case = make_case(5, seqs, **config)
+    rotation = dict(rotated_block_indices=jnp.array([1], jnp.int32),
+                    rotation_deltas=jnp.zeros((1, 4), jnp.int32),
+                    rotation_trig_lut=jnp.ones((12, config["head_dim"]), jnp.float32))
+    with pytest.raises(ValueError, match="rotation_in_cache must be a Python bool"):
+        paged.paged_attention(**case, **rotation, rotation_in_cache=0, backend="xla")
+    quantized = dict(case)
+    quantized["key_cache"], k_scales = quantize(case["key_cache"], jnp.int8)
+    quantized["value_cache"], v_scales = quantize(case["value_cache"], jnp.int8)
+    with pytest.raises(ValueError, match="rotation_in_cache=False takes 16/32-bit caches"):
+        paged.paged_attention(**quantized, **rotation, rotation_in_cache=False,
+                              key_cache_scales=k_scales, value_cache_scales=v_scales,
+                              backend="xla")
+
+
 def test_rotation_under_jit_with_donated_caches_matches_eager():
     config, seqs = case_config("mha_f32_page4")
     case = make_case(4, seqs, **config)
