@@ -1,0 +1,61 @@
+"""Probe (temporary): the ragged op's device time per kernel, plain / rotated in the cache
+/ rotated in the key reads, from profiler traces (the bench's wall times on one H100
+host were bound elsewhere).  PYTHONPATH=$PWD python3 -m benchmarks.ragged_rotation_probe OUT"""
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pallas_flex as pf
+from pallas_flex.bench import cases
+from pallas_flex.bench.jax_suites import RAGGED_MIXES, _rotation_inputs
+from pallas_flex.bench.timing import time_calls
+
+BACKEND = "pallas"
+
+
+def main():
+    out_dir = sys.argv[1]
+    heads, dim, block = (32, 8), 128, 16
+    results = {}
+    names = sys.argv[2:] or list(RAGGED_MIXES)
+    for name, seqs in ((n, RAGGED_MIXES[n]) for n in names):
+        blocks = [-(-(past + new) // block) for past, new in seqs]
+        tokens = sum(new for _, new in seqs)
+        normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
+            [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
+             (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
+        i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+        others = dict(query=normal[0], key=normal[1], value=normal[2],
+                      past_lens=i32([past for past, _ in seqs]),
+                      subsequence_begins=i32(np.cumsum([0] + [new for _, new in seqs])),
+                      block_indices=i32(np.random.default_rng(0).permutation(sum(blocks))),
+                      block_indices_begins=i32(np.cumsum([0] + blocks)))
+        rotation = _rotation_inputs(sum(blocks), block, dim)
+        for column, extra in (("kernel", {}), ("in_cache", rotation),
+                              ("in_reads", dict(rotation, rotation_in_cache=False))):
+            with pf.paged.traced_checks(False):
+                step = jax.jit(lambda others, kc, vc, extra=extra: pf.paged.paged_attention(
+                    **others, **extra, key_cache=kc, value_cache=vc, backend=BACKEND),
+                    donate_argnums=(1, 2))
+                caches = [jnp.copy(normal[3]), jnp.copy(normal[4])]
+
+                def call(others):
+                    out, caches[0], caches[1] = step(others, *caches)
+                    return out
+                entry, _ = time_calls(call, (others,))
+                with jax.profiler.trace(f"{out_dir}/trace/{name}_{column}",
+                                        create_perfetto_trace=True):
+                    for _ in range(10):
+                        out = call(others)
+                    jax.block_until_ready(out)
+            results[f"{name} {column}"] = entry["ms"]
+            print(name, column, entry["ms"], flush=True)
+    json.dump(results, open(f"{out_dir}/wall.json", "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
