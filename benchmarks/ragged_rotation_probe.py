@@ -1,7 +1,17 @@
 """Probe (temporary): the ragged op's device time per kernel, plain / rotated in the cache
 / rotated in the key reads, from profiler traces (the bench's wall times on one H100
-host were bound elsewhere).  PYTHONPATH=$PWD python3 -m benchmarks.ragged_rotation_probe OUT"""
+host were bound elsewhere).
+
+    PYTHONPATH=$PWD python3 -m benchmarks.ragged_rotation_probe OUT [case names]
+    python3 -m benchmarks.ragged_rotation_probe --parse OUT   (here, on the fetched files)
+
+Delete `OUT/trace/**/*.pb` on the device before the files come back (the JSON traces
+are enough). Once the device times are known, write them in docs/gpu-notes.md (Paged
+and ragged), commit `bench ragged` if its wall times agree, and delete this probe."""
+import collections
 import functools
+import glob
+import gzip
 import json
 import sys
 
@@ -57,5 +67,32 @@ def main():
     json.dump(results, open(f"{out_dir}/wall.json", "w"), indent=1)
 
 
+def parse(out_dir, calls=10):
+    """Prints each traced column's device time a call, by kernel, from the GPU streams."""
+    for folder in sorted(glob.glob(f"{out_dir}/trace/*")):
+        files = glob.glob(f"{folder}/plugins/profile/*/*.trace.json.gz")
+        if not files:
+            continue
+        trace = json.load(gzip.open(files[0]))
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        names = {(e["pid"], e.get("tid")): e["args"]["name"] for e in events
+                 if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name")}
+        sums, total = collections.Counter(), 0.0
+        for e in events:
+            if e.get("ph") != "X":
+                continue
+            thread = names.get((e["pid"], e["tid"]), "")
+            if "stream" not in thread.lower():
+                continue
+            sums[e["name"][:60]] += e["dur"]
+            total += e["dur"]
+        print(folder.split("/")[-1], f"device {total / calls / 1000:.4f} ms a call")
+        for name, us in sums.most_common(6):
+            print(f"    {us / calls / 1000:.4f}  {name}")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1] == "--parse":
+        parse(sys.argv[2])
+    else:
+        main()
