@@ -9,7 +9,6 @@ Delete `OUT/trace/**/*.pb` on the device before the files come back (the JSON tr
 are enough). Once the device times are known, write them in docs/gpu-notes.md (Paged
 and ragged), commit `bench ragged` if its wall times agree, and delete this probe."""
 import collections
-import functools
 import glob
 import gzip
 import json
@@ -17,11 +16,9 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_flex as pf
-from pallas_flex.bench import cases
-from pallas_flex.bench.jax_suites import RAGGED_MIXES, _rotation_inputs
+from pallas_flex.bench.jax_suites import RAGGED_MIXES, ragged_inputs
 from pallas_flex.bench.timing import time_calls
 
 BACKEND = "pallas"
@@ -33,28 +30,17 @@ def main():
     results = {}
     names = sys.argv[2:] or list(RAGGED_MIXES)
     for name, seqs in ((n, RAGGED_MIXES[n]) for n in names):
-        blocks = [-(-(past + new) // block) for past, new in seqs]
-        tokens = sum(new for _, new in seqs)
-        normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
-            [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
-             (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
-        i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-        others = dict(query=normal[0], key=normal[1], value=normal[2],
-                      past_lens=i32([past for past, _ in seqs]),
-                      subsequence_begins=i32(np.cumsum([0] + [new for _, new in seqs])),
-                      block_indices=i32(np.random.default_rng(0).permutation(sum(blocks))),
-                      block_indices_begins=i32(np.cumsum([0] + blocks)))
-        rotation = _rotation_inputs(sum(blocks), block, dim)
+        others, caches, rotation = ragged_inputs(seqs, heads, dim, block)
         for column, extra in (("kernel", {}), ("in_cache", rotation),
                               ("in_reads", dict(rotation, rotation_in_cache=False))):
             with pf.paged.traced_checks(False):
                 step = jax.jit(lambda others, kc, vc, extra=extra: pf.paged.paged_attention(
                     **others, **extra, key_cache=kc, value_cache=vc, backend=BACKEND),
                     donate_argnums=(1, 2))
-                caches = [jnp.copy(normal[3]), jnp.copy(normal[4])]
+                current = [jnp.copy(c) for c in caches]  # donated and fed back
 
                 def call(others):
-                    out, caches[0], caches[1] = step(others, *caches)
+                    out, current[0], current[1] = step(others, *current)
                     return out
                 entry, _ = time_calls(call, (others,))
                 with jax.profiler.trace(f"{out_dir}/trace/{name}_{column}",

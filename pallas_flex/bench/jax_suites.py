@@ -857,6 +857,24 @@ def _rotation_inputs(total_blocks, block, dim, seed=0, fraction=0.1, lut_rows=40
                                       jnp.float32))
 
 
+def ragged_inputs(seqs, heads, dim, block):
+    """The ragged op's inputs for sequences `seqs` [(past_len, new_len)], bf16, heads
+    (Hq, Hkv), blocks of `block` slots in a shuffled pool: (the arguments but the caches,
+    the caches (key, value), the rotation inputs for 10 % of the blocks)."""
+    blocks = [-(-(past + new) // block) for past, new in seqs]
+    tokens = sum(new for _, new in seqs)
+    normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
+        [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
+         (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
+    i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
+    others = dict(query=normal[0], key=normal[1], value=normal[2],
+                  past_lens=i32([past for past, _ in seqs]),
+                  subsequence_begins=i32(np.cumsum([0] + [new for _, new in seqs])),
+                  block_indices=i32(np.random.default_rng(0).permutation(sum(blocks))),
+                  block_indices_begins=i32(np.cumsum([0] + blocks)))
+    return others, (normal[3], normal[4]), _rotation_inputs(sum(blocks), block, dim)
+
+
 def ragged(options, heads=(32, 8), dim=128, block=16):
     """The ragged mixed prefill + decode op on the Pallas kernel against its XLA loop, as a
     server calls it: caches donated and fed back, traced checks off; kernel_rotated: the
@@ -868,22 +886,12 @@ def ragged(options, heads=(32, 8), dim=128, block=16):
         heads, dim = (4, 2), 64
     rows = []
     for name, seqs in (QUICK_RAGGED_MIXES if options.quick else RAGGED_MIXES).items():
-        blocks = [-(-(past + new) // block) for past, new in seqs]
+        others, caches, rotation = ragged_inputs(seqs, heads, dim, block)
         tokens = sum(new for _, new in seqs)
-        normal = [jnp.asarray(cases.normal(shape, i), jnp.bfloat16) for i, shape in enumerate(
-            [(tokens, heads[0] * dim), (tokens, heads[1] * dim), (tokens, heads[1] * dim),
-             (sum(blocks), heads[1], block, dim), (sum(blocks), heads[1], block, dim)])]
-        i32 = functools.partial(jnp.asarray, dtype=jnp.int32)
-        others = dict(query=normal[0], key=normal[1], value=normal[2],
-                      past_lens=i32([past for past, _ in seqs]),
-                      subsequence_begins=i32(np.cumsum([0] + [new for _, new in seqs])),
-                      block_indices=i32(np.random.default_rng(0).permutation(sum(blocks))),
-                      block_indices_begins=i32(np.cumsum([0] + blocks)))
         row = {"case": name, "params": {
             "sequences": len(seqs), "new_tokens": tokens, "kernel_backend": options.backend,
             "bytes": sum(p + n for p, n in seqs) * heads[1] * dim * 4}}
         outs, timed = {}, {}
-        rotation = _rotation_inputs(sum(blocks), block, dim)
         row["params"]["rotated_blocks"] = int(rotation["rotated_block_indices"].shape[0])
         for column, backend, extra in (
                 ("kernel", options.backend, {}), ("xla_loop", "xla", {}),
@@ -894,9 +902,9 @@ def ragged(options, heads=(32, 8), dim=128, block=16):
                            pf.paged.paged_attention(**others, **extra, key_cache=kc,
                                                     value_cache=vc, backend=backend),
                            donate_argnums=(1, 2))
-            caches = [jnp.copy(normal[3]), jnp.copy(normal[4])]
+            caches_now = [jnp.copy(c) for c in caches]
 
-            def call(others):
+            def call(others, caches=caches_now):
                 out, caches[0], caches[1] = step(others, *caches)
                 return out
             with pf.paged.traced_checks(False):
