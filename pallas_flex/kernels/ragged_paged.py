@@ -132,11 +132,6 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                                              width=width), valid_rows)
 
         keys = [load(k_ref, *chunk) for chunk in dim_chunks]
-        if rotation_half:  # the history's listed blocks, rotated as read
-            keys = rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head,
-                                      tile_start, tile=block_kv, page_size=page_size,
-                                      dim_chunks=dim_chunks, half=rotation_half,
-                                      rotate_below=past)
         values = [load(v_ref, *chunk) for chunk in value_chunks]
         value_scale = None
         if quantized:
@@ -144,6 +139,11 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                 keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
                 page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype,
                 cache_dtype=quantized)
+        if rotation_half:  # the history's listed blocks, rotated as read
+            keys = rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head,
+                                      tile_start, tile=block_kv, page_size=page_size,
+                                      dim_chunks=dim_chunks, half=rotation_half,
+                                      rotate_below=past, cache_dtype=quantized)
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
@@ -285,8 +285,6 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         rotation_half=0 if read_rotation is None else head_dim // 2)
     scales = tuple(cache_scales or ())
     if read_rotation is not None:
-        if quantized:
-            raise ValueError("keys rotated in the reads take 16/32-bit caches")
         indices, deltas, lut = read_rotation
         # Deltas clamped into the LUT: unchecked metadata under jit never reads past it.
         scales += (slot_of_block(indices, key_cache.shape[0]),

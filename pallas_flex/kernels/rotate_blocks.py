@@ -15,7 +15,8 @@ cache's dtype), which the XLA backend and quantized caches keep: there the gathe
 the blocks, the LUT gather and the scatter back are separate XLA kernels.
 
 `rotation_in_cache=False` (opt-in) rotates in the ragged kernel's key reads instead
-(`rotated_key_chunks`) and leaves the cache as it was: nothing is written, and a listed
+(`rotated_key_chunks`; 8-bit caches too, their stored values rotated before the scale)
+and leaves the cache as it was: nothing is written, and a listed
 block costs its LUT rows and a second read of its keys (the pair partners, from L1/L2),
 only on the tiles that hold one (a branch per tile).
 """
@@ -105,7 +106,8 @@ def slot_of_block(indices, num_blocks: int):
 
 
 def rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head, tile_start, *,
-                       tile: int, page_size: int, dim_chunks, half: int, rotate_below):
+                       tile: int, page_size: int, dim_chunks, half: int, rotate_below,
+                       cache_dtype=None):
     """The key tile's column chunks `keys` ([tile, width] each, as loaded) with the rows
     of listed blocks rotated by their LUT rows, for the rows at logical positions below
     `rotate_below` (the cached history; the new tokens written this call are not
@@ -116,7 +118,12 @@ def rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head, tile_start,
     A row's feature d pairs with d ^ 1 (chunks are even-aligned): d' = d c - (d ^ 1) s
     for even d, d c + (d ^ 1) s for odd, with (c, s) = lut[row, d // 2], lut[row, half
     + d // 2]. The partners are a second gathered read of the same rows, made (with the
-    LUT rows) only where the tile holds a listed row."""
+    LUT rows) only where the tile holds a listed row.
+
+    cache_dtype: a quantized cache's dtype name (its pages arrive as int8 bits,
+    `kv_tiles.as_int8_bits`), whose keys come converted but not scaled: each row's scale
+    multiplies its scores after q.k, and a rotation within the row commutes with it, so
+    the stored values rotate as they are (the partners converted alike)."""
     slot_ref, deltas_ref, lut_ref = rotation_refs
     positions = tile_start + lax.iota(jnp.int32, tile)
     pages, offsets = page_and_offset(page_of, positions, page_size=page_size,
@@ -139,7 +146,10 @@ def rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head, tile_start,
                          jnp.full(shape, kv_head, jnp.int32),
                          jnp.broadcast_to(offsets[:, None], shape),
                          jnp.broadcast_to(jnp.bitwise_xor(columns, 1), shape)],
-                mask=mask, other=0).astype(jnp.float32)
+                mask=mask, other=0)
+            if cache_dtype is not None and jnp.dtype(cache_dtype) != jnp.dtype(jnp.int8):
+                partner = lax.bitcast_convert_type(partner, cache_dtype)
+            partner = partner.astype(jnp.float32)
             lut_index = jnp.broadcast_to(lut_rows, shape)
             cos = plgpu.load(lut_ref.at[lut_index, jnp.broadcast_to(pair, shape)],
                              mask=mask, other=1.0)

@@ -96,7 +96,9 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
         and a second read of their keys, not a pass over the cache. The caller then
         keeps the cache unrotated and passes, every step, each listed block's rotation
         from its stored keys (the deltas accumulated since they were written, not the
-        step's change). 16/32-bit caches.
+        step's change). On an 8-bit cache the stored keys are rotated as read, before
+        their scales (which a rotation within the vector commutes with), and neither
+        keys nor scales are rewritten.
       sinks: None, or float [Hq]: a logit per query head in every token's softmax with
         no value (attention sinks, as gpt-oss and OpenVINO's `sinks` input): weights
         become exp(s) / (sum exp(s) + exp(sink)), and `scores` count the keys' weights
@@ -182,10 +184,6 @@ def paged_attention(query, key, value, key_cache, value_cache, past_lens, subseq
     if not isinstance(rotation_in_cache, (bool, np.bool_)):
         raise ValueError(f"rotation_in_cache must be a Python bool, got "
                          f"{type(rotation_in_cache).__name__}")
-    if not rotation_in_cache and cache_scales is not None:
-        raise ValueError(f"rotation_in_cache=False takes 16/32-bit caches (keys rotated in "
-                         f"the reads), got {key_cache.dtype}: rotate quantized caches in "
-                         f"the cache (rotation_in_cache=True)")
     sinks = check_sinks(sinks, query.shape[1] // head_dim)
     return _paged_attention_jit(
         query, key, value, key_cache, value_cache, past_lens, subsequence_begins,

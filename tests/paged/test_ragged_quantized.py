@@ -205,6 +205,51 @@ def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
                                atol=10 * tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
+@pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4"])
+@pytest.mark.parametrize("backend", RAGGED_BACKENDS)
+def test_rotation_in_the_reads_of_quantized_caches(backend, config_name, dtype):
+    """rotation_in_cache=False on an 8-bit cache: the output and scores are a float64
+    model's over the float64 rotation of the dequantized history keys (no second
+    quantization: the stored values rotate before their scales), and the returned keys,
+    values and scales are those of the call without rotation (only the new tokens
+    written). Deltas per slot, a mixed prefill / decode batch."""
+    config, seqs = case_config(config_name)
+    case = make_case(3, seqs, **config)
+    num_blocks, kv_heads, block_size, head_dim = case["key_cache"].shape
+    rotation = _rotation(case, block_size, head_dim, True)
+    (k_stored, k_scales), (v_stored, v_scales) = (
+        quantize(case[name].astype(jnp.float32), dtype) for name in ("key_cache", "value_cache"))
+    quantized_case = dict(case, key_cache=k_stored, value_cache=v_stored,
+                          key_cache_scales=k_scales, value_cache_scales=v_scales)
+    options = dict(alibi_slopes=alibi_slopes(config["q_heads"]))
+    out, scores, *caches = paged_attention(**quantized_case, **options, **rotation,
+                                           rotation_in_cache=False, return_scores=True,
+                                           backend=backend)
+    plain = paged_attention(**quantized_case, **options, backend=backend)
+    for got, want in zip(caches, plain[1:]):
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+
+    def dequantized64(values, scales):
+        return to_float64(values) * to_float64(scales)[..., None]
+
+    def as_written(x, dim):
+        tokens = x.shape[0]
+        return dequantized64(*quantize(x.reshape(tokens, kv_heads, dim).astype(jnp.float32),
+                                       dtype)).reshape(tokens, kv_heads * dim)
+    want, want_scores, _, _ = reference_paged_attention(
+        **dict(case, key=as_written(case["key"], head_dim),
+               value=as_written(case["value"], config["value_dim"]),
+               key_cache=dequantized64(k_stored, k_scales),
+               value_cache=dequantized64(v_stored, v_scales)), **options, **rotation)
+    tolerance = 2e-5 if config["dtype"] == jnp.float32 else 2e-2
+    np.testing.assert_allclose(to_float64(out), want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(np.asarray(scores)[:want_scores.shape[0]], want_scores,
+                               atol=10 * tolerance, rtol=tolerance)
+    # The rotation mattered: the call without it is far from the model.
+    assert np.abs(to_float64(plain[0]) - want).max() > 0.05
+
+
 def test_rotation_of_quantized_caches_under_jit_with_donated_caches_matches_eager():
     config, seqs = case_config("mha_f32_page4")
     case = make_case(4, seqs, **config)
