@@ -691,7 +691,7 @@ def test_rotated_blocks_match_reference(config_name, per_slot, backend):
 @pytest.mark.parametrize("backend", RAGGED_BACKENDS)
 @pytest.mark.parametrize("per_slot", [True, False], ids=["deltas_per_slot", "deltas_per_block"])
 @pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4",
-                                         "gqa_bf16_page16"])
+                                         "gqa_bf16_page16", "gqa_bf16_page128"])
 def test_rotation_in_the_reads_leaves_the_cache_and_attends_to_rotated_keys(
         config_name, per_slot, backend):
     """rotation_in_cache=False: the output and scores are those of the keys rotated in
@@ -699,8 +699,12 @@ def test_rotation_in_the_reads_leaves_the_cache_and_attends_to_rotated_keys(
     key_cache that of the call without rotation (nothing written but the new tokens),
     the new tokens written into listed blocks not rotated. Ragged prefill and decode
     sequences, GQA / MQA, pages of 4 and 16 (a tile of several pages, and pages of
-    several tiles), deltas per slot or per block."""
-    config, seqs = case_config(config_name)
+    several tiles; pages of 128, a tile inside one page), deltas per slot or per block."""
+    if config_name == "gqa_bf16_page128":  # not in CONFIGS: the other tests keep theirs
+        config, seqs = case_config("gqa_bf16_page16")
+        config["block_size"], seqs = 128, [(0, 70), (130, 1), (200, 5), (64, 0)]
+    else:
+        config, seqs = case_config(config_name)
     case = make_case(3, seqs, **config)
     rotation = _rotation(case, config["block_size"], config["head_dim"], per_slot)
     options = dict(sliding_window=0, alibi_slopes=alibi_slopes(config["q_heads"]))
