@@ -244,9 +244,10 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     num_splits: programs per work item (0 = automatic, see `choose_num_splits`; a larger
     request than an item's possible tiles is capped). cache_scales: a quantized (int8 /
     float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]. read_rotation:
-    None, or a 16/32-bit cache's listed blocks (indices [R], deltas [R, block_size], lut
-    [rows, D] float32) rotated in the key reads, positions below past_lens only
-    (`rotate_blocks.rotated_key_chunks`)."""
+    None, or the listed blocks (indices [R], deltas [R, block_size], lut [rows, D]
+    float32) rotated in the key reads, positions below past_lens only
+    (`rotate_blocks.rotated_key_chunks`; 8-bit caches' stored values before their
+    scales)."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
