@@ -210,13 +210,15 @@ def test_paged_cache_split_over_kv_heads_equals_one_device(q_len):
     assert _gathered_inputs(compiled.as_text()) == []
 
 
-@pytest.mark.parametrize("backend,quantized", [("xla", False), ("interpret", False),
-                                               ("xla", True)])
-def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized):
+@pytest.mark.parametrize("backend,quantized,in_cache", [
+    ("xla", False, True), ("interpret", False, True), ("xla", True, True),
+    ("xla", False, False), ("interpret", True, False)])
+def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized, in_cache):
     """The OpenVINO-spec op with the caches split by KV head and the tokens' heads
     (query [T, Hq * D] split between heads), re-rotated blocks included: outputs, updated
     caches and the scores (summed over heads, so over the devices) equal one device's;
-    int8 caches too (their scales split with them, re-quantized per head when rotated)."""
+    int8 caches too (their scales split with them, re-quantized per head when rotated);
+    and with the rotation in the key reads (`rotation_in_cache=False`)."""
     from pallas_flex.paged.quantize import quantize
     from tests.paged.test_ragged import _rotation, alibi_slopes, make_case
 
@@ -229,7 +231,7 @@ def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized):
         case = dict(case, key_cache=k_stored, value_cache=v_stored, key_cache_scales=k_scales,
                     value_cache_scales=v_scales)
     options = dict(sliding_window=6, alibi_slopes=alibi_slopes(HQ),
-                   **_rotation(case, 4, D, per_slot=True))
+                   **_rotation(case, 4, D, per_slot=True), rotation_in_cache=in_cache)
 
     @jax.jit
     def step(case):
