@@ -723,15 +723,15 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     # Where a dumped read is a bias (its derivative 1), its sums before the dump come from
     # the rows' totals (`relative_totals`), which take the dQ kernel's sum dS' and sum P:
     # not where the forward's row sums of reads at b and h replace those.
+    dumped_reads = [dump for dump in dumps if dump is not None]
     before_from_totals = (False,) * len(dumps)
-    if any(dump is not None for dump in dumps) and not (pair_positions and row_sums):
+    if dumped_reads and not (pair_positions and row_sums):
         derivatives = with_read_derivatives(score_program, relative)
         before_from_totals = tuple(
             dump is not None and constant_output(derivatives, 2 + i) == 1.0
             for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
                        forward_row_sums=bool(row_sums))
-    dumped_reads = [dump for dump in dumps if dump is not None]
     reduced = None
     if REDUCED_DUMPS and not interpret and not deterministic and len(dumped_reads) == 1:
         reduced = ReducedDump(batch=dumped_reads[0].entries.shape[0],

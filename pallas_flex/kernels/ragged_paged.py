@@ -40,7 +40,7 @@ from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import (
     as_int8_bits, load_rows, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
-from pallas_flex.kernels.rotate_blocks import rotated_key_chunks, slot_of_block
+from pallas_flex.kernels.rotate_blocks import rotated_key_chunks
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
@@ -244,10 +244,10 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     num_splits: programs per work item (0 = automatic, see `choose_num_splits`; a larger
     request than an item's possible tiles is capped). cache_scales: a quantized (int8 /
     float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]. read_rotation:
-    None, or the listed blocks (indices [R], deltas [R, block_size], lut [rows, D]
-    float32) rotated in the key reads, positions below past_lens only
+    None, or the listed blocks rotated in the key reads, positions below past_lens only
     (`rotate_blocks.rotated_key_chunks`; 8-bit caches' stored values before their
-    scales)."""
+    scales): (`rotate_blocks.slot_of_block` [num_blocks], deltas [R, block_size] within
+    the LUT's rows, lut [rows, D] float32)."""
     num_tokens, q_heads, head_dim = query.shape
     kv_heads, block_size, value_dim = key_cache.shape[1], key_cache.shape[2], value_cache.shape[3]
     if num_tokens == 0:
@@ -286,11 +286,8 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
         rotation_half=0 if read_rotation is None else head_dim // 2)
     scales = tuple(cache_scales or ())
     if read_rotation is not None:
-        indices, deltas, lut = read_rotation
-        # Deltas clamped into the LUT: unchecked metadata under jit never reads past it.
-        scales += (slot_of_block(indices, key_cache.shape[0]),
-                   jnp.clip(deltas.astype(jnp.int32), 0, lut.shape[0] - 1),
-                   lut.astype(jnp.float32))
+        slots, deltas, lut = read_rotation
+        scales += (slots.astype(jnp.int32), deltas.astype(jnp.int32), lut.astype(jnp.float32))
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
                      jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]

@@ -327,8 +327,8 @@ def _resolve_window(window, num_seqs):
 
 
 def _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut, key_cache):
-    """(indices int32 [R], deltas int32 [R, block_size], lut float32 [rows, D]) of the
-    spec's inputs 13-15, checked (None when none is given)."""
+    """(indices int32 [R], deltas int32 [R, block_size] within the LUT's rows, lut
+    float32 [rows, D]) of the spec's inputs 13-15, checked (None when none is given)."""
     given = {"rotated_block_indices": rotated_block_indices,
              "rotation_deltas": rotation_deltas, "rotation_trig_lut": rotation_trig_lut}
     if all(value is None for value in given.values()):
@@ -378,7 +378,9 @@ def _resolve_rotation(rotated_block_indices, rotation_deltas, rotation_trig_lut,
         same = ordered[1:] == ordered[:-1]
         require(~xp.any(same), "rotated_block_indices lists block {value} twice",
                 value=ordered[first_true(same)])
-    deltas = jnp.broadcast_to(jnp.asarray(deltas, jnp.int32), (rotated, block_size))
+    # Clamped into the LUT here, once: unchecked metadata under jit never reads past it.
+    deltas = jnp.broadcast_to(jnp.clip(jnp.asarray(deltas, jnp.int32), 0, rows - 1),
+                              (rotated, block_size))
     return indices, deltas, jnp.asarray(lut, jnp.float32)
 
 
@@ -600,7 +602,12 @@ def _paged_attention_shard(query, key, value, key_cache, value_cache, past_lens,
                            rotation_in_reads=False):
     """The op on one device's heads (all of them without a head split)."""
     num_blocks, kv_heads, block_size, head_dim = key_cache.shape
-    read_rotation = rotation if rotation_in_reads else None
+    # Keys rotated as read: (each block's entry in the list or -1, deltas, lut), for the
+    # kernel and the XLA walk alike.
+    read_rotation = None
+    if rotation_in_reads:
+        indices, deltas, lut = rotation
+        read_rotation = (rotate_kernel.slot_of_block(indices, num_blocks), deltas, lut)
     if rotation is not None and not rotation_in_reads:  # (a') before the new tokens land
         if (backend in ("pallas", "interpret") and cache_scales is None
                 and rotate_kernel.supported(key_cache)):
@@ -682,9 +689,7 @@ class _PageWalk:
         self.key_cache = key_cache
         # (slot_of_block [num_blocks], deltas [R, block_size], lut [rows, D]): listed
         # blocks' history keys rotated as read (`rotation_in_cache=False`).
-        self.read_rotation = None if read_rotation is None else (
-            rotate_kernel.slot_of_block(read_rotation[0], key_cache.shape[0]),
-            *read_rotation[1:])
+        self.read_rotation = read_rotation
         self.cache_scales = cache_scales  # a quantized cache's (key, value) scales
         self.layout = layout
         self.context = context  # [T]: positions its sequence holds (past + new tokens)
@@ -731,7 +736,7 @@ class _PageWalk:
         them in the cache (float32, then the keys' dtype)."""
         slot_of_block, deltas, lut = self.read_rotation
         slot = slot_of_block[block]  # [T]
-        rows = jnp.clip(deltas[jnp.maximum(slot, 0)], 0, lut.shape[0] - 1)  # [T, bs]
+        rows = deltas[jnp.maximum(slot, 0)]  # [T, block_size]
         rotated = _rotated_pairs(keys.astype(jnp.float32), lut[rows][:, None])
         past = self.layout.position - self.layout.index  # [T]
         listed = (slot[:, None] >= 0) & (key_pos < past[:, None])  # [T, block_size]

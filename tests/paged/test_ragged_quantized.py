@@ -137,6 +137,43 @@ def _quantization_bound(exact, dtype):
     return bound * (1 + 1e-5) + 1e-6 * largest
 
 
+def _quantized_rotation_case(config_name, dtype, per_slot):
+    """(config, the 16-bit case, its rotation inputs, (keys, key scales), (values, value
+    scales)) with the caches quantized to `dtype`."""
+    config, seqs = case_config(config_name)
+    case = make_case(3, seqs, **config)
+    _, _, block_size, head_dim = case["key_cache"].shape
+    rotation = _rotation(case, block_size, head_dim, per_slot)
+    keys, values = (quantize(case[name].astype(jnp.float32), dtype)
+                    for name in ("key_cache", "value_cache"))
+    return config, case, rotation, keys, values
+
+
+def _dequantized64(values, scales):
+    return to_float64(values) * to_float64(scales)[..., None]
+
+
+def _assert_matches_model(out, scores, case, config, dtype, key_cache, value_cache,
+                          **options):
+    """out and scores against a float64 model attending over float64 caches `key_cache`
+    and `value_cache`, the new tokens' keys and values as quantized when written."""
+    kv_heads = case["key_cache"].shape[1]
+
+    def as_written(x, dim):
+        tokens = x.shape[0]
+        return _dequantized64(*quantize(x.reshape(tokens, kv_heads, dim).astype(jnp.float32),
+                                        dtype)).reshape(tokens, kv_heads * dim)
+    want, want_scores, _, _ = reference_paged_attention(
+        **dict(case, key=as_written(case["key"], config["head_dim"]),
+               value=as_written(case["value"], config["value_dim"]), key_cache=key_cache,
+               value_cache=value_cache), **options)
+    tolerance = 2e-5 if config["dtype"] == jnp.float32 else 2e-2
+    np.testing.assert_allclose(to_float64(out), want, atol=tolerance, rtol=tolerance)
+    np.testing.assert_allclose(np.asarray(scores)[:want_scores.shape[0]], want_scores,
+                               atol=10 * tolerance, rtol=tolerance)
+    return want
+
+
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
 @pytest.mark.parametrize("per_slot", [True, False], ids=["deltas_per_slot", "deltas_per_block"])
 @pytest.mark.parametrize("config_name", ["gqa_dv_f32_page16", "mqa_bf16_page4"])
@@ -148,12 +185,9 @@ def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
     stored keys and scales (slots the new tokens fill aside) and the value cache and its
     scales come back bit for bit; the output, over a mixed prefill / decode batch, equals
     a float64 model attending over the returned (dequantized) keys."""
-    config, seqs = case_config(config_name)
-    case = make_case(3, seqs, **config)
-    num_blocks, kv_heads, block_size, head_dim = case["key_cache"].shape
-    rotation = _rotation(case, block_size, head_dim, per_slot)
-    (k_stored, k_scales), (v_stored, v_scales) = (
-        quantize(case[name].astype(jnp.float32), dtype) for name in ("key_cache", "value_cache"))
+    config, case, rotation, (k_stored, k_scales), (v_stored, v_scales) = (
+        _quantized_rotation_case(config_name, dtype, per_slot))
+    num_blocks, _, block_size, _ = case["key_cache"].shape
     quantized_case = dict(case, key_cache=k_stored, value_cache=v_stored)
     options = dict(alibi_slopes=alibi_slopes(config["q_heads"]))
     out, scores, k_out, v_out, k_scales_out, v_scales_out = paged_attention(
@@ -163,12 +197,10 @@ def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
 
     # The keys: the reference rotates the dequantized keys in float64 (and writes the new
     # tokens unquantized); ours are within the quantization's error of it.
-    def dequantized64(values, scales):
-        return to_float64(values) * to_float64(scales)[..., None]
     _, _, want_k, _ = reference_paged_attention(
-        **dict(case, key_cache=dequantized64(k_stored, k_scales),
-               value_cache=dequantized64(v_stored, v_scales)), **rotation)
-    got_k = dequantized64(k_out, k_scales_out)
+        **dict(case, key_cache=_dequantized64(k_stored, k_scales),
+               value_cache=_dequantized64(v_stored, v_scales)), **rotation)
+    got_k = _dequantized64(k_out, k_scales_out)
     assert np.all(np.abs(got_k - want_k) <= _quantization_bound(want_k, dtype))
     rotated = np.asarray(rotation["rotated_block_indices"])
     written = _written_slots(case, num_blocks, block_size)
@@ -180,7 +212,7 @@ def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
     np.testing.assert_allclose(to_float64(k_scales_out).transpose(0, 2, 1)[fresh],
                                largest.transpose(0, 2, 1)[fresh], rtol=1e-5)
     # The rotation did something, and the keys and scales elsewhere are untouched.
-    assert np.abs(got_k[rotated] - dequantized64(k_stored, k_scales)[rotated]).max() > 0.1
+    assert np.abs(got_k[rotated] - _dequantized64(k_stored, k_scales)[rotated]).max() > 0.1
     kept = ~fresh  # [blocks, block_size]
     for got, given in ((k_out, k_stored), (k_scales_out, k_scales)):
         got, given = np.asarray(got).swapaxes(1, 2), np.asarray(given).swapaxes(1, 2)
@@ -191,18 +223,8 @@ def test_rotation_of_quantized_caches(backend, config_name, per_slot, dtype):
 
     # The output and scores: a float64 model over the returned keys (rotated, then
     # quantized) and values, with the new tokens' keys and values as quantized.
-    def as_written(x, dim):
-        tokens = x.shape[0]
-        return dequantized64(*quantize(x.reshape(tokens, kv_heads, dim).astype(jnp.float32),
-                                       dtype)).reshape(tokens, kv_heads * dim)
-    want, want_scores, _, _ = reference_paged_attention(
-        **dict(case, key=as_written(case["key"], head_dim),
-               value=as_written(case["value"], config["value_dim"]), key_cache=got_k,
-               value_cache=dequantized64(v_stored, v_scales)), **options)
-    tolerance = 2e-5 if config["dtype"] == jnp.float32 else 2e-2
-    np.testing.assert_allclose(to_float64(out), want, atol=tolerance, rtol=tolerance)
-    np.testing.assert_allclose(np.asarray(scores)[:want_scores.shape[0]], want_scores,
-                               atol=10 * tolerance, rtol=tolerance)
+    _assert_matches_model(out, scores, case, config, dtype, got_k,
+                          _dequantized64(v_stored, v_scales), **options)
 
 
 @pytest.mark.parametrize("dtype", [jnp.int8, jnp.float8_e4m3fn], ids=["int8", "float8"])
@@ -214,12 +236,8 @@ def test_rotation_in_the_reads_of_quantized_caches(backend, config_name, dtype):
     quantization: the stored values rotate before their scales), and the returned keys,
     values and scales are those of the call without rotation (only the new tokens
     written). Deltas per slot, a mixed prefill / decode batch."""
-    config, seqs = case_config(config_name)
-    case = make_case(3, seqs, **config)
-    num_blocks, kv_heads, block_size, head_dim = case["key_cache"].shape
-    rotation = _rotation(case, block_size, head_dim, True)
-    (k_stored, k_scales), (v_stored, v_scales) = (
-        quantize(case[name].astype(jnp.float32), dtype) for name in ("key_cache", "value_cache"))
+    config, case, rotation, (k_stored, k_scales), (v_stored, v_scales) = (
+        _quantized_rotation_case(config_name, dtype, True))
     quantized_case = dict(case, key_cache=k_stored, value_cache=v_stored,
                           key_cache_scales=k_scales, value_cache_scales=v_scales)
     options = dict(alibi_slopes=alibi_slopes(config["q_heads"]))
@@ -230,22 +248,9 @@ def test_rotation_in_the_reads_of_quantized_caches(backend, config_name, dtype):
     for got, want in zip(caches, plain[1:]):
         assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
-    def dequantized64(values, scales):
-        return to_float64(values) * to_float64(scales)[..., None]
-
-    def as_written(x, dim):
-        tokens = x.shape[0]
-        return dequantized64(*quantize(x.reshape(tokens, kv_heads, dim).astype(jnp.float32),
-                                       dtype)).reshape(tokens, kv_heads * dim)
-    want, want_scores, _, _ = reference_paged_attention(
-        **dict(case, key=as_written(case["key"], head_dim),
-               value=as_written(case["value"], config["value_dim"]),
-               key_cache=dequantized64(k_stored, k_scales),
-               value_cache=dequantized64(v_stored, v_scales)), **options, **rotation)
-    tolerance = 2e-5 if config["dtype"] == jnp.float32 else 2e-2
-    np.testing.assert_allclose(to_float64(out), want, atol=tolerance, rtol=tolerance)
-    np.testing.assert_allclose(np.asarray(scores)[:want_scores.shape[0]], want_scores,
-                               atol=10 * tolerance, rtol=tolerance)
+    want = _assert_matches_model(out, scores, case, config, dtype,
+                                 _dequantized64(k_stored, k_scales),
+                                 _dequantized64(v_stored, v_scales), **options, **rotation)
     # The rotation mattered: the call without it is far from the model.
     assert np.abs(to_float64(plain[0]) - want).max() > 0.05
 
