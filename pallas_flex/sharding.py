@@ -35,10 +35,13 @@ whole.
 
 from __future__ import annotations
 
+import hashlib
 import math
+import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, ManualAxisType, NamedSharding, PartitionSpec
 
@@ -171,7 +174,10 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
         return replay(flat_operands, closed.consts)
     result_leaves = jax.tree.leaves(result_roles(result_shape))
     plan = _Plan(batch, q_heads, kv_heads, split_batch)
-    constants = list(closed.consts)
+    # The traced call's constants, then its fingerprint (`_fingerprint`: the last operand,
+    # which the shards ignore).
+    constants = list(closed.consts) + [_fingerprint(closed, function, role_leaves,
+                                                    result_leaves, plan)]
     constant_roles = [WHOLE] * len(constants)
 
     def sharded(flat, batch_axes, head_axes):
@@ -205,7 +211,7 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
 
     def from_jaxpr(*flat_and_constants):
         return replay(flat_and_constants[:len(flat_operands)],
-                      flat_and_constants[len(flat_operands):])
+                      flat_and_constants[len(flat_operands):-1])
 
     def partition(mesh, arg_shapes, result_shape):
         batch_axes, head_axes = plan.axes(mesh, arg_shapes, role_leaves)
@@ -242,6 +248,30 @@ def call(function, operands, roles, result_roles, *, batch, q_heads, kv_heads,
         return results, jax.tree.map(lambda _: True, results)
 
     return run(*flat_operands)
+
+
+def _fingerprint(closed, function, role_leaves, result_leaves, plan):
+    """uint32 [8]: a digest of what a custom-partitioned call computes (its traced jaxpr,
+    the code that traces its shards, the roles and the split plan), passed to it as a
+    constant operand so that the program's text says what runs inside it.
+
+    custom_partitioning lowers to a custom call whose body is in Python: the program's
+    text names it only by the address of its callbacks (`id` of an object), and JAX's
+    persistent compilation cache keys executables on that text. Two processes (or one,
+    once an address is reused) that compile different calls of the same shapes can get
+    the same address, hence the same key, and the second would load the first's
+    executable: a wrong answer from any cache a user turns on (and from the test suite's,
+    which once failed so). With the digest in the text the keys differ where the bodies
+    do. Addresses printed in the jaxpr (functions in primitives' parameters) are left
+    out, so that the same call keeps its key across processes."""
+    code = getattr(function, "__code__", None)
+    text = "\n".join([
+        re.sub(r" at 0x[0-9a-f]+", "", str(closed.jaxpr)),
+        f"{code.co_filename}:{code.co_firstlineno}" if code is not None
+        else getattr(function, "__qualname__", type(function).__qualname__),
+        repr((role_leaves, result_leaves, plan.batch, plan.q_heads, plan.kv_heads,
+              plan.split_batch))])
+    return np.frombuffer(hashlib.sha256(text.encode()).digest(), np.uint32)
 
 
 def shift_mods(block_mask, score_program, offsets):

@@ -263,6 +263,46 @@ def test_ragged_op_split_over_kv_heads_equals_one_device(backend, quantized, in_
     assert _gathered_inputs(compiled.as_text()) == []
 
 
+def test_programs_name_their_partitioned_body_for_the_compilation_cache():
+    """A custom-partitioned call's program text holds a digest of what it computes
+    (`sharding._fingerprint`): calls of the same shapes with different score_mods get
+    different texts even with the callback address left out, so JAX's persistent
+    compilation cache (on in this suite) never hands one of them the other's executable.
+    With `jax_remove_custom_partitioning_ptr_from_cache_key` the addresses are out of the
+    cache key too, as when two processes' addresses coincide (the suite once failed that
+    way): the second call computes its own scores. The same call traced twice keeps one
+    text, so the cache still serves it."""
+    import re
+
+    mesh = _mesh("Auto")
+    q, k, v, _ = _inputs()
+    split = NamedSharding(mesh, P("data", None, "model"))
+    placed = [jax.device_put(x, split) for x in (q, k, v)]
+    mods = {"doubled": lambda score, b, h, q_idx, kv_idx: score * 2.0,
+            "halved": lambda score, b, h, q_idx, kv_idx: score * 0.5}
+
+    def program(mod):
+        return jax.jit(lambda q, k, v: pf.attention(q, k, v, score_mod=mod, backend="xla"))
+
+    def text_without_address(mod):
+        text = program(mod).lower(*placed).as_text()
+        assert "CustomSPMDPartitioning" in text
+        return re.sub(r'backend_config = "\d+"', "", text)
+
+    assert text_without_address(mods["doubled"]) != text_without_address(mods["halved"])
+    assert text_without_address(mods["doubled"]) == text_without_address(
+        lambda score, b, h, q_idx, kv_idx: score * 2.0)
+    previous = jax.config.jax_remove_custom_partitioning_ptr_from_cache_key
+    jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", True)
+    try:
+        for mod in mods.values():
+            got = program(mod)(*placed)
+            want = pf.attention(q, k, v, score_mod=mod, backend="xla")
+            _assert_matches(got, want, atol=1e-6)
+    finally:
+        jax.config.update("jax_remove_custom_partitioning_ptr_from_cache_key", previous)
+
+
 def test_operands_on_an_explicit_mesh_of_one_device():
     """Arrays typed on an Explicit mesh of one device (jax.make_mesh's default axis type,
     as a single-GPU user of jax.sharding.use_mesh gets) run through the kernels like
