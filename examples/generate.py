@@ -57,8 +57,10 @@ def generate_cached(model, prompts, num_new_tokens, page_size=None):
         model.init_paged_cache(len(prompts), max_length, page_size)
     next_tokens = jnp.argmax(prefill(model, jnp.asarray(padded), jnp.asarray(lengths)), -1)
     generated, positions = [next_tokens], jnp.asarray(lengths)
+    # The module graph walked once for every step, not at each call (`nnx.cached_partial`).
+    step = nnx.cached_partial(decode_step, model)
     for _ in range(num_new_tokens - 1):
-        next_tokens = jnp.argmax(decode_step(model, next_tokens, positions), -1)
+        next_tokens = jnp.argmax(step(next_tokens, positions), -1)
         generated.append(next_tokens)
         positions = positions + 1
     return np.asarray(jnp.stack(generated, axis=1))
