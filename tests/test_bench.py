@@ -191,6 +191,50 @@ def test_quick_runs_a_suite_end_to_end(tmp_path):
     for row in written["rows"]:
         assert row["cascade"]["ms"] > 0
         assert row["concatenated"]["max_rel_diff_vs_ours"] < 2e-2
+    # The machine it ran on, before and after the JAX process (no GPU here).
+    (machine,) = written["machines"]
+    assert machine["command"] == written["commands"][0] and machine["date"] == written["date"]
+    for state in (machine["before"], machine["after"]):
+        assert state["gpus"] == [] and state["cpus"] == os.cpu_count()
+        assert len(state["load_average"]) == 3
+
+
+FAKE_NVIDIA_SMI = """#!/bin/sh
+# Refuses the newer name of the throttle reasons, as a driver before 535 does.
+case "$1" in *clocks_event_reasons*) echo 'Field "clocks_event_reasons.active" is not a valid field to query.'; exit 2;; esac
+echo "0, NVIDIA H100 80GB HBM3, 570.86, P0, 1755, 1980, 2619, 2619, 312.45, 700.00, 51, 100, 0x0000000000000004"
+echo "1, NVIDIA H100 80GB HBM3, 570.86, P8, 345, 1980, 2619, 2619, 70.10, 700.00, 33, 0, 0x0000000000000001"
+"""
+
+
+def test_the_machine_state_reads_nvidia_smi_and_the_report_shows_it(tmp_path):
+    """`machine_state.gpus` parses nvidia-smi's CSV per GPU (numbers as numbers), falls
+    back to the older name of the clock-event reasons, and gives [] where nvidia-smi is
+    missing or fails; the report's line shows the newest run's first GPU and host load."""
+    from pallas_flex.bench import machine_state
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(FAKE_NVIDIA_SMI)
+    fake.chmod(0o755)
+    first, second = machine_state.gpus(str(fake))
+    assert first == {"index": 0, "name": "NVIDIA H100 80GB HBM3", "driver_version": "570.86",
+                     "pstate": "P0", "clocks.sm": 1755, "clocks.max.sm": 1980,
+                     "clocks.mem": 2619, "clocks.max.mem": 2619, "power.draw": 312.45,
+                     "power.limit": 700.0, "temperature.gpu": 51, "utilization.gpu": 100,
+                     "clock_event_reasons": "0x0000000000000004"}
+    assert second["pstate"] == "P8" and second["clocks.sm"] == 345
+    broken = tmp_path / "broken-smi"
+    broken.write_text("#!/bin/sh\necho 'NVIDIA-SMI has failed'\nexit 9\n")
+    broken.chmod(0o755)
+    assert machine_state.gpus(str(broken)) == []
+    assert machine_state.gpus(str(tmp_path / "absent")) == []
+    state = machine_state.snapshot(str(fake))
+    result = {"machines": [{"after": {"gpus": [], "load_average": None, "cpus": 2}},
+                           {"after": state}]}
+    line = report.machine_line(result)
+    assert line.startswith("Machine after the run: GPU 0: SM 1755/1980 MHz, memory "
+                           "2619/2619 MHz, 312.45/700.0 W, 51 C, P0, clock event reasons "
+                           "0x0000000000000004; host load "), line
+    assert report.machine_line({}) is None
 
 
 def test_quick_runs_the_quantized_suite(tmp_path):

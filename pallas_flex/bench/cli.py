@@ -17,7 +17,7 @@ import tempfile
 import types
 from pathlib import Path
 
-from pallas_flex.bench import cases, report
+from pallas_flex.bench import cases, machine_state, report
 
 SUITES = {  # each suite and what it is compared with
     "forward": "cuDNN, tokamax (Mosaic GPU), PyTorch FlexAttention",
@@ -187,6 +187,9 @@ def gpu_name(device_kind: str) -> str:
     return model.group(0) if model else re.sub(r"[^a-z0-9]+", "-", device_kind.lower())
 
 
+MACHINES_KEPT = 8  # machine snapshots a results file keeps, the newest last
+
+
 def write(out: Path, result: dict) -> Path:
     """Into out/<gpu>/<suite>.json, replacing the rows of the cases run (in parts, maybe)."""
     path = out / gpu_name(result["device"]) / f"{result['suite']}.json"
@@ -197,6 +200,8 @@ def write(out: Path, result: dict) -> Path:
             result["rows"] = [r for r in old["rows"] if r["case"] not in fresh] + result["rows"]
             result["commands"] = list(dict.fromkeys(old.get("commands", []) +
                                                     result["commands"]))
+            # The machine of every run whose rows the file holds (the last few).
+            result["machines"] = (old.get("machines", []) + result["machines"])[-MACHINES_KEPT:]
             result["columns"] = list(dict.fromkeys(old["columns"] + result["columns"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
@@ -221,6 +226,7 @@ def main(argv=None) -> int:
         for suite in args.suites:
             child_out = Path(workdir) / f"{suite}.json"
             options = [a for a in argv if a not in SUITES and a != "all"]
+            before = machine_state.snapshot()
             _subprocess([sys.executable, "-m", "pallas_flex.bench.cli", suite, *options,
                          "--child", str(child_out)],
                 {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}, args.timeout)
@@ -229,9 +235,13 @@ def main(argv=None) -> int:
                 failed += 1
                 continue
             result = json.loads(child_out.read_text())
+            # The machine just after the JAX process, before torch's: what it timed on.
+            after = machine_state.snapshot()
             _with_torch(args, result, Path(workdir))
-            result.update(date=datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds"), **git_provenance(), commands=[command])
+            date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            result.update(date=date, **git_provenance(), commands=[command],
+                          machines=[{"date": date, "command": command, "before": before,
+                                     "after": after}])
             print("\n".join(report.table(result)) + "\n", flush=True)
             if out is not None:
                 print(f"wrote {write(out, result)}", flush=True)

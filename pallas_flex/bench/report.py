@@ -59,6 +59,27 @@ def _provenance(result) -> str:
     return f"commit {result.get('git_commit')}" + (f" (tree {tree})" if tree else "")
 
 
+def machine_line(result) -> str | None:
+    """The machine of the file's newest run, as the JAX process left it
+    (`machine_state.snapshot`): GPU clocks against their maxima, power, temperature,
+    throttle reasons, and the host's load; None where the file has none."""
+    machines = result.get("machines") or []
+    if not machines:
+        return None
+    state = machines[-1].get("after") or machines[-1].get("before") or {}
+    parts = []
+    for gpu in state.get("gpus", [])[:1]:  # the benchmarks run on the first GPU
+        parts.append(f"GPU {gpu.get('index')}: SM {gpu.get('clocks.sm')}/"
+                     f"{gpu.get('clocks.max.sm')} MHz, memory {gpu.get('clocks.mem')}/"
+                     f"{gpu.get('clocks.max.mem')} MHz, {gpu.get('power.draw')}/"
+                     f"{gpu.get('power.limit')} W, {gpu.get('temperature.gpu')} C, "
+                     f"{gpu.get('pstate')}, clock event reasons "
+                     f"{gpu.get('clock_event_reasons', 'n/a')}")
+    if state.get("load_average"):
+        parts.append(f"host load {state['load_average'][0]} on {state.get('cpus')} CPUs")
+    return f"Machine after the run: {'; '.join(parts)}." if parts else None
+
+
 def table(result: dict) -> list[str]:
     """One results file as a Markdown table: each column's value, then, for timings, each
     peer's time over ours (> 1: ours is faster) and ours' TFLOP/s or TB/s (every column's
@@ -83,6 +104,8 @@ def table(result: dict) -> list[str]:
              "", f"{result['date']}, {_provenance(result)}, "
              + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
              + f"; `{'`, `'.join(result['commands'])}`", ""]
+    machine = machine_line(result)
+    lines += [machine, ""] if machine else []
     lines += [LEGENDS[result["suite"]], ""] if result["suite"] in LEGENDS else []
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     notes = []
