@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_flex as pf
+from pallas_flex.bench import machine_state
 from pallas_flex.bench.jax_suites import RAGGED_MIXES, ragged_inputs
 from pallas_flex.bench.timing import time_calls
 
@@ -27,7 +28,7 @@ BACKEND = "pallas"
 def main():
     out_dir = sys.argv[1]
     heads, dim, block = (32, 8), 128, 16
-    results = {}
+    results = {"machine_before": machine_state.snapshot()}
     names = sys.argv[2:] or list(RAGGED_MIXES)
     for name, seqs in ((n, RAGGED_MIXES[n]) for n in names):
         others, caches, rotation = ragged_inputs(seqs, heads, dim, block)
@@ -50,6 +51,7 @@ def main():
                     jax.block_until_ready(out)
             results[f"{name} {column}"] = entry["ms"]
             print(name, column, entry["ms"], flush=True)
+    results["machine_after"] = machine_state.snapshot()
     json.dump(results, open(f"{out_dir}/wall.json", "w"), indent=1)
 
 
