@@ -114,6 +114,15 @@ def test_write_keeps_the_other_cases_of_a_suite_run_in_parts(tmp_path):
     assert [(row["case"], row["pallas_flex"]["ms"]) for row in written["rows"]] == [
         ("b4_s4096_d128 causal", 2.0), ("b4_s4096_d128 alibi", 1.0)]
     assert written["commands"] == ["first", "second"]
+    # Files written before machines were recorded have none; later runs' are kept, the
+    # newest last, MACHINES_KEPT of them.
+    assert written["machines"] == []
+    for run in range(cli.MACHINES_KEPT + 1):
+        cli.write(tmp_path, _result([_row("alibi", 1.0, 1.0, 1.0)], commands=["again"],
+                                    machines=[{"date": str(run)}]))
+    written = json.loads(path.read_text())
+    assert [m["date"] for m in written["machines"]] == [
+        str(run) for run in range(1, cli.MACHINES_KEPT + 1)]
 
 
 def test_the_readme_table_is_generated_into_its_markers(tmp_path):

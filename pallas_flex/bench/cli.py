@@ -201,7 +201,8 @@ def write(out: Path, result: dict) -> Path:
             result["commands"] = list(dict.fromkeys(old.get("commands", []) +
                                                     result["commands"]))
             # The machine of every run whose rows the file holds (the last few).
-            result["machines"] = (old.get("machines", []) + result["machines"])[-MACHINES_KEPT:]
+            result["machines"] = (old.get("machines", [])
+                                  + result.get("machines", []))[-MACHINES_KEPT:]
             result["columns"] = list(dict.fromkeys(old["columns"] + result["columns"]))
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1) + "\n")
