@@ -59,20 +59,21 @@ class Request:
         return len(self.output) >= self.max_new_tokens
 
 
-def packed_step(graphdef, weights, caches, tokens, positions, metadata, backend=None):
+def packed_step(structure, weights, caches, tokens, positions, metadata, backend=None):
     """One forward pass over the packed tokens [T] of all running sequences: every
     layer's attention is the ragged op on that layer's paged caches (donated: updated in
     place). Returns each token's greedy next token [T] (the host keeps those at the ends
     of the sequences' chunks: one fixed-shape transfer a step) and the updated caches.
 
-    The model comes split (`nnx.split`, once, by the server): its graph `graphdef`
-    bound into the jitted step (`Server.__init__`), its weights a list of arrays.
-    `nnx.jit` would walk the module graph on the host at every call, and a static
-    graphdef would be hashed at every call: 6.4 and 0.9 ms a step for the toy model on
-    a CPU, more than its step, which a server calling the model every few milliseconds
-    cannot afford."""
-    state_tree, graph = graphdef
-    model = nnx.merge(graph, jax.tree.unflatten(state_tree, weights))
+    The model comes split (`nnx.split`, once, by the server): its `structure` (the
+    state's treedef and the graphdef) bound into the jitted step (`Server.__init__`),
+    its weights a flat list of arrays. `nnx.jit` would walk the module graph on the host
+    at every call, a static graphdef would be hashed at every call, and an `nnx.State`
+    argument is flattened in Python at every call: 6.4, 0.9 and ~0.2 ms a step for the
+    toy model on a CPU, more than its step, which a server calling the model every few
+    milliseconds cannot afford."""
+    state_tree, graphdef = structure
+    model = nnx.merge(graphdef, jax.tree.unflatten(state_tree, weights))
     x = model.token_embedding(tokens) + model.position_embedding(positions)  # [T, F]
     updated = []
     for block, (key_cache, value_cache) in zip(model.blocks, caches):
@@ -95,10 +96,10 @@ class Server:
 
     def __init__(self, model, config, *, num_blocks, block_size, token_budget, max_seqs,
                  max_blocks_per_seq, backend=None):
-        self.model, self.block_size, self.backend = model, block_size, backend
-        graph, state = nnx.split(model)  # once: `packed_step` takes the model split
+        self.block_size, self.backend = block_size, backend
+        graphdef, state = nnx.split(model)  # once: `packed_step` takes the model split
         self.weights, state_tree = jax.tree.flatten(state)
-        self.step_fn = jax.jit(functools.partial(packed_step, (state_tree, graph)),
+        self.step_fn = jax.jit(functools.partial(packed_step, (state_tree, graphdef)),
                                static_argnames=("backend",), donate_argnames=("caches",))
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
