@@ -140,10 +140,10 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                 page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype,
                 cache_dtype=quantized)
         if rotation_half:  # the history's listed blocks, rotated as read
-            keys = rotated_key_chunks(keys, rotation_refs, k_ref, page_of, kv_head,
-                                      tile_start, tile=block_kv, page_size=page_size,
-                                      dim_chunks=dim_chunks, half=rotation_half,
-                                      rotate_below=past, cache_dtype=quantized)
+            keys = rotated_key_chunks(keys, rotation_refs, page_of, tile_start,
+                                      tile=block_kv, page_size=page_size,
+                                      num_pages=k_ref.shape[0], dim_chunks=dim_chunks,
+                                      half=rotation_half, rotate_below=past)
         scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
                                      preferred_element_type=jnp.float32, precision=precision)
                      for q, key in zip(q_chunks, keys))
