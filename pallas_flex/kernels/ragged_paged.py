@@ -40,7 +40,7 @@ from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import (
     as_int8_bits, load_rows, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
-from pallas_flex.kernels.rotate_blocks import rotated_key_chunks
+from pallas_flex.kernels.rotate_blocks import scores_of_rotated_keys
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
@@ -139,14 +139,20 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                 keys, values, scale_refs, page_of, kv_head, tile_start, tile=block_kv,
                 page_size=page_size, valid_rows=valid_rows, dtype=q_ref.dtype,
                 cache_dtype=quantized)
+
+        def scores_of(keys):
+            return sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
+                                       preferred_element_type=jnp.float32,
+                                       precision=precision)
+                       for q, key in zip(q_chunks, keys))
+
         if rotation_half:  # the history's listed blocks, rotated as read
-            keys = rotated_key_chunks(keys, rotation_refs, page_of, tile_start,
-                                      tile=block_kv, page_size=page_size,
-                                      num_pages=k_ref.shape[0], dim_chunks=dim_chunks,
-                                      half=rotation_half, rotate_below=past)
-        scores = sum(lax.dot_general(q, key, (((1,), (1,)), ((), ())),
-                                     preferred_element_type=jnp.float32, precision=precision)
-                     for q, key in zip(q_chunks, keys))
+            scores = scores_of_rotated_keys(
+                scores_of, keys, rotation_refs, page_of, tile_start, tile=block_kv,
+                page_size=page_size, num_pages=k_ref.shape[0], dim_chunks=dim_chunks,
+                half=rotation_half, rotate_below=past)
+        else:
+            scores = scores_of(keys)
         if quantized:
             scores = scores * key_scale
         distance = (kv_position - q_position).astype(jnp.float32)
@@ -245,7 +251,7 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     request than an item's possible tiles is capped). cache_scales: a quantized (int8 /
     float8) cache's (k_scales, v_scales) [num_blocks, Hkv, block_size]. read_rotation:
     None, or the listed blocks rotated in the key reads, positions below past_lens only
-    (`rotate_blocks.rotated_key_chunks`; 8-bit caches' stored values before their
+    (`rotate_blocks.scores_of_rotated_keys`; 8-bit caches' stored values before their
     scales): (`rotate_blocks.slot_of_block` [num_blocks], deltas [R, block_size] within
     the LUT's rows, lut [rows, D] float32)."""
     num_tokens, q_heads, head_dim = query.shape

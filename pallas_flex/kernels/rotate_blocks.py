@@ -15,7 +15,7 @@ cache's dtype), which the XLA backend and quantized caches keep: there the gathe
 the blocks, the LUT gather and the scatter back are separate XLA kernels.
 
 `rotation_in_cache=False` (opt-in) rotates in the ragged kernel's key reads instead
-(`rotated_key_chunks`; 8-bit caches too, their stored values rotated before the scale)
+(`scores_of_rotated_keys`; 8-bit caches too, their stored values rotated before the scale)
 and leaves the cache as it was: nothing is written, and a listed
 block costs its LUT rows (from L2, shared by the heads) and the rotation in registers,
 only on the tiles that hold one (a branch per tile).
@@ -105,12 +105,13 @@ def slot_of_block(indices, num_blocks: int):
     return jnp.full((num_blocks,), -1, jnp.int32).at[indices].set(listed, mode="drop")
 
 
-def rotated_key_chunks(keys, rotation_refs, page_of, tile_start, *, tile: int,
-                       page_size: int, num_pages: int, dim_chunks, half: int, rotate_below):
-    """The key tile's column chunks `keys` ([tile, width] each, as loaded) with the rows
-    of listed blocks rotated by their LUT rows, for the rows at logical positions below
-    `rotate_below` (the cached history; the new tokens written this call are not
-    rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas [R, block_size],
+def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, *,
+                           tile: int, page_size: int, num_pages: int, dim_chunks,
+                           half: int, rotate_below):
+    """`scores_of(keys)` for the key tile's column chunks `keys` ([tile, width] each, as
+    loaded) with the rows of listed blocks rotated by their LUT rows, for the rows at
+    logical positions below `rotate_below` (the cached history; the new tokens written
+    this call are not rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas [R, block_size],
     lut [rows, 2 * half] float32). Arithmetic as `rotate_blocks`': float32, then the
     keys' dtype, so the scores are those of the keys rotated in the cache.
 
@@ -122,6 +123,11 @@ def rotated_key_chunks(keys, rotation_refs, page_of, tile_start, *, tile: int,
     keys arrive converted but not scaled: each row's scale multiplies its scores after
     q.k, and a rotation within the row commutes with it, so the stored values rotate as
     they are.
+
+    The scores are taken inside each branch: a tile with no listed row feeds its keys to
+    the q.k matmul straight from shared memory, as the kernel without rotation does;
+    with the matmul after the branch, Triton brought every tile's keys to registers and
+    stored them back to shared memory for the wgmma.
 
     Measured against reading each pair's partner again from the cache with per-element
     gathers of the LUT (H100, the ragged op, 10 % of blocks of 16 listed, ms a call,
@@ -159,7 +165,7 @@ def rotated_key_chunks(keys, rotation_refs, page_of, tile_start, *, tile: int,
 
     # Triton has no reduce-or: the tile holds a listed row where the largest flag is 1.
     listed = jnp.max(rotated_rows.astype(jnp.int32)) > 0
-    return lax.cond(listed, rotate, lambda keys: list(keys), list(keys))
+    return lax.cond(listed, lambda keys: scores_of(rotate(keys)), scores_of, list(keys))
 
 
-__all__ = ["rotate_blocks", "rotated_key_chunks", "slot_of_block", "supported"]
+__all__ = ["rotate_blocks", "scores_of_rotated_keys", "slot_of_block", "supported"]
