@@ -9,14 +9,17 @@ import jax
 
 
 def time_calls(fn, args, *, iters: int = 20, repeats: int = 5, budget_s: float = 20.0):
-    """(entry, last output): compile (first call), two warm-up calls, then `repeats` loops
+    """(entry, last output): compile (first call), two warm-up calls (none where a single
+    call is timed), then `repeats` loops
     of `iters` calls synchronised once; entry = {ms (median per call), repeats_ms,
     compile_s, iters, repeats}. When the fastest warm-up call says the loops would take
     more than `budget_s` (slow paths: interpret mode on a CPU), fewer are run."""
     start = time.perf_counter()
     out = jax.block_until_ready(fn(*args))
     compile_s = per_call_s = time.perf_counter() - start
-    for _ in range(2):  # one at a time: the fastest is the estimate
+    # One call timed (--quick: that every entry is timed, not how fast) leaves nothing
+    # to shrink, so no estimate: half the calls of an interpret-mode suite.
+    for _ in range(2 if iters * repeats > 1 else 0):  # one at a time: the fastest
         start = time.perf_counter()
         out = jax.block_until_ready(fn(*args))
         per_call_s = min(per_call_s, time.perf_counter() - start)
