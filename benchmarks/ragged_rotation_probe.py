@@ -21,6 +21,7 @@ import pallas_flex as pf
 from pallas_flex.bench import machine_state
 from pallas_flex.bench.jax_suites import RAGGED_MIXES, ragged_inputs
 from pallas_flex.bench.timing import time_calls
+from pallas_flex.kernels import rotate_blocks
 
 BACKEND = "pallas"
 
@@ -33,7 +34,11 @@ def main():
     for name, seqs in ((n, RAGGED_MIXES[n]) for n in names):
         others, caches, rotation = ragged_inputs(seqs, heads, dim, block)
         for column, extra in (("kernel", {}), ("in_cache", rotation),
-                              ("in_reads", dict(rotation, rotation_in_cache=False))):
+                              ("in_reads", dict(rotation, rotation_in_cache=False)),
+                              ("in_reads_reduced_flag", dict(rotation, rotation_in_cache=False))):
+            # A/B of rotate_blocks.FLAG_FROM_ENTRY_COUNTS (read at trace time).
+            rotate_blocks.FLAG_FROM_ENTRY_COUNTS = column != "in_reads_reduced_flag"
+            jax.clear_caches()  # inner jits are keyed on the arguments, not the switch
             with pf.paged.traced_checks(False):
                 step = jax.jit(lambda others, kc, vc, extra=extra: pf.paged.paged_attention(
                     **others, **extra, key_cache=kc, value_cache=vc, backend=BACKEND),
@@ -44,11 +49,6 @@ def main():
                     out, current[0], current[1] = step(others, *current)
                     return out
                 entry, _ = time_calls(call, (others,))
-                with jax.profiler.trace(f"{out_dir}/trace/{name}_{column}",
-                                        create_perfetto_trace=True):
-                    for _ in range(10):
-                        out = call(others)
-                    jax.block_until_ready(out)
             results[f"{name} {column}"] = entry["ms"]
             print(name, column, entry["ms"], flush=True)
     results["machine_after"] = machine_state.snapshot()

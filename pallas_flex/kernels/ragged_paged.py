@@ -40,7 +40,7 @@ from pallas_flex.kernels import device, online_softmax, shared_memory
 from pallas_flex.kernels.kv_tiles import (
     as_int8_bits, load_rows, paged_tile_view, quantized_tiles, shifts_values)
 from pallas_flex.kernels.padding import column_chunks, pad_axis, round_up, tile_extent
-from pallas_flex.kernels.rotate_blocks import scores_of_rotated_keys
+from pallas_flex.kernels.rotate_blocks import listed_entries_before, scores_of_rotated_keys
 
 _ROWS = 64  # rows (token x head-of-group pairs) per program
 # Programs to aim for when choosing num_splits automatically. H100, kernel alone, decode
@@ -75,11 +75,12 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
                    dim_chunks, value_chunks, num_splits, interpret, quantized=None,
                    rotation_half=0):
     """refs: (k_scales, v_scales: a quantized cache's [num_blocks, Hkv, block_size],)
-    (slot_of_block, deltas, lut: keys rotated in the reads, `rotation_half` > 0,)
+    (slot_of_block, deltas, lut, listed_entries_before: keys rotated in the reads,
+    `rotation_half` > 0,)
     out, lse. quantized: None, or a quantized cache's dtype name: its blocks arrive as
     int8 bits (`kv_tiles.as_int8_bits`)."""
-    rotation_refs = refs[-5:-2] if rotation_half else None
-    scale_refs, (out_ref, lse_ref) = refs[:-5 if rotation_half else -2], refs[-2:]
+    rotation_refs = refs[-6:-2] if rotation_half else None
+    scale_refs, (out_ref, lse_ref) = refs[:-6 if rotation_half else -2], refs[-2:]
     item, kv_head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = work_seq_ref[item]
     first = work_first_ref[item]
@@ -150,7 +151,10 @@ def _ragged_kernel(work_seq_ref, work_first_ref, past_lens_ref, begins_ref, bloc
             scores = scores_of_rotated_keys(
                 scores_of, keys, rotation_refs, page_of, tile_start, tile=block_kv,
                 page_size=page_size, num_pages=k_ref.shape[0], dim_chunks=dim_chunks,
-                half=rotation_half, rotate_below=past)
+                half=rotation_half, rotate_below=past,
+                tile_entries=(block_begin + lax.div(tile_start, jnp.int32(page_size)),
+                              block_begin + lax.div(tile_start + block_kv - 1,
+                                                    jnp.int32(page_size)) + 1))
         else:
             scores = scores_of(keys)
         if quantized:
@@ -293,7 +297,8 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     scales = tuple(cache_scales or ())
     if read_rotation is not None:
         slots, deltas, lut = read_rotation
-        scales += (slots.astype(jnp.int32), deltas.astype(jnp.int32), lut.astype(jnp.float32))
+        scales += (slots.astype(jnp.int32), deltas.astype(jnp.int32), lut.astype(jnp.float32),
+                   listed_entries_before(slots.astype(jnp.int32), block_indices))
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
                      jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]

@@ -105,14 +105,31 @@ def slot_of_block(indices, num_blocks: int):
     return jnp.full((num_blocks,), -1, jnp.int32).at[indices].set(listed, mode="drop")
 
 
+def listed_entries_before(slots, block_indices):
+    """int32 [E + 1]: how many of the first e entries of the ragged block list
+    `block_indices` [E] name a listed block (`slot_of_block` >= 0), so that a tile over
+    entries [e0, e1) holds one where the counts at e1 and e0 differ: two scalar reads a
+    tile, no reduction over its rows."""
+    listed = (slots[jnp.clip(block_indices, 0, slots.shape[0] - 1)] >= 0).astype(jnp.int32)
+    return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(listed, dtype=jnp.int32)])
+
+
+# Whether a tile's branch flag comes from `listed_entries_before` (two scalar reads) or
+# from the largest of its rows' flags (a reduction across the program's warps: two
+# barriers a tile in the pip triton 3.6.0 SASS). To be measured on the H100 (issue 20's
+# 3 % bound) before one of them goes.
+FLAG_FROM_ENTRY_COUNTS = True
+
+
 def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, *,
                            tile: int, page_size: int, num_pages: int, dim_chunks,
-                           half: int, rotate_below):
+                           half: int, rotate_below, tile_entries):
     """`scores_of(keys)` for the key tile's column chunks `keys` ([tile, width] each, as
     loaded) with the rows of listed blocks rotated by their LUT rows, for the rows at
     logical positions below `rotate_below` (the cached history; the new tokens written
-    this call are not rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas [R, block_size],
-    lut [rows, 2 * half] float32). Arithmetic as `rotate_blocks`': float32, then the
+    this call are not rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas
+    [R, block_size], lut [rows, 2 * half] float32, `listed_entries_before` [E + 1]);
+    tile_entries: the tile's entries [e0, e1) of the ragged block list (scalars). Arithmetic as `rotate_blocks`': float32, then the
     keys' dtype, so the scores are those of the keys rotated in the cache.
 
     Chunks are even-aligned, so each feature pair (2j, 2j + 1) lies in one chunk: the
@@ -135,7 +152,7 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
     60 decodes 0.774 / 1.460, 2 prefills of 4096 1.048 / 1.611; a tile of 64 rows over
     pages of 16 holds a listed row 1 - 0.9^4 = 34 % of the time, so the rotated path's
     cost per tile is what counts."""
-    slot_ref, deltas_ref, lut_ref = rotation_refs
+    slot_ref, deltas_ref, lut_ref, before_ref = rotation_refs
     positions = tile_start + lax.iota(jnp.int32, tile)
     pages, offsets = page_and_offset(page_of, positions, page_size=page_size,
                                      num_pages=num_pages)
@@ -163,9 +180,13 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
             out.append(jnp.where(jnp.broadcast_to(rows, (tile, width)), rotated, key))
         return out
 
-    # Triton has no reduce-or: the tile holds a listed row where the largest flag is 1.
-    listed = jnp.max(rotated_rows.astype(jnp.int32)) > 0
+    if FLAG_FROM_ENTRY_COUNTS:  # a tile past the sequence's end may say yes: harmless
+        first, last = (jnp.clip(e, 0, before_ref.shape[0] - 1) for e in tile_entries)
+        listed = (before_ref[last] > before_ref[first]) & (tile_start < rotate_below)
+    else:  # Triton has no reduce-or: a listed row where the largest flag is 1
+        listed = jnp.max(rotated_rows.astype(jnp.int32)) > 0
     return lax.cond(listed, lambda keys: scores_of(rotate(keys)), scores_of, list(keys))
 
 
-__all__ = ["rotate_blocks", "scores_of_rotated_keys", "slot_of_block", "supported"]
+__all__ = ["listed_entries_before", "rotate_blocks", "scores_of_rotated_keys", "slot_of_block",
+           "supported"]
