@@ -529,3 +529,37 @@ def test_every_context_parallel_strategy_on_eight_host_devices(tmp_path):
                                              "all_to_all") for mask in ("causal", "document")}
     for row in rows:
         assert row["status"] == "ok" and max(row["max_diff_over_max"].values()) < 2e-2, row
+
+
+def test_the_ragged_suite_pairs_each_column_with_its_own_call(monkeypatch):
+    """`ragged` times its kernel columns together after compiling them one by one: each
+    column's timed call runs that column's step (the plain kernel's output is the plain
+    op's, the rotated columns' are not), not the last one defined."""
+    import types
+
+    from pallas_flex.bench import timing
+    # Histories long enough that the listed blocks (10 %, seeded) hold cached keys.
+    mixes = {"tiny_history": [(256, 1), (128, 16)]}
+    monkeypatch.setattr(jax_suites, "RAGGED_MIXES", mixes)
+    outputs = {}
+
+    def fake_time_paired(calls, rounds, iters):  # each call once, its output kept
+        for name, (fn, args) in calls.items():
+            outputs[name] = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
+        return {name: {"ms": 1.0, "rounds_ms": [1.0]} for name in calls}
+    monkeypatch.setattr(jax_suites, "time_paired", fake_time_paired)
+    monkeypatch.setattr(timing, "time_paired", fake_time_paired)
+    options = types.SimpleNamespace(quick=False, backend="interpret",
+                                    timing={"iters": 1, "repeats": 1})
+    heads, dim = (4, 2), 64
+    columns, _, rows = jax_suites.ragged(options, heads=heads, dim=dim)
+    assert sorted(outputs) == ["kernel", "kernel_rotated", "kernel_rotated_in_reads"]
+    others, (key_cache, value_cache), _ = jax_suites.ragged_inputs(
+        mixes["tiny_history"], heads, dim, 16)
+    with pf.paged.traced_checks(False):
+        plain, _, _ = pf.paged.paged_attention(**others, key_cache=key_cache,
+                                               value_cache=value_cache, backend="interpret")
+    np.testing.assert_allclose(outputs["kernel"], np.asarray(plain, np.float32), atol=1e-6)
+    for rotated in ("kernel_rotated", "kernel_rotated_in_reads"):
+        assert np.max(np.abs(outputs[rotated] - outputs["kernel"])) > 1e-2, rotated
+    assert rows[0]["kernel"]["timing"] == "paired rounds"

@@ -906,7 +906,10 @@ def ragged(options, heads=(32, 8), dim=128, block=16):
                            donate_argnums=(1, 2))
             caches_now = [jnp.copy(c) for c in caches]
 
-            def call(others, caches=caches_now):
+            # step bound as a default: `_pair` times the calls after this loop, when the
+            # name `step` holds the last column's (every column timed the in-reads call
+            # until 2026-12-07, which made the kernel columns look alike).
+            def call(others, caches=caches_now, step=step):
                 out, caches[0], caches[1] = step(others, *caches)
                 return out
             with pf.paged.traced_checks(False):
