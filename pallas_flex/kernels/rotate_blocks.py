@@ -114,13 +114,6 @@ def listed_entries_before(slots, block_indices):
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(listed, dtype=jnp.int32)])
 
 
-# Whether a tile's branch flag comes from `listed_entries_before` (two scalar reads) or
-# from the largest of its rows' flags (a reduction across the program's warps: two
-# barriers a tile in the pip triton 3.6.0 SASS). To be measured on the H100 (issue 20's
-# 3 % bound) before one of them goes.
-FLAG_FROM_ENTRY_COUNTS = True
-
-
 def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, *,
                            tile: int, page_size: int, num_pages: int, dim_chunks,
                            half: int, rotate_below, tile_entries):
@@ -129,8 +122,9 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
     logical positions below `rotate_below` (the cached history; the new tokens written
     this call are not rotated). rotation_refs: (`slot_of_block` [num_blocks], deltas
     [R, block_size], lut [rows, 2 * half] float32, `listed_entries_before` [E + 1]);
-    tile_entries: the tile's entries [e0, e1) of the ragged block list (scalars). Arithmetic as `rotate_blocks`': float32, then the
-    keys' dtype, so the scores are those of the keys rotated in the cache.
+    tile_entries: the tile's entries [e0, e1) of the ragged block list (scalars).
+    Arithmetic as `rotate_blocks`': float32, then the keys' dtype, so the scores are
+    those of the keys rotated in the cache.
 
     Chunks are even-aligned, so each feature pair (2j, 2j + 1) lies in one chunk: the
     chunk is split into its even and odd columns in registers ([tile, width / 2, 2],
@@ -146,12 +140,11 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
     with the matmul after the branch, Triton brought every tile's keys to registers and
     stored them back to shared memory for the wgmma.
 
-    Measured against reading each pair's partner again from the cache with per-element
-    gathers of the LUT (H100, the ragged op, 10 % of blocks of 16 listed, ms a call,
-    plain kernel / in the reads): decode 64 x 4096 0.412 / 0.717, 4 prefills of 1024 +
-    60 decodes 0.774 / 1.460, 2 prefills of 4096 1.048 / 1.611; a tile of 64 rows over
-    pages of 16 holds a listed row 1 - 0.9^4 = 34 % of the time, so the rotated path's
-    cost per tile is what counts."""
+    H100, `bench ragged` (10 % of blocks of 16 listed, paired rounds, ms, plain kernel /
+    rotated in the cache / in the reads): decode 64 x 4096 0.396 / 0.452 / 0.471, 4
+    prefills of 1024 + 60 decodes 0.756 / 0.807 / 0.956, 2 prefills of 4096 1.03 / 1.05
+    / 1.18. Reading each pair's partner again from the cache with per-element LUT
+    gathers instead took 0.717, 1.460 and 1.611 (docs/gpu-notes.md, Paged and ragged)."""
     slot_ref, deltas_ref, lut_ref, before_ref = rotation_refs
     positions = tile_start + lax.iota(jnp.int32, tile)
     pages, offsets = page_and_offset(page_of, positions, page_size=page_size,
@@ -180,11 +173,12 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
             out.append(jnp.where(jnp.broadcast_to(rows, (tile, width)), rotated, key))
         return out
 
-    if FLAG_FROM_ENTRY_COUNTS:  # a tile past the sequence's end may say yes: harmless
-        first, last = (jnp.clip(e, 0, before_ref.shape[0] - 1) for e in tile_entries)
-        listed = (before_ref[last] > before_ref[first]) & (tile_start < rotate_below)
-    else:  # Triton has no reduce-or: a listed row where the largest flag is 1
-        listed = jnp.max(rotated_rows.astype(jnp.int32)) > 0
+    # Two scalar reads, where the largest of the rows' flags took a reduction across the
+    # warps (two barriers a tile): H100, ms a call, entry counts / reduction, decode 64 x
+    # 4096 0.481 / 0.499, 4 prefills + 60 decodes 0.968 / 1.053, 2 prefills of 4096 1.189
+    # / 1.320. A tile past the sequence's end may say yes: harmless (rows are masked).
+    first, last = (jnp.clip(e, 0, before_ref.shape[0] - 1) for e in tile_entries)
+    listed = (before_ref[last] > before_ref[first]) & (tile_start < rotate_below)
     return lax.cond(listed, lambda keys: scores_of(rotate(keys)), scores_of, list(keys))
 
 
