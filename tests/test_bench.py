@@ -537,7 +537,6 @@ def test_the_ragged_suite_pairs_each_column_with_its_own_call(monkeypatch):
     op's, the rotated columns' are not), not the last one defined."""
     import types
 
-    from pallas_flex.bench import timing
     # Histories long enough that the listed blocks (10 %, seeded) hold cached keys.
     mixes = {"tiny_history": [(256, 1), (128, 16)]}
     monkeypatch.setattr(jax_suites, "RAGGED_MIXES", mixes)
@@ -548,7 +547,6 @@ def test_the_ragged_suite_pairs_each_column_with_its_own_call(monkeypatch):
             outputs[name] = np.asarray(jax.block_until_ready(fn(*args)), np.float32)
         return {name: {"ms": 1.0, "rounds_ms": [1.0]} for name in calls}
     monkeypatch.setattr(jax_suites, "time_paired", fake_time_paired)
-    monkeypatch.setattr(timing, "time_paired", fake_time_paired)
     options = types.SimpleNamespace(quick=False, backend="interpret",
                                     timing={"iters": 1, "repeats": 1})
     heads, dim = (4, 2), 64

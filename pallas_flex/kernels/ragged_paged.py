@@ -297,8 +297,9 @@ def ragged_paged_attention(query, key_cache, value_cache, past_lens, subsequence
     scales = tuple(cache_scales or ())
     if read_rotation is not None:
         slots, deltas, lut = read_rotation
-        scales += (slots.astype(jnp.int32), deltas.astype(jnp.int32), lut.astype(jnp.float32),
-                   listed_entries_before(slots.astype(jnp.int32), block_indices))
+        slots = slots.astype(jnp.int32)
+        scales += (slots, deltas.astype(jnp.int32), lut.astype(jnp.float32),
+                   listed_entries_before(slots, block_indices))
     if num_splits == 1:
         out_shape = [jax.ShapeDtypeStruct((num_tokens, q_heads, padded_value_dim), query.dtype),
                      jax.ShapeDtypeStruct((num_tokens, q_heads), jnp.float32)]

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_flex.kernels.kv_tiles import page_and_offset
+from pallas_flex.kernels.kv_tiles import in_pool, page_and_offset
 
 
 def supported(key_cache) -> bool:
@@ -110,7 +110,7 @@ def listed_entries_before(slots, block_indices):
     `block_indices` [E] name a listed block (`slot_of_block` >= 0), so that a tile over
     entries [e0, e1) holds one where the counts at e1 and e0 differ: two scalar reads a
     tile, no reduction over its rows."""
-    listed = (slots[jnp.clip(block_indices, 0, slots.shape[0] - 1)] >= 0).astype(jnp.int32)
+    listed = (slots[in_pool(block_indices, slots.shape[0])] >= 0).astype(jnp.int32)
     return jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(listed, dtype=jnp.int32)])
 
 
