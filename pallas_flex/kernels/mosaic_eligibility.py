@@ -17,7 +17,7 @@ from pallas_flex.kernels.relative_reads import (
 from pallas_flex.masks.mod_program import with_read_derivatives, with_score_derivative
 from pallas_flex.kernels.tile_mods import (
     EXACT_FLOAT32_INTEGERS, ExactIndices, captured_read_positions, captured_read_sites,
-    captured_read_varying_axes)
+    captured_read_varying_axes, exact_index_reads)
 
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 # The backward kernels and the paged forward keep the two head dims their tiles were
@@ -200,51 +200,26 @@ def exp2_fma_share(head_dim, score_program):
 
 def contiguous_reads(program, blocks: bool = False):
     """The mod's reads of captured arrays at exactly q_idx or kv_idx along one axis, other
-    indices independent of both: {id(dynamic_slice equation): (captured position, axis,
-    "q" or "kv")}; with `blocks`, also float arrays read at exactly q_idx along one axis
-    and kv_idx along a later one (a bias tensor: `pair_bias[b // rows, h, q_idx,
-    kv_idx]`): (captured position, (q axis, kv axis), "block").
+    indices uniform over a tile (`exact_index_reads`): {id(dynamic_slice equation):
+    (captured position, axis, "q" or "kv")}; with `blocks`, also float arrays read at
+    exactly q_idx along one axis and kv_idx along a later one (a bias tensor:
+    `pair_bias[b // rows, h, q_idx, kv_idx]`): (captured position, (q axis, kv axis),
+    "block").
 
     Such a read (document ids `doc_ids[q_idx]`, a per-position table `bias[h, kv_idx]`)
     covers a contiguous slice per tile, which the kernel loads as one vector (a block: one
-    tile of the array) instead of gathering. jnp indexing wraps negative indices
-    (`select_n(i < 0, i, i + n)`); the kernel's indices are never negative, so that
-    select is the index itself. Blocks are the forward's only (`tile_reads`).
+    tile of the array) instead of gathering. Blocks are the forward's only (`tile_reads`).
     """
-    if program is None:
-        return {}
-    jaxpr = program.jaxpr
-    exact = ExactIndices(program)
-    # What varies over a tile: the indices and, for a score_mod, the score.
-    depends_on_index = set(exact.kind)
-    if program.kind == "score":
-        depends_on_index.add(jaxpr.invars[0])
-    positions = {var: position for position, var in enumerate(jaxpr.constvars)}
-
-    def is_var(atom):
-        return isinstance(atom, jex_core.Var)
-
     reads = {}
-    for equation in jaxpr.eqns:
-        name, inputs = equation.primitive.name, equation.invars
-        if exact.follow(equation):
-            pass
-        elif name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions:
-            kinds = [exact.of(atom) for atom in inputs[1:]]
-            vector_axes = [axis for axis, kind in enumerate(kinds) if kind is not None]
-            others_scalar = not any(is_var(atom) and atom in depends_on_index
-                                    for atom, kind in zip(inputs[1:], kinds) if kind is None)
-            if len(vector_axes) == 1 and others_scalar:
-                axis = vector_axes[0]
-                reads[id(equation)] = (positions[inputs[0]], axis, kinds[axis])
-            elif (blocks and others_scalar and [kinds[a] for a in vector_axes] == ["q", "kv"]
-                  and vector_axes[1] == len(kinds) - 1  # (TMA's box: whole rows of keys)
-                  and jnp.dtype(jnp.result_type(program.consts[positions[inputs[0]]]))
-                  in BLOCK_DTYPES
-                  and block_indices(program, equation) is not None):
-                reads[id(equation)] = (positions[inputs[0]], tuple(vector_axes), "block")
-        if any(is_var(atom) and atom in depends_on_index for atom in inputs):
-            depends_on_index.update(equation.outvars)
+    for equation, position, kinds, uniform in exact_index_reads(program):
+        vector_axes = [axis for axis, kind in enumerate(kinds) if kind is not None]
+        if len(vector_axes) == 1 and uniform:
+            reads[id(equation)] = (position, vector_axes[0], kinds[vector_axes[0]])
+        elif (blocks and uniform and [kinds[a] for a in vector_axes] == ["q", "kv"]
+              and vector_axes[1] == len(kinds) - 1  # (TMA's box: whole rows of keys)
+              and jnp.dtype(jnp.result_type(program.consts[position])) in BLOCK_DTYPES
+              and block_indices(program, equation) is not None):
+            reads[id(equation)] = (position, tuple(vector_axes), "block")
     return reads
 
 

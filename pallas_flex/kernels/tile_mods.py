@@ -571,23 +571,16 @@ class ExactIndices:
         return False
 
 
-def block_reads(program):
-    """The mod's reads of captured arrays that the Triton kernels load as blocks:
-    {id(dynamic_slice equation of program.jaxpr): (captured position, ((axis, "q" /
-    "kv"), ...))}.
-
-    A read qualifies when its index on one axis is exactly q_idx, or kv_idx, or on one
-    axis exactly q_idx and on another exactly kv_idx (in either order: `pair_bias[b //
-    rows, h, q_idx, kv_idx]`, `bias[h, kv_idx, q_idx]`, `key_bias[b, kv_idx]`), and its
-    other indices are uniform over a tile (functions of b, h and constants, not of q_idx,
-    kv_idx or the score). Such a read covers a contiguous block (or vector) of the array
-    per tile, which the kernels load with slices (`BlockRead`), where a gather computes
-    and loads one pointer per element; a read at a computed index (`table[h, kv_idx -
-    q_idx + S]`) stays a gather. jnp indexing wraps negative indices (`select_n(i < 0,
-    i, i + n)`); the kernels' indices are never negative, so that select is the index
-    itself. Reads inside calls the mod makes (`jax.jit` functions) stay gathers."""
+def exact_index_reads(program):
+    """Each read of a captured array in the mod's jaxpr (a dynamic_slice of one element)
+    with what its indices are: (equation, captured position, kinds, uniform), kinds one
+    per axis ("q" / "kv" where the index is exactly q_idx / kv_idx: `ExactIndices`, else
+    None), uniform whether the other indices are the same over a tile (functions of b, h
+    and constants, not of q_idx, kv_idx or the score). `block_reads` (Triton) and
+    `mosaic_eligibility.contiguous_reads` (Mosaic GPU) choose from these the reads their
+    kernels load as blocks."""
     if program is None:
-        return {}
+        return
     jaxpr = program.jaxpr
     exact = ExactIndices(program)
     depends_on_tile = set(exact.kind)
@@ -598,7 +591,6 @@ def block_reads(program):
     def is_var(atom):
         return isinstance(atom, jex_core.Var)
 
-    reads = {}
     for equation in jaxpr.eqns:
         name, inputs = equation.primitive.name, equation.invars
         if exact.follow(equation):
@@ -606,13 +598,33 @@ def block_reads(program):
         elif (name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions
               and all(size == 1 for size in equation.params["slice_sizes"])):
             kinds = [exact.of(atom) for atom in inputs[1:]]
-            axes = tuple((axis, kind) for axis, kind in enumerate(kinds) if kind is not None)
             uniform = not any(is_var(atom) and atom in depends_on_tile
                               for atom, kind in zip(inputs[1:], kinds) if kind is None)
-            if axes and uniform and len({kind for _, kind in axes}) == len(axes):
-                reads[id(equation)] = (positions[inputs[0]], axes)
+            yield equation, positions[inputs[0]], kinds, uniform
         if any(is_var(atom) and atom in depends_on_tile for atom in inputs):
             depends_on_tile.update(equation.outvars)
+
+
+def block_reads(program):
+    """The mod's reads of captured arrays that the Triton kernels load as blocks:
+    {id(dynamic_slice equation of program.jaxpr): (captured position, ((axis, "q" /
+    "kv"), ...))}.
+
+    A read qualifies when its index on one axis is exactly q_idx, or kv_idx, or on one
+    axis exactly q_idx and on another exactly kv_idx (in either order: `pair_bias[b //
+    rows, h, q_idx, kv_idx]`, `bias[h, kv_idx, q_idx]`, `key_bias[b, kv_idx]`), and its
+    other indices are uniform over a tile (`exact_index_reads`). Such a read covers a
+    contiguous block (or vector) of the array per tile, which the kernels load with
+    slices (`BlockRead`), where a gather computes and loads one pointer per element; a
+    read at a computed index (`table[h, kv_idx - q_idx + S]`) stays a gather. jnp
+    indexing wraps negative indices (`select_n(i < 0, i, i + n)`); the kernels' indices
+    are never negative, so that select is the index itself. Reads inside calls the mod
+    makes (`jax.jit` functions) stay gathers."""
+    reads = {}
+    for equation, position, kinds, uniform in exact_index_reads(program):
+        axes = tuple((axis, kind) for axis, kind in enumerate(kinds) if kind is not None)
+        if axes and uniform and len({kind for _, kind in axes}) == len(axes):
+            reads[id(equation)] = (position, axes)
     return reads
 
 
