@@ -12,6 +12,7 @@ import pytest
 
 import pallas_flex as pf
 from pallas_flex import api
+from pallas_flex.masks.mod_program import MASK, make_mod_program
 
 B, S, H, D = 2, 48, 4, 16  # S not a multiple of the 128-blocks: padding included
 
@@ -166,15 +167,64 @@ def test_gqa_written_with_repeat_or_a_reshape(calls, written):
     _check(gqa, (q, k, v), calls)
 
 
-@pytest.mark.parametrize("extra", ["causal", "mask", "bias"])
+@pytest.mark.parametrize("extra", ["causal", "mask", "bias", "causal_window", "window",
+                                   "lengths"])
 def test_jax_nn_dot_product_attention(calls, extra):
+    """Each of jax.nn.dot_product_attention's ways to mask or bias. Its window and length
+    masks compare positions it builds as NumPy constants (np.arange): those become index
+    arithmetic in the mask_mod, not arrays for the kernels to read; its logits,
+    transposed before the mask, are the scores themselves: no score_mod."""
     q, k, v, _ = _inputs(9)
     mask = jnp.tril(jnp.ones((1, 1, S, S), bool)) | (jnp.arange(S) % 5 == 0)
     bias = jax.random.normal(jax.random.key(10), (1, H, S, S))
+    lengths = jnp.array([S - 13, S], jnp.int32)
     options = {"causal": {"is_causal": True}, "mask": {"mask": mask},
-               "bias": {"bias": bias}}[extra]
+               "bias": {"bias": bias},
+               "causal_window": {"is_causal": True, "local_window_size": (7, 0)},
+               "window": {"local_window_size": (5, 3)},
+               "lengths": {"key_value_seq_lengths": lengths}}[extra]
     _check(lambda q, k, v: jax.nn.dot_product_attention(q, k, v, **options), (q, k, v),
            calls)
+    (call,) = calls
+    assert (call["score_mod"] is None) == (extra != "bias")
+    if extra in ("causal", "causal_window", "window"):
+        assert not make_mod_program(call["mask_mod"], MASK).consts
+
+
+def test_softmax_with_where(calls):
+    """jax.nn.softmax(s, where=mask): the mask becomes the mask_mod; the rows it masks
+    whole (the first three queries here) are zeros in the written code too."""
+    q, k, v, _ = _inputs(14)
+    rows = jnp.arange(S)[:, None]
+    mask = (rows >= jnp.arange(S)[None, :]) & (rows >= 3)
+
+    def written(q, k, v):
+        s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(D)
+        p = jax.nn.softmax(s, axis=-1, where=mask)
+        return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+    _check(written, (q, k, v), calls)
+    (call,) = calls
+    assert call["mask_mod"] is not None and call["score_mod"] is None
+    assert "mask_mod from 1 predicate" in pf.explain_fuse(written, q, k, v)
+
+
+def test_numpy_constants_in_the_written_code(calls):
+    """NumPy arrays the code closes over (document ids, a position table with an offset)
+    are read by the mods: a progression as index arithmetic, anything else captured."""
+    q, k, v, _ = _inputs(13)
+    documents = np.repeat(np.arange(4, dtype=np.int32), S // 4)  # not a progression
+    positions = np.arange(S, dtype=np.int32) * 2 + 5  # a progression of step 2
+
+    def written(q, k, v):
+        def logits(s):  # (jnp: a comparison of NumPy arrays would be a constant [S, S])
+            document, position = jnp.asarray(documents), jnp.asarray(positions)
+            same = document[:, None] == document[None, :]
+            later = position[:, None] >= position[None, :]
+            return jnp.where(same & later, s, -jnp.inf)
+        return _attend(q, k, v, logits)
+    _check(written, (q, k, v), calls)
+    consts = make_mod_program(calls[0]["mask_mod"], MASK).consts
+    assert [np.asarray(c).tolist() for c in consts] == [documents.tolist()]
 
 
 def test_under_vmap_around_jit(calls):

@@ -2,8 +2,9 @@
 
 `pf.fuse(fn)` traces `fn` to a jaxpr (nested jits inlined), finds each
 `dot_general(q, k) -> elementwise ops -> softmax -> dot_general(., v)` and runs it as one
-`pf.attention` call: `where(mask, s, very negative)` selects on top of the logits become
-the mask_mod (so its BlockMask skips empty blocks), the other elementwise ops the
+`pf.attention` call: `where(mask, s, very negative)` selects on top of the logits (and
+`jax.nn.softmax`'s `where=`) become the mask_mod (so its BlockMask skips empty blocks;
+positions the code builds with np.arange are index arithmetic), the other elementwise ops the
 score_mod, evaluated at scalar (b, h, q_idx, kv_idx) by the graph's own primitives;
 arrays they read (a bias tensor, ALiBi slopes, lengths) become captured arrays, with
 their gradients; a multiply of the output by `sigmoid(gate)` becomes the call's
@@ -13,7 +14,8 @@ softmax found, what was fused and, if not, why.
 Semantics kept: outputs and gradients of the written code, up to rounding (the kernels
 compute the scores in float32). One difference: a row whose every key is masked gives
 zeros (pallas_flex's rule); the written code gives NaN with `-inf` and a uniform average
-with a finite mask constant (`jnp.finfo(dtype).min`, `-1e9`).
+with a finite mask constant (`jnp.finfo(dtype).min`, `-1e9`), zeros with
+`jax.nn.softmax(..., where=mask)`.
 """
 
 from __future__ import annotations

@@ -189,7 +189,11 @@ def _log_softmax_at(exp_node, producers):
 
 def _softmax_at(exp_node, producers, consumers):
     """(logits, axis, probabilities, nodes) if `exp` is the middle of
-    exp(x - max(x)) / sum(exp(x - max(x))) over one axis, else None."""
+    exp(x - max(x)) / sum(exp(x - max(x))) over one axis, else None. Also
+    `jax.nn.softmax(x, where=mask)`: x masked to -inf under the max and the exp, the
+    exponentials masked to 0 under the sum and the probabilities after the divide (a
+    fully masked row gives zeros, as pallas_flex's do); its logits are then the -inf
+    select under the exp, whose mask `_strip_masks` takes."""
     shifted = exp_node.inputs[0]
     sub = producers.get(shifted)
     if sub is None or sub.name != "sub":
@@ -199,13 +203,28 @@ def _softmax_at(exp_node, producers, consumers):
         return None
     reduced, passed_max = _through(row_max, producers)
     reduce_max = producers.get(reduced)
-    if reduce_max is None or reduce_max.name != "reduce_max" or \
-            reduce_max.inputs[0] is not logits:
+    if reduce_max is None or reduce_max.name != "reduce_max":
         return None
+    where = None  # jax.nn.softmax's `where`: (its mask, the select nodes)
+    if reduce_max.inputs[0] is not logits:
+        under_max = _where_filled(reduce_max.inputs[0], producers, -math.inf)
+        under_exp = _where_filled(logits, producers, -math.inf)
+        if (under_max is None or under_exp is None or under_max[1] is not under_exp[1]
+                or not _same_value(under_max[0], under_exp[0], producers)):
+            return None
+        where = under_max[0], [under_max[2]]
     axis = _single_axis(reduce_max)
     exponentials = exp_node.outputs[0]
     users = consumers.get(exponentials, [])
-    reduce_sum, widen = _row_sum_of(exponentials, consumers)
+    summed = exponentials
+    if where is not None:  # the sum over exponentials zeroed where masked
+        zeroed = next((n for n in users if _masks(n, where[0], exponentials, producers)),
+                      None)
+        if zeroed is None:
+            return None
+        where[1].append(zeroed)
+        summed = zeroed.outputs[0]
+    reduce_sum, widen = _row_sum_of(summed, consumers)
     divide = next((n for n in users if n.name == "div" and n.inputs[0] is exponentials),
                   None)
     if axis is None or reduce_sum is None or divide is None or \
@@ -214,9 +233,44 @@ def _softmax_at(exp_node, producers, consumers):
     total, passed_sum = _through(divide.inputs[1], producers)
     if total is not reduce_sum.outputs[0]:
         return None
+    probabilities = divide.outputs[0]
+    if where is not None:  # the probabilities zeroed where masked
+        final = next((n for n in consumers.get(probabilities, [])
+                      if _masks(n, where[0], probabilities, producers)), None)
+        if final is None:
+            return None
+        where[1].append(final)
+        probabilities = final.outputs[0]
     nodes = {sub, reduce_max, exp_node, reduce_sum, divide, *widen, *passed_max,
-             *passed_sum}
-    return logits, axis, divide.outputs[0], nodes
+             *passed_sum, *(where[1] if where else ())}
+    return logits, axis, probabilities, nodes
+
+
+def _masks(node, mask, x, producers):
+    """Whether `node` is jnp.where(mask, x, 0), its mask the same as `mask`."""
+    found = _where_filled(node.outputs[0], producers, 0.0) if node.outputs else None
+    return (found is not None and found[1] is x and found[2] is node
+            and _same_value(found[0], mask, producers))
+
+
+def _same_value(a, b, producers):
+    """Whether a and b are one value broadcast the same way (each jnp.where broadcasts
+    its mask anew)."""
+    base_a, passed_a = _through(a, producers, ("broadcast_in_dim",))
+    base_b, passed_b = _through(b, producers, ("broadcast_in_dim",))
+    return base_a is base_b and [n.params for n in passed_a] == [n.params for n in passed_b]
+
+
+def _where_filled(value, producers, fill):
+    """(mask, x, node) if `value` is jnp.where(mask, x, fill) (a select_n of a constant
+    `fill`, broadcast or cast), else None."""
+    node = producers.get(value) if isinstance(value, Value) else None
+    if node is None or node.name != "select_n" or len(node.inputs) != 3:
+        return None
+    mask, if_false, if_true = node.inputs
+    if _constant(if_false, producers) != fill:
+        return None
+    return mask, if_true, node
 
 
 def _row_sum_of(exponentials, consumers):
@@ -377,10 +431,32 @@ def _attention(graph, logits, axis, probabilities, softmax_nodes, producers, con
     _check_pv(pv, p_operand, roles[logits])
     score_value, predicates, saturating = _strip_masks(logits, roles, producers)
     scaled, scale = _leading_scale(qk.outputs[0], nodes)
+    score_value = _scores_under_layout(score_value, (qk.outputs[0], scaled), producers)
     return Attention(qk=qk, pv=pv, q_operand=0 if key_side == "R" else 1, roles=roles,
                      logits=logits, score_value=score_value, predicates=predicates,
                      probabilities=fed, p_operand=p_operand, nodes=nodes,
                      masks_saturate=saturating, scaled=scaled, scale=scale)
+
+
+def _scores_under_layout(value, scores, producers):
+    """The one of `scores` (the q.k product, its scaled value) that `value` is, through
+    ops that only move or cast to float32 its elements (transposes, reshapes, squeezes,
+    broadcasts: jax.nn.dot_product_attention's logits transposed to [B, N, T, S] before
+    its mask); `value` itself where it is not one of them. A score_mod that would only
+    hand the score back is no score_mod: the kernels' calls without one are faster
+    (`_leading_scale`)."""
+    start = value
+    while isinstance(value, Value) and not any(value is x for x in scores):
+        node = producers.get(value)
+        if node is None or node.name not in _LAYOUT or (
+                node.name == "convert_element_type"
+                and jnp.dtype(node.outputs[0].dtype) != jnp.float32):
+            return start
+        value = node.inputs[0]
+    return value if isinstance(value, Value) else start
+
+
+_LAYOUT = ("transpose", "reshape", "squeeze", "broadcast_in_dim", "convert_element_type")
 
 
 def _leading_scale(scores, nodes):

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_flex.fuse.graph import Const, Value, bind
 from pallas_flex.fuse.match import ELEMENTWISE, free_dims, reshape_roles
@@ -243,6 +245,29 @@ class _Index:
         return (self.b // stride) % self.sizes[i]
 
 
+def _constant_at(value, roles, index, captured):
+    """A constant array of the traced code (a NumPy array: positions that code built with
+    np.arange, as jax.nn.dot_product_attention's window and length masks do) at the
+    indices the roles take. Integers in a progression start + step * i along their one
+    dim of more than one element are that arithmetic on the index (no table for the
+    kernels to read); any other constant is captured as an array, once (`captured`: the
+    arrays made so far, by the constant's id), however many reads it has."""
+    array = np.asarray(value)
+    varying = [dim for dim, size in enumerate(array.shape) if size != 1]
+    if len(varying) == 1 and np.issubdtype(array.dtype, np.integer):
+        line = array.reshape(-1).astype(np.int64)
+        start, step = int(line[0]), int(line[1] - line[0])
+        if np.array_equal(line, start + step * np.arange(line.size)):
+            position = index[roles[varying[0]]]
+            position = position * step if step != 1 else position
+            position = position + start if start else position
+            return position.astype(array.dtype)
+    if id(value) not in captured:  # a concrete array, whichever trace the mod runs in
+        with jax.ensure_compile_time_eval():
+            captured[id(value)] = (value, jnp.asarray(array))  # (value kept: its id stays)
+    return captured[id(value)][1][tuple(index[r] for r in roles)]
+
+
 def _pv_output_roles(pv, p_operand, p_roles, v_value, v_contract, v_batch):
     (lc, rc), (lb, rb) = pv.params["dimension_numbers"]
     p_value = pv.inputs[p_operand]
@@ -263,6 +288,7 @@ class _Mods:
         self.batch_sizes = batch_sizes
         self.group = group
         self.producers = producers
+        self._constants = {}
 
     def mask_mod(self):
         if not self.attention.predicates:
@@ -315,6 +341,8 @@ class _Mods:
         value = x.value if isinstance(x, Const) else self.read(x)
         if not jnp.shape(value):
             return jnp.asarray(value)
+        if isinstance(x, Const) or isinstance(value, np.ndarray):  # (the jaxpr's constants)
+            return _constant_at(value, roles, index, self._constants)
         return value[tuple(index[r] for r in roles)]  # a captured array, read at (b, h, q, kv)
 
     def _through(self, node, x, roles, index, score):
