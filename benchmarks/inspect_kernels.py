@@ -7,6 +7,7 @@ environment with pip `triton==3.6.0`) runs Triton's CUDA pipeline on those files
 prints shared memory, async copies, wgmma, `ptxas -v` registers and spills and each PTX
 loop's global loads; `audit` checks the shared-memory estimate against Triton for every
 cell of the GPU test matrix. Warps and stages come from the file name (`..._w8s3.ttir`).
+`capture_mosaic` (a function) lowers calls' Mosaic GPU kernels for an H100 and digests them.
 """
 
 from __future__ import annotations
@@ -132,6 +133,33 @@ def capture_triton(functions) -> list[tuple[str, int, int, str]]:
         name = re.search(r"tt.func public @(\w+)", text).group(1)
         captured.append((name, *launch_parameters[name], text))
     return captured
+
+
+def capture_mosaic(functions) -> list[str]:
+    """A digest of every Mosaic GPU kernel that lowering each (function, argument shapes)
+    for an H100 launches, in launch order, on any machine. Lowering runs Mosaic GPU's
+    Python side whole (layouts, shared-memory refs, barriers, the kernel's MLIR module,
+    which the digest covers), what interpret mode does not run; the GPU compiles the
+    module to a cubin later. Equal digests before and after a change: the kernels the
+    GPU gets are unchanged."""
+    import jax
+
+    from pallas_flex import api
+    from pallas_flex.kernels import device
+
+    real_capability = device.compute_capability
+    device.compute_capability = lambda: device.HOPPER  # what the dispatcher asks
+    try:
+        with api.lowering_for_gpu():
+            lowered = [jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
+                       .as_text() for fn, shapes in functions]
+    finally:
+        device.compute_capability = real_capability
+    # Each launch is one custom call on one line: its config (the module, its hash), the
+    # operands' and results' types and layouts.
+    calls = [line[line.index("mhlo.backend_config"):] for text in lowered
+             for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
+    return [hashlib.sha256(call.encode()).hexdigest()[:16] for call in calls]
 
 
 def loop_instruction_counts(ptx: str) -> list[tuple[str, int, int, int]]:

@@ -1,4 +1,5 @@
-"""`benchmarks/inspect_kernels.py lower` writes our kernels' Triton IR on any machine.
+"""`benchmarks/inspect_kernels.py lower` writes our kernels' Triton IR on any machine, and
+`capture_mosaic` lowers the Mosaic GPU kernels for an H100 on it.
 
 It reaches into JAX's Pallas-Triton lowering (private modules): this catches a JAX
 upgrade that moves them before a GPU session needs the tool.
@@ -160,3 +161,93 @@ def test_block_reads_lower_for_the_gpu(read):
 
     kernels = _lowered_backward_kernels(attend, (x, x, x, *tables, x))
     assert set(kernels) == {"flex_attention_forward", "flex_attention_backward"}
+
+
+def _mosaic_case(case):
+    """(function, argument shapes) of one call whose kernels the Mosaic GPU backends run
+    on Hopper: forwards (GQA and a ragged length, head dims 64-256, float16, bias-tensor
+    blocks, a document mask's id vectors), forward+backward (D 64's fused dQ, D 128's
+    two kernels, captured arrays' gradients: ALiBi slopes, a T5 table), a paged prefill
+    and the latent (MLA) decode."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_flex as pf
+    from pallas_flex.paged.cache import PagedKVCache
+
+    def shape(*dims, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(dims, dtype)
+    mosaic = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
+
+    def attend(mask_mod=None, score_mod=None, **kwargs):
+        return lambda q, k, v: pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                                            backend="pallas", kernel_options=mosaic, **kwargs)
+
+    def gradients(make_score_mod, table):
+        def loss(q, k, v, table):
+            out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
+                               score_mod=make_score_mod(table), backend="pallas",
+                               kernel_options=mosaic)
+            return out.astype(jnp.float32).sum()
+        return jax.grad(loss, argnums=(0, 1, 2, 3)), table
+
+    def gqa(length, dim, dtype=jnp.bfloat16, q_heads=8, kv_heads=2):
+        return (shape(2, length, q_heads, dim, dtype=dtype),
+                *[shape(2, length, kv_heads, dim, dtype=dtype)] * 2)
+    if case == "forward_gqa_ragged_alibi":
+        return attend(pf.masks.causal_mask, pf.masks.alibi(8)), gqa(600, 128)
+    if case == "forward_d256_softcap_float16":
+        return attend(None, pf.masks.tanh_softcap(30.0)), gqa(384, 256, jnp.float16, 2, 2)
+    if case == "forward_d80_documents":
+        ids = jnp.arange(512) // 100
+        return attend(lambda b, h, q, k: ids[q] == ids[k]), gqa(512, 80)
+    if case == "forward_d64_bias_blocks":
+        bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
+        return attend(None, pf.scores.bias_lookup(bias)), gqa(384, 64)
+    if case in ("backward_d64_causal", "backward_d128_causal"):
+        dim = 64 if case.endswith("d64_causal") else 128
+        def fwd_bwd(q, k, v):
+            return jax.grad(lambda q, k, v: attend(pf.masks.causal_mask)(q, k, v)
+                            .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+        return fwd_bwd, gqa(512, dim)
+    if case == "backward_d128_alibi_slopes":
+        grad, table = gradients(pf.scores.alibi, shape(8, dtype=jnp.float32))
+        return grad, (*gqa(512, 128), table)
+    if case == "backward_d64_t5_table":
+        grad, table = gradients(lambda t: pf.scores.t5_relative_bias(t, max_distance=64),
+                                shape(8, 32, dtype=jnp.float32))
+        return grad, (*gqa(512, 64), table)
+    if case == "paged_prefill_d128_page64":
+        pages, size, length, q_len = 16, 64, 512, 256
+        cache = PagedKVCache(shape(pages, 2, size, 128), shape(pages, 2, size, 128),
+                             shape(2, pages // 2, dtype=jnp.int32), shape(2, dtype=jnp.int32),
+                             shape(pages, dtype=jnp.int32))
+        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask,
+                                                          length - q_len),
+                                          None, None, q_len, length)
+        return (lambda q, cache: pf.paged.paged_flex_attention(
+            q, cache, block_mask=block_mask, backend="pallas", kernel_options=mosaic),
+            (shape(2, q_len, 8, 128), cache))
+    if case == "latent_decode":
+        return (lambda q, k, v: pf.attention(q, k, v, backend="pallas",
+                                             kernel_options={"decode_kernel": "mosaic"}),
+                (shape(4, 1, 128, 576), shape(4, 1024, 1, 576), shape(4, 1024, 1, 512)))
+    raise ValueError(case)
+
+
+@pytest.mark.parametrize("case,kernels", [
+    ("forward_gqa_ragged_alibi", 1), ("forward_d256_softcap_float16", 1),
+    ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
+    ("backward_d64_causal", 2), ("backward_d128_causal", 3),
+    ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
+    ("paged_prefill_d128_page64", 1), ("latent_decode", 1)])
+def test_mosaic_kernels_lower_for_hopper(case, kernels):
+    """The Mosaic GPU kernels lower for an H100 on this machine (`capture_mosaic`):
+    interpret mode skips what only lowering runs (register counts, layout casts, the
+    kernel's MLIR), so a change that breaks it shows here before a GPU session. Each
+    case launches as many Mosaic kernels as it should (none fell back to Triton), and
+    lowering the same call twice gives the same kernels."""
+    function, shapes = _mosaic_case(case)
+    digests = inspect_kernels.capture_mosaic([(function, shapes)])
+    assert len(digests) == kernels, digests
+    assert inspect_kernels.capture_mosaic([(function, shapes)]) == digests
