@@ -137,29 +137,37 @@ def capture_triton(functions) -> list[tuple[str, int, int, str]]:
 
 def capture_mosaic(functions) -> list[str]:
     """A digest of every Mosaic GPU kernel that lowering each (function, argument shapes)
-    for an H100 launches, in launch order, on any machine. Lowering runs Mosaic GPU's
-    Python side whole (layouts, shared-memory refs, barriers, the kernel's MLIR module,
-    which the digest covers), what interpret mode does not run; the GPU compiles the
-    module to a cubin later. Equal digests before and after a change: the kernels the
-    GPU gets are unchanged."""
+    for an H100 launches, in launch order, on any machine: of the kernel's MLIR module as
+    text without locations (so lines moved in the source leave it alone). Lowering runs
+    Mosaic GPU's Python side whole (layouts, shared-memory refs, barriers, the module),
+    where interpret mode skips parts; the GPU compiles the module to a cubin later. Equal
+    digests before and after a change: the kernels the GPU gets are unchanged."""
     import jax
+    from jax.experimental.mosaic.gpu import core as mosaic_core
 
     from pallas_flex import api
     from pallas_flex.kernels import device
 
-    real_capability = device.compute_capability
+    modules = []
+    real_capability, real_serde = device.compute_capability, mosaic_core._run_serde_pass
+
+    def keep(module, **kwargs):  # each kernel's module, as Mosaic GPU serializes it
+        text = module.operation.get_asm(enable_debug_info=False)
+        # (its dump file's name counts the kernels this process lowered)
+        modules.append(re.sub(r'mosaic_gpu\.dump_basename = "[^"]*"', "", text))
+        return real_serde(module, **kwargs)
+
     device.compute_capability = lambda: device.HOPPER  # what the dispatcher asks
+    mosaic_core._run_serde_pass = keep
+    jax.clear_caches()  # a call lowered before would come from JAX's cache, unseen
     try:
         with api.lowering_for_gpu():
-            lowered = [jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
-                       .as_text() for fn, shapes in functions]
+            for fn, shapes in functions:
+                jax.jit(fn).trace(*shapes).lower(lowering_platforms=("cuda",))
     finally:
         device.compute_capability = real_capability
-    # Each launch is one custom call on one line: its config (the module, its hash), the
-    # operands' and results' types and layouts.
-    calls = [line[line.index("mhlo.backend_config"):] for text in lowered
-             for line in text.splitlines() if "custom_call @mosaic_gpu" in line]
-    return [hashlib.sha256(call.encode()).hexdigest()[:16] for call in calls]
+        mosaic_core._run_serde_pass = real_serde
+    return [hashlib.sha256(text.encode()).hexdigest()[:16] for text in modules]
 
 
 def loop_instruction_counts(ptx: str) -> list[tuple[str, int, int, int]]:
