@@ -166,9 +166,10 @@ def test_block_reads_lower_for_the_gpu(read):
 def _mosaic_case(case):
     """(function, argument shapes) of one call whose kernels the Mosaic GPU backends run
     on Hopper: forwards (GQA and a ragged length, head dims 64-256, float16, bias-tensor
-    blocks, a document mask's id vectors), forward+backward (D 64's fused dQ, D 128's
-    two kernels, captured arrays' gradients: ALiBi slopes, a T5 table), a paged prefill
-    and the latent (MLA) decode."""
+    blocks, a document mask's id vectors, sinks with an output gate and the row max),
+    forward+backward (D 64's fused dQ, D 128's two kernels, the deterministic backward,
+    captured arrays' gradients: ALiBi slopes fused at D 64, a T5 table), paged prefills
+    and the latent (MLA) decode, contiguous and on pages of 64."""
     import jax
     import jax.numpy as jnp
 
@@ -228,6 +229,40 @@ def _mosaic_case(case):
         return (lambda q, cache: pf.paged.paged_flex_attention(
             q, cache, block_mask=block_mask, backend="pallas", kernel_options=mosaic),
             (shape(2, q_len, 8, 128), cache))
+    if case == "forward_d128_sinks_gate_row_max":
+        def gated(q, k, v, sinks, gate):
+            return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask, sinks=sinks,
+                                output_gate=gate, return_aux=pf.AuxRequest(max_scores=True),
+                                backend="pallas", kernel_options=mosaic)
+        q, k, v = gqa(512, 128)
+        return gated, (q, k, v, shape(8, dtype=jnp.float32), q)
+    if case == "forward_d192":
+        return attend(pf.masks.causal_mask), gqa(384, 192, q_heads=2, kv_heads=2)
+    if case in ("backward_d64_deterministic", "backward_d64_alibi_slopes"):
+        options = {**mosaic, "backward_deterministic": case.endswith("deterministic")}
+        def loss(q, k, v, slopes):
+            return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
+                                score_mod=pf.scores.alibi(slopes), backend="pallas",
+                                kernel_options=options).astype(jnp.float32).sum()
+        return (jax.grad(loss, argnums=(0, 1, 2, 3)),
+                (*gqa(512, 64), shape(8, dtype=jnp.float32)))
+    if case in ("paged_prefill_d64_page16", "latent_decode_page64"):
+        latent = case.startswith("latent")
+        size, q_len, q_heads, kv_heads = (64, 1, 128, 1) if latent else (16, 200, 8, 2)
+        dim, value_dim = (576, 512) if latent else (64, 64)
+        pages = 32
+        length = pages // 2 * size  # (a row's pages, all of them)
+        cache = PagedKVCache(shape(pages, kv_heads, size, dim),
+                             shape(pages, kv_heads, size, value_dim),
+                             shape(2, pages // 2, dtype=jnp.int32), shape(2, dtype=jnp.int32),
+                             shape(pages, dtype=jnp.int32))
+        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask,
+                                                          length - q_len),
+                                          None, None, q_len, length)
+        options = {"decode_kernel": "mosaic"} if latent else mosaic
+        return (lambda q, cache: pf.paged.paged_flex_attention(
+            q, cache, block_mask=block_mask, backend="pallas", kernel_options=options),
+            (shape(2, q_len, q_heads, dim), cache))
     if case == "latent_decode":
         return (lambda q, k, v: pf.attention(q, k, v, backend="pallas",
                                              kernel_options={"decode_kernel": "mosaic"}),
@@ -240,7 +275,10 @@ def _mosaic_case(case):
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
-    ("paged_prefill_d128_page64", 1), ("latent_decode", 1)])
+    ("paged_prefill_d128_page64", 1), ("latent_decode", 1),
+    ("forward_d128_sinks_gate_row_max", 1), ("forward_d192", 1),
+    ("backward_d64_deterministic", 3), ("backward_d64_alibi_slopes", 2),
+    ("paged_prefill_d64_page16", 1), ("latent_decode_page64", 1)])
 def test_mosaic_kernels_lower_for_hopper(case, kernels):
     """The Mosaic GPU kernels lower for an H100 on this machine (`capture_mosaic`):
     interpret mode skips what only lowering runs (register counts, layout casts, the
