@@ -208,6 +208,15 @@ def test_softmax_with_where(calls):
     assert "mask_mod from 1 predicate" in pf.explain_fuse(written, q, k, v)
 
 
+def test_dot_product_attention_window_through_the_interpreted_kernels(calls):
+    """The window mask of jax.nn.dot_product_attention (index arithmetic in the mask_mod)
+    on the kernels themselves, interpreted: outputs and gradients."""
+    q, k, v, _ = _inputs(15, kv_heads=2)
+    _check(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=(9, 0)), (q, k, v), calls,
+        backend="interpret")
+
+
 def test_numpy_constants_in_the_written_code(calls):
     """NumPy arrays the code closes over (document ids, a position table with an offset)
     are read by the mods: a progression as index arithmetic, anything else captured."""
