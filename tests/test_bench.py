@@ -563,3 +563,29 @@ def test_the_ragged_suite_pairs_each_column_with_its_own_call(monkeypatch):
     assert rows[0]["kernel"]["timing"] == "paired rounds"
     # The first calls rotate the same keys, in the cache and in the reads.
     assert rows[0]["kernel_rotated_in_reads"]["max_rel_diff_vs_in_cache"] < 1e-2
+
+
+def test_ab_times_kernel_options_side_by_side(tmp_path):
+    """`python -m pallas_flex.bench.ab`: each arm's kernel_options on the same inputs,
+    timed in paired rounds; ratios against the first arm, each arm's difference from it
+    and the kernels it runs. Tiles of 32 and 64 agree; a mis-set arm is a clear error."""
+    from pallas_flex.bench import ab
+
+    out = tmp_path / "ab.json"
+    assert ab.main(["--quick", "--variants", "causal", "--mode", "fwd_bwd", "--rounds", "2",
+                    "--iters", "1", "--arm", "base={}",
+                    "--arm", 'small={"block_q": 32, "block_kv": 32}',
+                    "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["case"] == "tiny_gqa causal" and list(row["arms"]) == ["base", "small"]
+    base, small = row["arms"]["base"], row["arms"]["small"]
+    assert base["ratio"] == 1.0 and len(small["rounds_ms"]) == 2
+    assert small["ratio"] == pytest.approx(small["ms"] / base["ms"])
+    assert base["max_difference"] == 0.0 and 0.0 < small["max_difference"] < 2e-2
+    assert small["options"] == {"block_q": 32, "block_kv": 32}
+    assert "forward: triton_forward" in small["kernels"]
+    for bad in ("no_equals", "x=[1]", "x={"):
+        with pytest.raises(SystemExit):
+            ab.main(["--quick", "--arm", bad])
+    with pytest.raises(SystemExit):
+        ab.main(["--quick", "--arm", "a={}", "--arm", "a={}"])
