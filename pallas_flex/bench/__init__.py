@@ -7,4 +7,7 @@ torch_peer.py PyTorch FlexAttention in a process of its own (optional: torch abs
 timing.py     the clock (median of timed loops; paired rounds)
 cli.py        runs suites, merges peers, writes <results>/<gpu>/<suite>.json
 report.py     Markdown tables and plots from the results files
+ab.py         A/B of kernel options on one case in paired rounds (a maintainer's tool)
+multi_device.py  the multi-GPU suite (context parallelism, batch/head sharding)
+machine_state.py the GPU's clocks and load beside each run
 """
