@@ -180,17 +180,31 @@ def _mosaic_case(case):
         return jax.ShapeDtypeStruct(dims, dtype)
     mosaic = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
 
-    def attend(mask_mod=None, score_mod=None, **kwargs):
+    def attend(mask_mod=None, score_mod=None):
         return lambda q, k, v: pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
-                                            backend="pallas", kernel_options=mosaic, **kwargs)
+                                            backend="pallas", kernel_options=mosaic)
 
-    def gradients(make_score_mod, table):
+    def gradients(make_score_mod, table, **options):
         def loss(q, k, v, table):
             out = pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
                                score_mod=make_score_mod(table), backend="pallas",
-                               kernel_options=mosaic)
+                               kernel_options={**mosaic, **options})
             return out.astype(jnp.float32).sum()
         return jax.grad(loss, argnums=(0, 1, 2, 3)), table
+
+    def paged(page_size, q_len, q_heads, kv_heads, dim, value_dim, options):
+        pages = 32
+        length = pages // 2 * page_size  # (a row's pages, all of them)
+        cache = PagedKVCache(shape(pages, kv_heads, page_size, dim),
+                             shape(pages, kv_heads, page_size, value_dim),
+                             shape(2, pages // 2, dtype=jnp.int32), shape(2, dtype=jnp.int32),
+                             shape(pages, dtype=jnp.int32))
+        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask,
+                                                          length - q_len),
+                                          None, None, q_len, length)
+        return (lambda q, cache: pf.paged.paged_flex_attention(
+            q, cache, block_mask=block_mask, backend="pallas", kernel_options=options),
+            (shape(2, q_len, q_heads, dim), cache))
 
     def gqa(length, dim, dtype=jnp.bfloat16, q_heads=8, kv_heads=2):
         return (shape(2, length, q_heads, dim, dtype=dtype),
@@ -211,24 +225,12 @@ def _mosaic_case(case):
             return jax.grad(lambda q, k, v: attend(pf.masks.causal_mask)(q, k, v)
                             .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         return fwd_bwd, gqa(512, dim)
-    if case == "backward_d128_alibi_slopes":
-        grad, table = gradients(pf.scores.alibi, shape(8, dtype=jnp.float32))
-        return grad, (*gqa(512, 128), table)
     if case == "backward_d64_t5_table":
         grad, table = gradients(lambda t: pf.scores.t5_relative_bias(t, max_distance=64),
                                 shape(8, 32, dtype=jnp.float32))
         return grad, (*gqa(512, 64), table)
     if case == "paged_prefill_d128_page64":
-        pages, size, length, q_len = 16, 64, 512, 256
-        cache = PagedKVCache(shape(pages, 2, size, 128), shape(pages, 2, size, 128),
-                             shape(2, pages // 2, dtype=jnp.int32), shape(2, dtype=jnp.int32),
-                             shape(pages, dtype=jnp.int32))
-        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask,
-                                                          length - q_len),
-                                          None, None, q_len, length)
-        return (lambda q, cache: pf.paged.paged_flex_attention(
-            q, cache, block_mask=block_mask, backend="pallas", kernel_options=mosaic),
-            (shape(2, q_len, 8, 128), cache))
+        return paged(64, 256, 8, 2, 128, 128, mosaic)
     if case == "forward_d128_sinks_gate_row_max":
         def gated(q, k, v, sinks, gate):
             return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask, sinks=sinks,
@@ -238,31 +240,15 @@ def _mosaic_case(case):
         return gated, (q, k, v, shape(8, dtype=jnp.float32), q)
     if case == "forward_d192":
         return attend(pf.masks.causal_mask), gqa(384, 192, q_heads=2, kv_heads=2)
-    if case in ("backward_d64_deterministic", "backward_d64_alibi_slopes"):
-        options = {**mosaic, "backward_deterministic": case.endswith("deterministic")}
-        def loss(q, k, v, slopes):
-            return pf.attention(q, k, v, mask_mod=pf.masks.causal_mask,
-                                score_mod=pf.scores.alibi(slopes), backend="pallas",
-                                kernel_options=options).astype(jnp.float32).sum()
-        return (jax.grad(loss, argnums=(0, 1, 2, 3)),
-                (*gqa(512, 64), shape(8, dtype=jnp.float32)))
-    if case in ("paged_prefill_d64_page16", "latent_decode_page64"):
-        latent = case.startswith("latent")
-        size, q_len, q_heads, kv_heads = (64, 1, 128, 1) if latent else (16, 200, 8, 2)
-        dim, value_dim = (576, 512) if latent else (64, 64)
-        pages = 32
-        length = pages // 2 * size  # (a row's pages, all of them)
-        cache = PagedKVCache(shape(pages, kv_heads, size, dim),
-                             shape(pages, kv_heads, size, value_dim),
-                             shape(2, pages // 2, dtype=jnp.int32), shape(2, dtype=jnp.int32),
-                             shape(pages, dtype=jnp.int32))
-        block_mask = pf.create_block_mask(pf.masks.offset(pf.masks.causal_mask,
-                                                          length - q_len),
-                                          None, None, q_len, length)
-        options = {"decode_kernel": "mosaic"} if latent else mosaic
-        return (lambda q, cache: pf.paged.paged_flex_attention(
-            q, cache, block_mask=block_mask, backend="pallas", kernel_options=options),
-            (shape(2, q_len, q_heads, dim), cache))
+    if case in ("backward_d64_deterministic", "backward_d64_alibi_slopes",
+                "backward_d128_alibi_slopes"):
+        grad, slopes = gradients(pf.scores.alibi, shape(8, dtype=jnp.float32),
+                                 backward_deterministic=case.endswith("deterministic"))
+        return grad, (*gqa(512, 128 if "d128" in case else 64), slopes)
+    if case == "paged_prefill_d64_page16":
+        return paged(16, 200, 8, 2, 64, 64, mosaic)
+    if case == "latent_decode_page64":
+        return paged(64, 1, 128, 1, 576, 512, {"decode_kernel": "mosaic"})
     if case == "latent_decode":
         return (lambda q, k, v: pf.attention(q, k, v, backend="pallas",
                                              kernel_options={"decode_kernel": "mosaic"}),

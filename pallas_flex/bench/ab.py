@@ -23,6 +23,7 @@ import jax
 
 import pallas_flex as pf
 from pallas_flex.bench import cases
+from pallas_flex.bench.cli import _pick
 from pallas_flex.bench.jax_suites import _bf16, _difference, _step, mods
 from pallas_flex.bench.timing import time_paired
 
@@ -41,24 +42,14 @@ def parse_arm(text: str) -> tuple[str, dict]:
     return name, parsed
 
 
-def _select(items, names: str | None, what: str):
-    if not names:
-        return list(items)
-    by_name = {item.name: item for item in items}
-    unknown = [name for name in names.split(",") if name not in by_name]
-    if unknown:
-        raise SystemExit(f"unknown {what} {unknown}; known: {sorted(by_name)}")
-    return [by_name[name] for name in names.split(",")]
-
-
 def run(args) -> list[dict]:
     shapes = cases.QUICK_ATTENTION_SHAPES if args.quick else cases.ATTENTION_SHAPES
     backend = "interpret" if args.quick else args.backend
     arms = dict(args.arm)
     rows = []
-    for shape in _select(shapes, args.shapes, "shapes"):
+    for shape in _pick(args.shapes, shapes, "shape"):
         q, k, v, d_out = _bf16(*cases.inputs(shape))
-        for variant in _select(cases.VARIANTS, args.variants, "variants"):
+        for variant in _pick(args.variants, cases.VARIANTS, "variant"):
             mask_mod, score_mod = mods(variant, shape)
             calls, explained = {}, {}
             for name, options in arms.items():
@@ -91,8 +82,8 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", type=parse_arm, action="append", required=True,
                         help="name=kernel_options JSON (the first arm is the baseline)")
-    parser.add_argument("--shapes", help="comma-separated shape names (default: all)")
-    parser.add_argument("--variants", help="comma-separated variant names (default: all)")
+    parser.add_argument("--shapes", help="comma-separated shape names or indices (default: all)")
+    parser.add_argument("--variants", help="comma-separated variant names or indices (default: all)")
     parser.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--backend", default=None, help="default: the device's best")
     parser.add_argument("--rounds", type=int, default=9)

@@ -249,8 +249,7 @@ def _softmax_at(exp_node, producers, consumers):
 def _masks(node, mask, x, producers):
     """Whether `node` is jnp.where(mask, x, 0), its mask the same as `mask`."""
     found = _where_filled(node.outputs[0], producers, 0.0) if node.outputs else None
-    return (found is not None and found[1] is x and found[2] is node
-            and _same_value(found[0], mask, producers))
+    return found is not None and found[1] is x and _same_value(found[0], mask, producers)
 
 
 def _same_value(a, b, producers):
