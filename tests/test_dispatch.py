@@ -67,6 +67,8 @@ ROWS = [
     ("bf16 D96", _shape(dim=96), _shape(dim=96), masks.causal_mask, None, None, "pallas",
      {H100: "mosaic_forward", A100: "triton_forward"}),
     ("bf16 D32", _shape(dim=32), _shape(dim=32), masks.causal_mask, None, None, "pallas",
+     {H100: "mosaic_forward", A100: "triton_forward"}),
+    ("bf16 D48", _shape(dim=48), _shape(dim=48), masks.causal_mask, None, None, "pallas",
      {H100: "triton_forward", A100: "triton_forward"}),
     ("bf16 D128 T5 (a read at kv_idx - q_idx)", _shape(), _shape(), masks.causal_mask,
      _t5_score_mod(), None, "pallas", {H100: "mosaic_forward", A100: "triton_forward"}),

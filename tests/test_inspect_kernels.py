@@ -216,9 +216,9 @@ def _mosaic_case(case):
     if case == "forward_d80_documents":
         ids = jnp.arange(512) // 100
         return attend(lambda b, h, q, k: ids[q] == ids[k]), gqa(512, 80)
-    if case == "forward_d64_bias_blocks":
+    if case in ("forward_d64_bias_blocks", "forward_d32_bias_blocks"):
         bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
-        return attend(None, pf.scores.bias_lookup(bias)), gqa(384, 64)
+        return attend(None, pf.scores.bias_lookup(bias)), gqa(384, 32 if "d32" in case else 64)
     if case in ("backward_d64_causal", "backward_d128_causal"):
         dim = 64 if case.endswith("d64_causal") else 128
         def fwd_bwd(q, k, v):
@@ -259,6 +259,7 @@ def _mosaic_case(case):
 @pytest.mark.parametrize("case,kernels", [
     ("forward_gqa_ragged_alibi", 1), ("forward_d256_softcap_float16", 1),
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
+    ("forward_d32_bias_blocks", 1),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
     ("paged_prefill_d128_page64", 1), ("latent_decode", 1),

@@ -85,7 +85,7 @@ WARPS_PER_WARPGROUP = 4
 # equal / both: noop 0.3335 / 0.3349 / 0.3364 / 0.3334 (the defaults again 0.3358),
 # prefix-LM 1024 0.2665 / 0.2665 / 0.2664 / 0.2662; 3 stages and 2 -> 4 items where rows
 # are not equal no faster either (causal 0.2300 / 0.2300 / 0.2582 with 4 items).
-_STAGES = {64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
+_STAGES = {32: 4, 64: 4, 80: 4, 96: 3, 128: 2, 192: 2, 256: 2}
 # K/V tiles per BlockMask block by head dim (the rest: 1, a tile of 128 keys). At D 192
 # and 256 one 128-row K and V stage is all shared memory holds next to the queries: with
 # 64-row tiles two are in flight, and the [64, 64] float32 score tile leaves registers

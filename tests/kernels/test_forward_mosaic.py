@@ -377,7 +377,7 @@ def test_long_walks_with_few_programs_repeat_bit_for_bit():
 
 @pytest.mark.parametrize("change,reason", [
     (dict(dtype=jnp.float32), "dtype"),
-    (dict(dim=32), "head dims"),
+    (dict(dim=48), "head dims"),
     (dict(value_dim=128), "head dims"),
     (dict(block_size=64), "block size"),
 ])
@@ -802,7 +802,9 @@ def test_bounded_score_mod_with_a_fixed_shift_matches_the_running_max(backend):
                                atol=1e-4)
 
 
-HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
+HEAD_DIM_CASES = [(32, "causal", jnp.bfloat16, "GQA4", 300, 300),
+                  (32, "alibi_causal", jnp.float16, "MHA", 256, 130),
+                  (80, "causal", jnp.bfloat16, "GQA4", 300, 300),
                   (80, "softcap_causal", jnp.float16, "MHA", 200, 256),
                   (96, "noop", jnp.float16, "MQA", 256, 130),
                   (96, "alibi_causal", jnp.bfloat16, "MHA", 256, 256),
@@ -814,19 +816,19 @@ HEAD_DIM_CASES = [(80, "causal", jnp.bfloat16, "GQA4", 300, 300),
 
 
 # The interpreter does not model shared-memory layouts (what these head dims change):
-# one case a head dim on the CPU, every case on the GPU. D 80's (case 0, at 200 x 200)
+# one case a head dim on the CPU, every case on the GPU. D 80's (case 2, at 200 x 200)
 # runs in tests/kernels/test_backward_mosaic.py's test_head_dims_80_and_96, whose
 # jax.vjp's forward output and lse are checked against the float64 golden as here (one
 # batch row; batch 2 runs at D 96, 192 and 256 here).
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
-    ("interpret",) + HEAD_DIM_CASES[index] for index in (4, 6, 8)
+    ("interpret",) + HEAD_DIM_CASES[index] for index in (0, 6, 8, 10)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
-def test_head_dims_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
-    """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 96: 64-byte
-    swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (64-key K/V tiles,
+def test_head_dims_32_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
+    """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 32 and 96:
+    64-byte swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (64-key K/V tiles,
     `forward_mosaic._PARTS_PER_BLOCK`; 256 one item a program): the gallery's check against the float64 golden;
     the backward of 80 and 96 is the Mosaic one too (tests/kernels/test_backward_mosaic.py),
-    of 192 and 256 the Triton one."""
+    of 32, 192 and 256 the Triton one."""
     _check(variant, dtype, layout, *interpret_lengths(q_len, kv_len, backend), dim, backend)
 
 
