@@ -144,7 +144,11 @@ def scores_of_rotated_keys(scores_of, keys, rotation_refs, page_of, tile_start, 
     rotated in the cache / in the reads): decode 64 x 4096 0.396 / 0.452 / 0.471, 4
     prefills of 1024 + 60 decodes 0.756 / 0.807 / 0.956, 2 prefills of 4096 1.03 / 1.05
     / 1.18. Reading each pair's partner again from the cache with per-element LUT
-    gathers instead took 0.717, 1.460 and 1.611 (docs/gpu-notes.md, Paged and ragged)."""
+    gathers instead took 0.717, 1.460 and 1.611 (docs/gpu-notes.md, Paged and ragged).
+    The rows' page and slot gathers stay outside the branch: inside it (only tiles with a
+    listed row would run them), H100, `bench ragged` in two processes, in the reads,
+    against here: 0.494 / 0.480, 0.953 / 0.956, 1.093 / 1.163 ms; the decode lost what
+    the long prefills gained."""
     slot_ref, deltas_ref, lut_ref, before_ref = rotation_refs
     positions = tile_start + lax.iota(jnp.int32, tile)
     pages, offsets = page_and_offset(page_of, positions, page_size=page_size,
