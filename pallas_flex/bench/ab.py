@@ -43,7 +43,8 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def run(args) -> list[dict]:
-    shapes = cases.QUICK_ATTENTION_SHAPES if args.quick else cases.ATTENTION_SHAPES
+    shapes = (cases.QUICK_ATTENTION_SHAPES if args.quick
+              else cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES)
     backend = "interpret" if args.quick else args.backend
     arms = dict(args.arm)
     rows = []

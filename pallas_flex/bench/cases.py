@@ -87,6 +87,10 @@ DECODE_VARIANTS = tuple(v for v in VARIANTS if v.name in ("noop", "causal")) + (
     Variant("causal_in_call", "causal"),) + tuple(
     v for v in VARIANTS if v.name in ("alibi", "softcap_30"))
 # --quick: shapes a CPU runs in seconds with the XLA backend.
+# Shapes the attention suites and `bench.ab` run only when named (--shapes): head dim 32
+# (Evoformer's, small models'), for its kernels' own A/B and peer rows.
+EXTRA_ATTENTION_SHAPES = (Shape("b8_s2048_d32", 8, 16, 16, 2048, 32),
+                          Shape("b4_s4096_d32", 4, 16, 16, 4096, 32))
 QUICK_ATTENTION_SHAPES = (Shape("tiny_gqa", 1, 4, 2, 256, 64),)
 QUICK_DECODE_SHAPES = (Shape("tiny_decode", 2, 8, 2, 1024, 64, q_len=1),
                        Shape("tiny_mla", 2, 16, 1, 512, 96, 64, 1, 1 / math.sqrt(48)))

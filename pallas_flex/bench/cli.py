@@ -75,13 +75,17 @@ def parse_args(argv):
 
 
 def _pick(spec, items, what):
-    """The items named (or indexed) in a comma-separated `spec`; all of them for None."""
+    """The items named (or indexed) in a comma-separated `spec`; for None, all of them but
+    those that run only when named (`extra` variant cases, `cases.EXTRA_ATTENTION_SHAPES`)."""
     by_name = {item.name: item for item in items} | {str(i): x for i, x in enumerate(items)}
     for token in (spec or "").split(","):
         if token and token not in by_name:
             raise SystemExit(f"unknown {what} {token!r}; choose from "
                              f"{', '.join(item.name for item in items)}")
-    return [by_name[token] for token in spec.split(",") if token] if spec else list(items)
+    if spec:
+        return [by_name[token] for token in spec.split(",") if token]
+    return [item for item in items if not getattr(item, "extra", False)
+            and item not in cases.EXTRA_ATTENTION_SHAPES]
 
 
 def run_child(args, suite: str) -> dict:
@@ -94,10 +98,9 @@ def run_child(args, suite: str) -> dict:
     decode = suite == "decode"
     quick, full = {"decode": (cases.QUICK_DECODE_SHAPES, cases.DECODE_SHAPES),
                    "variants": (cases.QUICK_VARIANT_CASES, cases.VARIANT_CASES)}.get(
-        suite, (cases.QUICK_ATTENTION_SHAPES, cases.ATTENTION_SHAPES))
+        suite, (cases.QUICK_ATTENTION_SHAPES,
+                cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES))
     shapes = _pick(args.shapes, quick if args.quick else full, "shape")
-    if suite == "variants" and not args.shapes:
-        shapes = [case for case in shapes if not case.extra]  # the others when named
     options = types.SimpleNamespace(
         quick=args.quick, backend=args.backend or pf.default_backend(), shapes=shapes,
         variants=_pick(args.variants, cases.DECODE_VARIANTS if decode else cases.VARIANTS,
