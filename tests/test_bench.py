@@ -594,15 +594,15 @@ def test_ab_times_kernel_options_side_by_side(tmp_path):
 def test_shapes_and_cases_that_run_only_when_named():
     """A suite run without --shapes leaves out `cases.EXTRA_ATTENTION_SHAPES` and the
     `extra` variant cases; naming one runs it (and only what was named)."""
-    _pick = cli._pick
-    full = cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES
-    assert _pick(None, full, "shape") == list(cases.ATTENTION_SHAPES)
-    assert [s.name for s in _pick("b8_s2048_d32,b4_s4096_d128", full, "shape")] == [
-        "b8_s2048_d32", "b4_s4096_d128"]
+    for suite in ("forward", "fwd_bwd"):
+        assert cli.suite_shapes(suite, None, False) == list(cases.ATTENTION_SHAPES)
+    assert [s.name for s in cli.suite_shapes("forward", "b8_s2048_d32,b4_s4096_d128",
+                                             False)] == ["b8_s2048_d32", "b4_s4096_d128"]
     assert {s.head_dim for s in cases.EXTRA_ATTENTION_SHAPES} == {32}
-    default_cases = _pick(None, cases.VARIANT_CASES, "shape")
+    default_cases = cli.suite_shapes("variants", None, False)
     assert default_cases and not any(case.extra for case in default_cases)
     named = [case.name for case in cases.VARIANT_CASES if case.extra][:1]
-    assert [case.name for case in _pick(named[0], cases.VARIANT_CASES, "shape")] == named
+    assert [case.name for case in cli.suite_shapes("variants", named[0], False)] == named
+    assert cli.suite_shapes("decode", None, False) == list(cases.DECODE_SHAPES)
     with pytest.raises(SystemExit, match="unknown shape"):
-        _pick("b8_s2048_d48", full, "shape")
+        cli.suite_shapes("forward", "b8_s2048_d48", False)

@@ -23,7 +23,7 @@ import jax
 
 import pallas_flex as pf
 from pallas_flex.bench import cases
-from pallas_flex.bench.cli import _pick
+from pallas_flex.bench.cli import _pick, suite_shapes
 from pallas_flex.bench.jax_suites import _bf16, _difference, _step, mods
 from pallas_flex.bench.timing import time_paired
 
@@ -43,12 +43,10 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 
 def run(args) -> list[dict]:
-    shapes = (cases.QUICK_ATTENTION_SHAPES if args.quick
-              else cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES)
     backend = "interpret" if args.quick else args.backend
     arms = dict(args.arm)
     rows = []
-    for shape in _pick(args.shapes, shapes, "shape"):
+    for shape in suite_shapes("forward", args.shapes, args.quick):
         q, k, v, d_out = _bf16(*cases.inputs(shape))
         for variant in _pick(args.variants, cases.VARIANTS, "variant"):
             mask_mod, score_mod = mods(variant, shape)

@@ -74,9 +74,9 @@ def parse_args(argv):
     return args
 
 
-def _pick(spec, items, what):
-    """The items named (or indexed) in a comma-separated `spec`; for None, all of them but
-    those that run only when named (`extra` variant cases, `cases.EXTRA_ATTENTION_SHAPES`)."""
+def _pick(spec, items, what, default=None):
+    """The items named (or indexed) in a comma-separated `spec`; for None, `default` (all
+    of them when not given)."""
     by_name = {item.name: item for item in items} | {str(i): x for i, x in enumerate(items)}
     for token in (spec or "").split(","):
         if token and token not in by_name:
@@ -84,8 +84,24 @@ def _pick(spec, items, what):
                              f"{', '.join(item.name for item in items)}")
     if spec:
         return [by_name[token] for token in spec.split(",") if token]
-    return [item for item in items if not getattr(item, "extra", False)
-            and item not in cases.EXTRA_ATTENTION_SHAPES]
+    return list(items if default is None else default)
+
+
+def suite_shapes(suite: str, spec, quick: bool) -> list:
+    """The shapes (the variants suite: its cases) `suite` runs: those named in `spec`, else
+    its default set, which leaves out what runs only when named (`extra` variant cases,
+    `cases.EXTRA_ATTENTION_SHAPES`)."""
+    if quick:
+        return _pick(spec, {"decode": cases.QUICK_DECODE_SHAPES,
+                            "variants": cases.QUICK_VARIANT_CASES}.get(
+                                suite, cases.QUICK_ATTENTION_SHAPES), "shape")
+    items, default = {
+        "decode": (cases.DECODE_SHAPES, None),
+        "variants": (cases.VARIANT_CASES,
+                     [case for case in cases.VARIANT_CASES if not case.extra]),
+    }.get(suite, (cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES,
+                  cases.ATTENTION_SHAPES))
+    return _pick(spec, items, "shape", default)
 
 
 def run_child(args, suite: str) -> dict:
@@ -96,11 +112,7 @@ def run_child(args, suite: str) -> dict:
     from pallas_flex.bench import jax_suites
 
     decode = suite == "decode"
-    quick, full = {"decode": (cases.QUICK_DECODE_SHAPES, cases.DECODE_SHAPES),
-                   "variants": (cases.QUICK_VARIANT_CASES, cases.VARIANT_CASES)}.get(
-        suite, (cases.QUICK_ATTENTION_SHAPES,
-                cases.ATTENTION_SHAPES + cases.EXTRA_ATTENTION_SHAPES))
-    shapes = _pick(args.shapes, quick if args.quick else full, "shape")
+    shapes = suite_shapes(suite, args.shapes, args.quick)
     options = types.SimpleNamespace(
         quick=args.quick, backend=args.backend or pf.default_backend(), shapes=shapes,
         variants=_pick(args.variants, cases.DECODE_VARIANTS if decode else cases.VARIANTS,
