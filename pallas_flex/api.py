@@ -279,7 +279,8 @@ def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_m
     gradients are wanted, where the Mosaic forward runs (the caller has checked that the
     Mosaic backward does)."""
     backend, _, options = config
-    positions = mosaic_eligibility.differentiated_positions(score_program, wanted)
+    # (not those the batch loop sums: a pair bias)
+    _, positions = dispatch.split_gradient_positions(q, score_program, options, wanted)
     relative = mosaic_eligibility.relative_positions(score_program, positions)
     positions = tuple(position for position in positions if position not in relative)
     if not positions or not mosaic_eligibility.captured_row_sums(q.shape[-1]):

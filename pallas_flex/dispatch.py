@@ -23,7 +23,8 @@ backward of `pallas_flex.attention` (`choose_backward`), in the same way:
 |----------------------------------------------------------------|------------------|
 | backward_kernel "triton"                                       | triton_backward  |
 | backend "xla", or "interpret" with backward_kernel "auto"      | triton_backward (interpreted) |
-| the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only (`captured_gradient_unsupported_reason`) | mosaic_backward  |
+| backward_kernel "auto" and the score_mod reads a bias tensor at (q_idx, kv_idx) (`mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT`) | triton_backward |
+| the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only (`captured_gradient_unsupported_reason`) or summed by the batch loop (`backward.batch_loop_positions`: a pair bias shared by an MSA's rows) | mosaic_backward  |
 | otherwise (backward_kernel "mosaic" then raises a ValueError)  | triton_backward  |
 
 The ragged op (`paged.paged_attention`) has one kernel of its own.
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 from pallas_flex import sharding
 from pallas_flex.kernels import (
     backward_mosaic, decode_latent_mosaic, device, forward_mosaic, mosaic_eligibility)
-from pallas_flex.kernels.backward import flex_attention_backward
+from pallas_flex.kernels.backward import batch_loop_positions, flex_attention_backward
 from pallas_flex.kernels.config import (
     QUANTIZED_PREFILL_MAX_BYTES, KernelOptions, planned_shared_memory)
 from pallas_flex.kernels.decode import flex_decode
@@ -305,11 +306,19 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
     reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
                                        interpret=interpret)
     if reason is None:
-        reason = mosaic_eligibility.backward_unsupported_reason(score_program, q.shape[3])
+        reason = mosaic_eligibility.backward_unsupported_reason(score_program, q.shape[3],
+                                                                q.dtype)
     if reason is None:
+        _, kernel_positions = split_gradient_positions(q, score_program, options,
+                                                        wanted_const_grads)
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
-            score_program, mosaic_eligibility.differentiated_positions(
-                score_program, wanted_const_grads))
+            score_program, kernel_positions)
+    if (reason is None and not named
+            and not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
+            and mosaic_eligibility.reads_bias_blocks(score_program)):
+        return Choice("triton_backward", "the score_mod reads a bias tensor at (q_idx, "
+                                         "kv_idx): the Mosaic backward's bias blocks run "
+                                         "when kernel_options name it")
     if reason is None:
         return Choice("mosaic_backward", "the Mosaic GPU backward takes it (Hopper, "
                                          "warp-specialized, wgmma)")
@@ -319,6 +328,17 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
     return Choice("triton_backward", f"the Mosaic GPU backward does not take {reason}")
 
 
+def split_gradient_positions(q, score_program, options: KernelOptions, wanted_const_grads):
+    """(the positions of the captured arrays whose gradients the batch loop sums
+    (`backward.batch_loop_positions`), those the Mosaic backward's kernels sum) among
+    the differentiated ones."""
+    positions = mosaic_eligibility.differentiated_positions(score_program, wanted_const_grads)
+    looped = batch_loop_positions(score_program, wanted_const_grads, q.shape[0],
+                                  options.backward_batch_sum,
+                                  options.backward_deterministic) if positions else ()
+    return looped, tuple(p for p in positions if p not in looped)
+
+
 def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                  *, scale: float, options: KernelOptions, interpret: bool,
                  wanted_const_grads=None, row_sums=()):
@@ -326,12 +346,13 @@ def run_backward(choice: Choice, q, k, v, out, lse, d_out, d_lse, block_mask, sc
     `backward.flex_attention_backward` returns them). row_sums: the Mosaic forward's
     (`api._forward_row_sums`), or () where it gave none."""
     if choice.kernel == "mosaic_backward":
+        looped, positions = split_gradient_positions(q, score_program, options,
+                                                      wanted_const_grads)
         return backward_mosaic.flex_attention_backward_mosaic(
             q, k, v, out, lse, d_out, d_lse, block_mask, score_program, scale=scale,
             interpret=interpret, masked_first=options.backward_masked_first,
-            gradient_positions=mosaic_eligibility.differentiated_positions(
-                score_program, wanted_const_grads),
-            deterministic=options.backward_deterministic, row_sums=row_sums)
+            gradient_positions=positions, deterministic=options.backward_deterministic,
+            row_sums=row_sums, batch_loop_positions=looped, options=options)
     return flex_attention_backward(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                                    scale=scale, options=options, interpret=interpret,
                                    wanted_const_grads=wanted_const_grads)

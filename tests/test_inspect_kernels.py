@@ -219,6 +219,15 @@ def _mosaic_case(case):
     if case in ("forward_d64_bias_blocks", "forward_d32_bias_blocks"):
         bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
         return attend(None, pf.scores.bias_lookup(bias)), gqa(384, 32 if "d32" in case else 64)
+    if case in ("backward_d64_bias_blocks", "backward_d96_bias_blocks"):
+        # (D 64: the fused dK/dV kernel; D 96: the dQ and dK/dV kernels)
+        dim = 64 if "d64" in case else 96
+        bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
+        def fwd_bwd(q, k, v):
+            return jax.grad(lambda q, k, v: attend(
+                pf.masks.causal_mask, pf.scores.bias_lookup(bias))(q, k, v)
+                .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+        return fwd_bwd, gqa(384, dim)
     if case in ("backward_d64_causal", "backward_d128_causal"):
         dim = 64 if case.endswith("d64_causal") else 128
         def fwd_bwd(q, k, v):
@@ -259,7 +268,8 @@ def _mosaic_case(case):
 @pytest.mark.parametrize("case,kernels", [
     ("forward_gqa_ragged_alibi", 1), ("forward_d256_softcap_float16", 1),
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
-    ("forward_d32_bias_blocks", 1),
+    ("forward_d32_bias_blocks", 1), ("backward_d64_bias_blocks", 2),
+    ("backward_d96_bias_blocks", 3),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
     ("paged_prefill_d128_page64", 1), ("latent_decode", 1),

@@ -336,6 +336,37 @@ def _site_plans(score_program, wanted=None, deterministic=False, batch=1,
     return tuple(plans)
 
 
+def batch_loop_positions(score_program, wanted, batch: int, batch_sum: str,
+                         deterministic: bool = False) -> tuple:
+    """The positions of the score_mod's captured arrays whose gradients (`wanted`: one
+    bool per captured array, None for all) the batch loop sums, every read of them a
+    "batch_loop" site (`_site_plans`, `batch_loop_gradients`) for `batch` rows and
+    KernelOptions.backward_batch_sum `batch_sum`: the Mosaic GPU backward hands these to
+    the same launch."""
+    if score_program is None or batch_sum == "atomic":
+        return ()
+    plans = _site_plans(score_program, wanted, deterministic, batch=batch,
+                        batch_sum=batch_sum)
+    looped = {plan.position for plan in plans if plan.mode == "batch_loop"}
+    return tuple(sorted(position for position in looped
+                        if all(plan.mode == "batch_loop" for plan in plans
+                               if plan.position == position)))
+
+
+def batch_loop_only(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, *,
+                    scale: float, options: KernelOptions, interpret: bool, positions):
+    """{position: float32 flat gradient} of the captured arrays at `positions`
+    (`batch_loop_positions`) from the batch loop alone, on the Triton backward's padded
+    operands: the Mosaic GPU backward's companion for a pair bias's gradient."""
+    launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                              scale)
+    wanted = [position in positions for position in range(len(score_program.consts))]
+    plans = tuple(plan for plan in _site_plans(
+        score_program, wanted, batch=q.shape[0], batch_sum=options.backward_batch_sum)
+        if plan.mode == "batch_loop")
+    return batch_loop_gradients(launch, plans, options=options, interpret=interpret)
+
+
 def _large_table_mode(shape, varying, batch_dependent, batch, batch_sum) -> str:
     """"atomic" or "batch_loop" for a large table read per element (see
     KernelOptions.backward_batch_sum). The batch loop sums the tiles of consecutive rows

@@ -38,6 +38,17 @@ variant measured (the figures are in `fuses_dq`'s docstring); the dQ kernel and 
 kernel run at ~780 and ~680 TFLOP/s there (B4 H16 S4096 noop on the H100, 1.06 and 1.61
 ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5.
 
+Bias tensors the score_mod reads at (q_idx, kv_idx) (a pair bias, `scores.bias_lookup`)
+are copied by the memory warpgroups as blocks, as in the forward
+(`forward_mosaic.bias_block_reads`): the dQ kernel's [128, 128] beside each K/V stage,
+the dK/dV kernel's [128 keys, 64 queries] of the array transposed (one XLA transpose
+before the launch) beside each query stage, so each compute warpgroup loads its 64 rows
+in its tiles' layout; their rings take stages from the tiles
+(`stages_beside_bias_blocks`). Their gradients are not the kernels': a bias shared by
+many batch rows (Evoformer's pair bias) is summed by the Triton backward's batch loop
+(`backward.batch_loop_only`) after them; per-row biases stay on the Triton backward
+(`dispatch.choose_backward`).
+
 Relative reads (T5 buckets) take their values from runs (`mosaic_tiles.RunsTile`), or
 where `relative_reads.diagonal_blocks` covers them and `dense_diagonals_in_backward`
 says so (head dim 64), from their dense block diagonals' tiles, loaded straight from
@@ -73,17 +84,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import online_softmax
-from pallas_flex.kernels.backward import prepare_operands
+from pallas_flex.kernels.backward import batch_loop_only, prepare_operands
 from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
     ReducedDump, accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys,
     pair_gradients, relative_gradient, relative_totals)
-from pallas_flex.kernels.forward_mosaic import diagonal_inputs, tile_transforms
+from pallas_flex.kernels.forward_mosaic import (
+    SHARED_MEMORY_BYTES, bias_block_reads, block_transforms, diagonal_inputs,
+    tile_transforms)
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, fuses_dq, relative_positions, tile_reads)
+    BLOCK, block_dtypes, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, diagonal_readers,
-    evaluate, index_vector, issue, load_vector, materialize, reads_index, result,
+    evaluate, index_vector, issue, load_vector, materialize, padded_for_slices,
+    reads_index, result,
     run_per_element_under_vmap, score_parts, split_tile_refs, tile_inputs, to_tile,
     vector_layout, with_accumulators)
 from pallas_flex.kernels.padding import pad_axis
@@ -128,6 +142,54 @@ _DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
 # 0.920; GQA 32:8 6.128 / 6.359 / 5.517; B1 S16384 9.703 / 9.699 / 8.706; table
 # gradients within 8e-7 (relative) of the per-tile dumps'.
 REDUCED_DUMPS = True
+
+
+# Shared memory the kernels' row sums and captured-gradient sums may take beside the
+# tiles and bias rings that `stages_beside_bias_blocks` counts.
+_SUMS_MARGIN = 4 * 1024
+
+
+def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
+                              dkv_block_dtypes=(), *, fused: bool = False):
+    """(dQ kernel stages, dK/dV kernel stages): `_DQ_STAGES` and `_DKV_STAGES` (fused:
+    `_FUSED_STAGES`, and no dQ kernel: None), fewer where the rings of bias tensors
+    read at (q_idx, kv_idx) (`forward_mosaic.bias_block_reads`; one dtype per read)
+    take shared memory beside the tiles: a [128, 128] block per dQ stage, a [128 keys,
+    64 queries] one per dK/dV stage. At least two stages each; None if they do not fit
+    (at D 128 the dQ kernel's [128, 128] K and V tiles leave no room for two)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    budget = SHARED_MEMORY_BYTES - _SUMS_MARGIN
+
+    def fitted(planned, fixed, per_stage):
+        for stages in range(planned, 1, -1):
+            if fixed + stages * per_stage <= budget:
+                return stages
+        return None
+
+    def ring_bytes(dtypes, rows, columns):
+        return sum(rows * columns * jnp.dtype(t).itemsize for t in dtypes)
+
+    dq_stages = None
+    if not fused:
+        dq_stages = _DQ_STAGES[head_dim]
+        if dq_block_dtypes:  # Q and dO, lse and delta; K and V per stage
+            dq_stages = fitted(dq_stages, 2 * BLOCK * head_dim * itemsize + 2 * BLOCK * 4,
+                               2 * BLOCK * head_dim * itemsize
+                               + ring_bytes(dq_block_dtypes, BLOCK, BLOCK))
+            if dq_stages is None:
+                return None
+    dkv_stages = (_FUSED_STAGES if fused else _DKV_STAGES)[head_dim]
+    if dkv_block_dtypes:  # K and V (fused: dS^T, dQ staging); Q, dO, lse, delta per stage
+        fixed = 2 * BLOCK * head_dim * itemsize
+        if fused:
+            fixed += (COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE
+                      * (itemsize + DQ_STAGING * 4))
+        dkv_stages = fitted(dkv_stages, fixed,
+                            2 * Q_TILE * head_dim * itemsize + 2 * Q_TILE * 4
+                            + ring_bytes(dkv_block_dtypes, BLOCK, Q_TILE))
+        if dkv_stages is None:
+            return None
+    return dq_stages, dkv_stages
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
@@ -182,7 +244,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
                  dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
-                 before_from_totals=(), reduced_dump=None):
+                 before_from_totals=(), reduced_dump=None, bias_blocks=()):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -200,10 +262,18 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     (their read derivatives after those above) the kernel sums P dP (g - C) of per key,
     in registers, written per query head to their run_sums_ref [B, Hq, 2 num_kv_blocks,
     1, 64] (`accumulate_pair`); C, each row's sum P g from the forward, comes in
-    row_sums_ref [B, Hq, pair_sites, S] (the last input)."""
+    row_sums_ref [B, Hq, pair_sites, S] (the last input).
+    bias_blocks: the score program's reads of bias tensors at (q_idx, kv_idx)
+    (`forward_mosaic.bias_block_reads`), whose arrays, their q and kv axes swapped,
+    follow the dense diagonals' inputs: with each stage's query tile the memory
+    warpgroup copies each one's [128 keys, 64 queries] block (two copies, one per compute
+    warpgroup's keys, on the stage's barrier) into a ring of its own ([stages, 2, 64,
+    64], the last shared-memory buffers), which each compute warpgroup loads keys on
+    rows, as its tiles are."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
+    transposed_biases, rest = rest[:len(bias_blocks)], rest[len(bias_blocks):]
     sites = len(relative_entries)
     # Three entry tables per array that sums its runs, none per dumped one.
     entry_refs, position = [], 0
@@ -224,6 +294,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  else rest[outputs_end] if reduced_dump is not None else next(dump_refs)
                  for offsets in dump_offsets]
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
+    block_rings = entry_smem[len(entry_smem) - len(bias_blocks):]
+    entry_smem = entry_smem[:len(entry_smem) - len(bias_blocks)]
     if fuse_dq:
         ds_smem, dq_staging, *entry_smem = entry_smem
     if pair_sites:  # per stage, the forward's row sums of the query tile
@@ -318,7 +390,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores_t, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
-                block_readers=readers,
+                block_readers=with_ring_readers(readers, bias_blocks, block_rings, slot,
+                                                warpgroup, None, interpret),
                 kv_idx=kv_idx, q_start=q_start, **mods)
             if masked:
                 logits = apply_mask(logits, mask_program, mask_reads, mask_refs,
@@ -487,10 +560,55 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 plgpu.copy_gmem_to_smem(
                     row_sums_ref.at[batch, head, :, pl.ds(q_start, Q_TILE)],
                     row_sums_smem.at[slot], ready.at[slot])
+            # Each bias block: the transposed array's [keys, queries] rows of both
+            # compute warpgroups' keys.
+            for (source, index, q_axis, kv_axis), ring in zip(
+                    bias_block_sources(bias_blocks, transposed_biases, batch, head),
+                    block_rings):
+                for half in range(COMPUTE_WARPGROUPS):
+                    at = list(index)  # (q_axis holds the keys, kv_axis the queries)
+                    at[q_axis] = pl.ds(kv_block * BLOCK + half * ROWS_PER_WARPGROUP,
+                                       ROWS_PER_WARPGROUP)
+                    at[kv_axis] = pl.ds(q_start, Q_TILE)
+                    plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
+                                            ready.at[slot])
             return carry
 
         num_steps, _ = walk(fetch, ())
         _drain((consumed,), num_steps, num_stages)
+
+
+def bias_block_sources(bias_blocks, sources, batch, head):
+    """Per bias block read (`forward_mosaic.bias_block_reads`), (its array's ref,
+    `sources`' entry for the read, its index on every axis for (batch, head): None on the
+    q and kv axes, q axis, kv axis)."""
+    found = []
+    for (_, _, (q_axis, kv_axis), indices_of), source in zip(bias_blocks, sources):
+        index = [None if i is None else jnp.clip(jnp.asarray(i, jnp.int32), 0, size - 1)
+                 for i, size in zip(indices_of(batch, head), source.shape)]
+        found.append((source, index, q_axis, kv_axis))
+    return found
+
+
+def with_ring_readers(readers, bias_blocks, rings, slot, warpgroup, barriers, interpret):
+    """`readers` (the dense diagonal reads', or None) with a reader per bias block read:
+    the warpgroup's rows of the ring's `slot` (a [64, columns] tile in the scores'
+    layout), once its copy has landed (barriers: per ring, or None where the caller
+    has waited for the stage)."""
+    if not bias_blocks:
+        return readers
+    readers = dict(readers or {})
+    for (key, *_), ring, barrier in zip(bias_blocks, rings, barriers or [None] * len(rings)):
+        def read(captured, indices, ring=ring, barrier=barrier):
+            del captured, indices  # (the memory warpgroup addressed the copy)
+            if barrier is not None:
+                plgpu.barrier_wait(barrier.at[slot])
+            rows = ring.at[slot, warpgroup]
+            if interpret:
+                return rows[...]
+            return plgpu.load(rows, layout=plgpu.Layout.WGMMA)
+        readers[key] = read
+    return readers
 
 
 def _drain(consumed, num_steps, num_stages):
@@ -507,7 +625,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               row_count, interpret, forward_sites=0, diagonal_reads=()):
+               row_count, interpret, forward_sites=0, diagonal_reads=(), bias_blocks=()):
     """row_count: 0; 1 (sum P dP, the exact deltas only); or 2 + 2 n for the n captured
     arrays read at indices of b and h whose gradients the program accumulates (the score
     program's read derivatives g):
@@ -515,16 +633,23 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     (`accumulate_rows`, `captured_gradients`, `exact_delta`).
     forward_sites: n > 0 where the forward gave those arrays' row sums C (the last input,
     [B, Hq, n, S]): then the rows are sum P dP if row_count is n + 1, and per array
-    sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`)."""
+    sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`).
+    bias_blocks: the score program's reads of bias tensors at (q_idx, kv_idx)
+    (`forward_mosaic.bias_block_reads`): the memory warpgroup copies each K/V tile's
+    [128, 128] block of each by TMA into a ring of its own ([stages, 2, 64, 128], the
+    last shared-memory buffers; a barrier per stage, the last barriers) after the tile's
+    K, whose release follows the mod's read; each compute warpgroup loads its 64 rows."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
     forward_sums_ref = rest[0] if forward_sites else None
     dq_ref, *rows_ref, scratch = rest[bool(forward_sites):]
     (q_smem2, do_smem2, lse_smem2, delta_smem2, k_smem, v_smem, *rows_smem), barriers = scratch
+    block_rings = rows_smem[len(rows_smem) - len(bias_blocks):]
+    rows_smem = rows_smem[:len(rows_smem) - len(bias_blocks)]
     if forward_sites:  # the forward's row sums of the warpgroup's queries
         forward_sums_smem, *rows_smem = rows_smem
-    row_barriers, k_ready, v_ready, k_consumed, v_consumed = barriers
+    row_barriers, k_ready, v_ready, k_consumed, v_consumed, *block_barriers = barriers
     head_dim = q_ref.shape[3]
     dtype = q_ref.dtype
     q_block = num_q_blocks - 1 - lax.axis_index("q_seq")  # longest causal rows first
@@ -613,7 +738,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             logits, score_derivative, query_term, read_derivatives = _scores_to_logits(
                 scores, score_program=score_program, score_reads=score_reads,
                 score_refs=score_refs, scale=scale, batch=batch, head=head, q_idx=q_idx,
-                block_readers=readers,
+                block_readers=with_ring_readers(readers, bias_blocks, block_rings, slot,
+                                                warpgroup, block_barriers, interpret),
                 kv_idx=kv_idx, kv_start=kv_start, **mods)
             if masked:
                 key_tail = (Vector(kv_position.value < kv_len, 1) if clamps_key_tail
@@ -670,17 +796,31 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         if not interpret:
             plgpu.set_max_registers(_REGISTERS[1], action="decrease")
         kv_head = lax.div(head, jnp.int32(group))
+        block_sources = bias_block_sources(
+            bias_blocks, [score_refs[position] for _, position, _, _ in bias_blocks],
+            batch, head)
 
         @pl.loop(0, num_steps)
         def _fetch(step):
             slot = lax.rem(step, jnp.int32(num_stages))
-            rows = (batch, pl.ds(kv_block_of(step) * BLOCK, BLOCK), kv_head)
+            kv_block = kv_block_of(step)
+            rows = (batch, pl.ds(kv_block * BLOCK, BLOCK), kv_head)
 
             @pl.when(step >= num_stages)
             def _():
                 plgpu.barrier_wait(k_consumed.at[slot])
 
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
+            # (the ring's slot is released with K's, after the mod has read it)
+            for (source, index, q_axis, kv_axis), ring, barrier in zip(
+                    block_sources, block_rings, block_barriers):
+                for half in range(COMPUTE_WARPGROUPS):
+                    at = list(index)
+                    at[q_axis] = pl.ds(q_block * BLOCK + half * ROWS_PER_WARPGROUP,
+                                       ROWS_PER_WARPGROUP)
+                    at[kv_axis] = pl.ds(kv_block * BLOCK, BLOCK)
+                    plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
+                                            barrier.at[slot])
 
             @pl.when(step >= num_stages)
             def _():
@@ -694,7 +834,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                    score_program, *, scale: float, interpret: bool,
                                    masked_first: bool = True, gradient_positions=(),
-                                   deterministic: bool = False, row_sums=()):
+                                   deterministic: bool = False, row_sums=(),
+                                   batch_loop_positions=(), options=None):
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
@@ -703,7 +844,10 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     deterministic: every gradient bitwise reproducible run to run (no dQ fused into the
     dK/dV kernel, `mosaic_eligibility.fuses_dq`). row_sums: () or, per position read at
     b and h, the forward's row sums [B, Hq, Sq] (`mosaic_tiles.weighted_row_sums`), with
-    which the fused kernel takes those arrays' gradients."""
+    which the fused kernel takes those arrays' gradients. batch_loop_positions: captured
+    arrays whose gradients the Triton backward's batch loop sums
+    (`backward.batch_loop_positions`: a pair bias shared by an MSA's rows, read as
+    blocks here) with KernelOptions `options`, after these kernels."""
     launch = prepare_operands(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
                               scale, pad_head_dims=False)
     tables = (block_mask.full_kv_num_blocks, block_mask.full_kv_indices,
@@ -786,12 +930,19 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
             score_program.consts[position], block_mask, k.shape[1],
             totals=totals if from_totals else None,
             reduced=None if dump is None else reduced)
+    if batch_loop_positions:
+        looped = batch_loop_only(q, k, v, out, lse, d_out, d_lse, block_mask, score_program,
+                                 scale=scale, options=options, interpret=interpret,
+                                 positions=tuple(batch_loop_positions))
+        for position, grad in looped.items():
+            original = score_program.consts[position]
+            const_grads[position] = grad.reshape(jnp.shape(original)).astype(original.dtype)
     return d_q[:, :q.shape[1]], d_k[:, :k.shape[1]], d_v[:, :k.shape[1]], const_grads
 
 
 def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                   dkv_program, dkv_reads, captured_for, settings, num_kv_blocks, sites,
-                  row_sums):
+                  row_sums, stages, bias_blocks):
     """The dK/dV kernel computing dQ too (`mosaic_eligibility.fuses_dq`): (dq, dk, dv, then
     the sums of the captured arrays' reads, `sites`' outputs). dQ is summed in float32
     over the key blocks by TMA reduce-adds into a zeroed array (`jax.new_ref`), in
@@ -805,8 +956,8 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                    transforms=tile_transforms(Q_TILE)),
         plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
                    transforms=_FLOAT32_TRANSFORMS))
-    # (The sites' sums take a few KiB: the stages fit beside them.)
-    stages = _FUSED_STAGES[head_dim]
+    # (The sites' sums take a few KiB: the stages, `stages_beside_bias_blocks`', fit
+    # beside them.)
     if sites.pair_sites:  # per stage, the query tile's row sums from the forward
         extra_smem += (plgpu.SMEM((stages, sites.pair_sites, Q_TILE), jnp.float32),)
     extra_smem += sites.smem
@@ -815,7 +966,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                             score_reads=dkv_reads, diagonal_reads=diagonal_reads,
                             relative_entries=sites.relative_entries,
                             dump_offsets=sites.dump_offsets, pair_sites=sites.pair_sites,
-                            fuse_dq=True, **settings)
+                            fuse_dq=True, bias_blocks=bias_blocks, **settings)
     # A stage's copies: Q, dO, lse, delta, and the row sums.
     scratch, num_smem = dkv_scratch(stages, extra_smem,
                                     ready_arrivals=4 + bool(sites.pair_sites))
@@ -896,22 +1047,39 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         dkv_program = (with_read_derivatives(score_program, dkv_positions)
                        if dkv_positions else with_score_derivative(score_program))
     mask_reads = tile_reads(mask_program)
-    dq_reads, dkv_reads = tile_reads(dq_program), tile_reads(dkv_program)
+    # Bias tensors read at (q_idx, kv_idx) are copied as blocks (`bias_block_reads`).
+    dq_reads = tile_reads(dq_program, blocks=True)
+    dkv_reads = tile_reads(dkv_program, blocks=True)
+    dq_blocks = bias_block_reads(dq_program, dq_reads)
+    dkv_blocks = bias_block_reads(dkv_program, dkv_reads)
+    stages = stages_beside_bias_blocks(
+        head_dim, q.dtype, block_dtypes(dq_program, dq_reads),
+        block_dtypes(dkv_program, dkv_reads), fused=fuse_dq)
+    if stages is None:
+        raise ValueError(f"bias tensors read at (q_idx, kv_idx) whose blocks do not fit "
+                         f"the Mosaic backward's shared memory at head dim {head_dim}")
+    dq_stages, dkv_stages = stages
 
     def captured_for(program, reads, keys_on_rows=False):
         """(the kernel's diagonal_reads, its inputs for the mods followed by the dense
         block diagonals' tiles, keys on their rows for the dK/dV kernel, and side values
-        of its relative reads)."""
+        of its relative reads, then for the dK/dV kernel each bias block read's array
+        with its q and kv axes swapped)."""
         inputs = tile_inputs(mask_program, mask_reads, program, reads, batch=batch,
                              heads=q_heads, q_length=padded_q_len, kv_length=padded_kv_len)
+        transposed = []
+        if keys_on_rows and program is not None:
+            padded = padded_for_slices(program, reads, padded_q_len, padded_kv_len)
+            transposed = [jnp.swapaxes(padded[position], *axes)
+                          for _, position, axes, _ in bias_block_reads(program, reads)]
         if not dense_diagonals_in_backward(head_dim):
-            return (), inputs
+            return (), (*inputs, *transposed)
         diagonal_reads, tiles, sides = diagonal_inputs(
             program, reads, paged=False, batch=batch, heads=q_heads,
             q_length=padded_q_len, kv_length=padded_kv_len)
         if keys_on_rows:
             tiles = [t.swapaxes(-1, -2) for t in tiles]
-        return diagonal_reads, (*inputs, *tiles, *sides)
+        return diagonal_reads, (*inputs, *tiles, *sides, *transposed)
     kv_tables, q_tables = tables[:4], tables[4:]
     settings = dict(mask_program=mask_program, scale=scale, group=group, q_len=q_len,
                     kv_len=kv_len, broadcast_batch=tables[0].shape[0] == 1,
@@ -924,14 +1092,23 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     def vectors(*shape):
         return plgpu.SMEM(shape, jnp.float32)
 
+    def rings(program, reads, stages, columns):
+        """A [stages, 2, 64, columns] ring per bias block read of the program."""
+        return tuple(plgpu.SMEM((stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, columns),
+                                t, transforms=block_transforms(columns, t))
+                     for t in block_dtypes(program, reads))
+
     def dkv_scratch(stages, extra_smem=(), ready_arrivals=4):
         """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and
-        delta per stage, then `extra_smem`) and barriers (a stage ready after
-        `ready_arrivals` copies); the count of the former."""
+        delta per stage, then `extra_smem`, then the bias blocks' rings) and barriers (a
+        stage ready after `ready_arrivals` copies and two per bias block read); the
+        count of the former."""
         buffers = (smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim)),
                    smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
                    smem((stages, Q_TILE, head_dim)), smem((stages, Q_TILE, value_dim)),
-                   vectors(stages, Q_TILE), vectors(stages, Q_TILE), *extra_smem)
+                   vectors(stages, Q_TILE), vectors(stages, Q_TILE), *extra_smem,
+                   *rings(dkv_program, dkv_reads, stages, Q_TILE))
+        ready_arrivals += COMPUTE_WARPGROUPS * len(dkv_blocks)
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WARPGROUPS),
                     plgpu.Barrier(num_arrivals=ready_arrivals, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=stages))
@@ -977,8 +1154,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     if fuse_dq:
         return _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
                              dkv_program, dkv_reads, captured_for, settings, num_kv_blocks,
-                             sites, row_sums)
-    dq_stages = _DQ_STAGES[head_dim]
+                             sites, row_sums, dkv_stages, dkv_blocks)
     # Without reads at b and h, the exact deltas need sum P dP only; with the forward's
     # row sums of those, one row each (and sum P dP first for the relative reads).
     forward_sites = len(pair_positions) if row_sums is not None else 0
@@ -990,7 +1166,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     dq_diagonal_reads, dq_captured = captured_for(dq_program, dq_reads)
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
-                           diagonal_reads=dq_diagonal_reads,
+                           diagonal_reads=dq_diagonal_reads, bias_blocks=dq_blocks,
                            row_count=row_count, forward_sites=forward_sites, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
@@ -1008,16 +1184,17 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          smem((dq_stages, BLOCK, head_dim)), smem((dq_stages, BLOCK, value_dim)),
-         *rows_smem,
+         *rows_smem, *rings(dq_program, dq_reads, dq_stages, BLOCK),
          plgpu.Barrier(num_arrivals=4 + bool(forward_sites), num_barriers=COMPUTE_WARPGROUPS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
-         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)),
-        num_smem=6 + len(rows_smem))
+         plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
+         *[plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages)
+           for _ in dq_blocks]),
+        num_smem=6 + len(rows_smem) + len(dq_blocks))
 
     if relative_positions:
         delta = exact_delta(rows[0][:1] if forward_sites else rows[0], delta, d_lse)
-    dkv_stages = _DKV_STAGES[head_dim]
     dkv_diagonal_reads, dkv_captured = captured_for(dkv_program, dkv_reads,
                                                     keys_on_rows=True)
     dkv = functools.partial(_dkdv_kernel, num_stages=dkv_stages, score_program=dkv_program,
@@ -1026,7 +1203,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                             relative_entries=relative_entries,
                             dump_offsets=dump_offsets,
                             before_from_totals=before_from_totals,
-                            reduced_dump=reduced_dump, **settings)
+                            reduced_dump=reduced_dump, bias_blocks=dkv_blocks, **settings)
     accumulator = None
     if reduced_dump is not None:  # the one dumped array's tiles, reduce-added
         (count,) = [count for _, count in filter(None, dump_offsets)]

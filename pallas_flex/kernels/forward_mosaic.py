@@ -804,8 +804,8 @@ def tile_transforms(head_dim: int, contraction_rows: int | None = None):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def _bias_blocks(score_program, score_reads):
-    """`_kernel`'s bias_blocks: (key, captured position, (q axis, kv axis), other indices
+def bias_block_reads(score_program, score_reads):
+    """`_kernel`'s bias_blocks (and the Mosaic backward's): (key, captured position, (q axis, kv axis), other indices
     of (b, h)) per read `tile_reads` calls a block."""
     if score_program is None:
         return ()
@@ -1016,7 +1016,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
         score_program = with_read_derivatives(score_program, row_sums_of)
     mask_reads = tile_reads(mask_program)
     score_reads = tile_reads(score_program, blocks=not paged)
-    bias_blocks = _bias_blocks(score_program, score_reads)
+    bias_blocks = bias_block_reads(score_program, score_reads)
     num_items = q_heads * num_q_blocks * batch
     items_per_program = max(1, min(items_per_program, num_items))
     persistent = items_per_program > 1

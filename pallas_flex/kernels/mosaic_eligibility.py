@@ -320,21 +320,47 @@ def mod_unsupported_reason(program, blocks: bool = False):
     return None
 
 
-def backward_unsupported_reason(score_program, head_dim: int = 128):
+# Whether backward_kernel "auto" runs the Mosaic GPU backward on score_mods reading bias
+# tensors at (q_idx, kv_idx) (its dQ kernel copies [128, 128] blocks beside the K/V
+# tiles, its dK/dV kernel [128 keys, 64 queries] blocks of the transposed array beside
+# the query tiles; a pair bias's gradient from the Triton batch loop). Checked on the
+# CPU (interpret mode against float64, and lowering for Hopper); until it is timed on
+# the GPU against the Triton backward, "auto" keeps the Triton backward there and
+# kernel_options {"backward_kernel": "mosaic"} runs it.
+BACKWARD_BIAS_BLOCKS_BY_DEFAULT = False
+
+
+def reads_bias_blocks(score_program) -> bool:
+    """Whether the score_mod reads a bias tensor at (q_idx, kv_idx), which the Mosaic
+    kernels copy as blocks (`contiguous_reads`)."""
+    return score_program is not None and any(
+        kind == "block" for _, _, kind in tile_reads(score_program, blocks=True).values())
+
+
+def backward_unsupported_reason(score_program, head_dim: int = 128, dtype=jnp.bfloat16):
     """None if the Mosaic GPU backward takes a call the Mosaic forward takes: its head
-    dim, and the score_mod's derivative (traced with `mod_program.with_score_derivative`)
-    in what the kernels run; else why not."""
+    dim, the score_mod's derivative (traced with `mod_program.with_score_derivative`)
+    in what the kernels run, and the rings of the bias tensors it reads at (q_idx,
+    kv_idx) in shared memory beside the tiles
+    (`backward_mosaic.stages_beside_bias_blocks`, for either dK/dV kernel); else why
+    not."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
         return None
-    reason = mod_unsupported_reason(score_program)
+    reason = mod_unsupported_reason(score_program, blocks=True)
     if reason is not None:
-        if mod_unsupported_reason(score_program, blocks=True) is None:  # the forward's
-            return (f"score_mod {score_program.name!r} reading a bias tensor at (q_idx, "
-                    "kv_idx) (the Mosaic forward loads its blocks, the backward does not)")
         return reason
-    return mod_unsupported_reason(with_score_derivative(score_program))
+    dtypes = block_dtypes(score_program, tile_reads(score_program, blocks=True))
+    if dtypes:
+        from pallas_flex.kernels import backward_mosaic  # (which imports this module)
+        for fused in (False, True) if head_dim == 64 else (False,):  # (`fuses_dq`)
+            if backward_mosaic.stages_beside_bias_blocks(head_dim, dtype, dtypes, dtypes,
+                                                         fused=fused) is None:
+                return (f"score_mod {score_program.name!r} reading bias tensors at "
+                        f"(q_idx, kv_idx) whose blocks do not fit the backward's shared "
+                        f"memory at head dim {head_dim}")
+    return mod_unsupported_reason(with_score_derivative(score_program), blocks=True)
 
 
 def differentiated_positions(score_program, wanted) -> tuple:

@@ -238,6 +238,135 @@ def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward(
                 backend="interpret", backward_kernel="mosaic")
 
 
+# Bias tensors read at (q_idx, kv_idx) (`bias_lookup`, [B, H, Sq, Skv], B and H shared
+# or not): the dQ kernel copies [128, 128] blocks beside its K/V stages, the dK/dV kernel
+# [128 keys, 64 queries] blocks of the transposed array beside its query tiles. D 64
+# runs the fused dK/dV kernel, D 80 and 96 the two kernels; ragged lengths and Sq != Skv
+# read the edge padding, which no kept score uses.
+_BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True),
+                     (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, False),
+                     (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True)]
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim,bias_shape,bias_dtype,causal",
+                         _BIAS_BLOCK_CASES)
+def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_len, dim,
+                                            bias_shape, bias_dtype, causal, fused_launches):
+    q_heads, kv_heads = heads_of(layout, backend)
+    q, k, v = random_qkv(3, 2, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
+    shape = (bias_shape[0] if bias_shape[0] == 1 else 2,
+             1 if bias_shape[1] == 1 else q_heads, q_len, kv_len)
+    bias = (jax.random.normal(jax.random.key(7), shape) * 2).astype(bias_dtype)
+    score_mod = masks.bias_lookup(bias)
+    mask_mod = masks.causal_mask if causal else None
+    choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
+                        kernel_options=MOSAIC)
+    assert "backward: mosaic_backward" in choice, choice
+    d_out = _cotangent(q.shape, 9).astype(dtype)
+
+    def ours(q, k, v):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+                            backend=backend, kernel_options=MOSAIC)
+    grads = jax.vjp(ours, q, k, v)[1](d_out)
+    assert len(fused_launches) == (dim == 64)
+    expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
+    _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
+                           q, k, v)
+    for name, grad, golden_grad, baseline in zip("qkv", grads, expected, dense_vjp(d_out)):
+        _assert_gradient_close(grad, golden_grad, baseline, name=f"d{name}")
+
+
+def test_bias_tensor_blocks_dispatch():
+    """`backward_kernel` "auto" keeps the Triton backward for bias blocks until they are
+    timed on the GPU (`BACKWARD_BIAS_BLOCKS_BY_DEFAULT`); named, the Mosaic one takes them
+    where their rings fit shared memory beside at least two stages of each kernel
+    (`stages_beside_bias_blocks`): not at D 128 (the dQ kernel's [128, 128] K and V
+    tiles), nor float32 blocks at D 64."""
+    from pallas_flex.kernels import backward_mosaic, mosaic_eligibility
+    bias = jnp.zeros((1, 2, 256, 256), jnp.bfloat16)
+    assert _choice(masks.bias_lookup(bias), backend="interpret",
+                   backward_kernel="mosaic").kernel == "mosaic_backward"
+    program = make_mod_program(masks.bias_lookup(bias), SCORE)
+    assert mosaic_eligibility.reads_bias_blocks(program)
+    assert not mosaic_eligibility.reads_bias_blocks(make_mod_program(masks.alibi(8), SCORE))
+    assert not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
+    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
+    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
+    choice = dispatch.choose_backward(q, k, v, block_mask, program, backend="interpret",
+                                      options=resolve_options({"forward_kernel": "mosaic",
+                                                               "backward_kernel": "auto"}, 64))
+    assert choice.kernel == "triton_backward"
+    with pytest.raises(ValueError, match="do not fit the backward's shared memory"):
+        _choice(masks.bias_lookup(bias), dim=128, backend="interpret",
+                backward_kernel="mosaic")
+    with pytest.raises(ValueError, match="do not fit the backward's shared memory"):
+        _choice(masks.bias_lookup(bias.astype(jnp.float32)), backend="interpret",
+                backward_kernel="mosaic")
+    # The stages: fewer beside the rings, the fused kernel's own, none left at D 128.
+    stages = backward_mosaic.stages_beside_bias_blocks
+    assert stages(64, jnp.bfloat16) == (backward_mosaic._DQ_STAGES[64],
+                                        backward_mosaic._DKV_STAGES[64])
+    assert stages(64, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) == (2, 4)
+    assert stages(64, jnp.bfloat16, (), [jnp.bfloat16], fused=True) == (None, 3)
+    assert stages(96, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) == (2, 4)
+    assert stages(128, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) is None
+
+
+def test_pair_bias_gradient_from_the_batch_loop(fused_launches):
+    """Evoformer's gated row attention (`pf.variants.gated_self_attention`: a pair bias
+    shared by the 4 rows of each MSA, read as blocks at b // 4) on the Mosaic backward:
+    dQ, dK, dV from its kernels, the pair bias's gradient from the Triton backward's
+    batch loop (`backward.batch_loop_positions`), the gate's from XLA; all against plain
+    float64 JAX. A ragged residue count reads the blocks' edge padding."""
+    batch, rows, residues, heads, dim = 1, 4, 130, 2, 64
+    shape = (batch, rows, residues, heads, dim)
+    q, k, v, gate = (_cotangent(shape, seed).astype(jnp.bfloat16) for seed in range(4))
+    pair_bias = _cotangent((batch, heads, residues, residues), 4).astype(jnp.bfloat16)
+    d_out = _cotangent(shape, 7)
+
+    def ours(q, k, v, gate, pair_bias):
+        return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
+                                                backend="interpret", kernel_options=MOSAIC)
+    args = (q, k, v, gate, pair_bias)
+    loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * d_out)  # noqa: E731
+    assert "flex_attention_backward_batch_loop" in str(
+        jax.make_jaxpr(jax.grad(loss(ours), tuple(range(5))))(*args))
+    grads = jax.grad(loss(ours), tuple(range(5)))(*args)
+    assert fused_launches  # dQ, dK and dV from the Mosaic backward (fused at D 64)
+
+    def plain(q, k, v, gate, pair_bias):
+        q, k, v, gate, pair_bias = (np.asarray(x, np.float64)
+                                    for x in (q, k, v, gate, pair_bias))
+        fold = lambda x: x.reshape((batch * rows,) + x.shape[2:])  # noqa: E731
+        scores = (np.einsum("bqhd,bkhd->bhqk", fold(q), fold(k)) / np.sqrt(dim)
+                  + np.repeat(pair_bias, rows, axis=0))
+        return scores, fold(v), gate
+    scores, values, gate64 = plain(*args)
+    probabilities = np.exp(scores - scores.max(-1, keepdims=True))
+    probabilities /= probabilities.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", probabilities, values).reshape(shape)
+    sigmoid = 1 / (1 + np.exp(-gate64))
+    d_out64 = np.asarray(d_out, np.float64)
+    d_gate = d_out64 * out * sigmoid * (1 - sigmoid)
+    d_attention = (d_out64 * sigmoid).reshape((batch * rows, residues, heads, dim))
+    d_probabilities = np.einsum("bqhd,bkhd->bhqk", d_attention, values)
+    d_scores = probabilities * (d_probabilities
+                                - (d_probabilities * probabilities).sum(-1, keepdims=True))
+    d_pair_bias = d_scores.reshape((batch, rows) + d_scores.shape[1:]).sum(1)
+    fold = lambda x: np.asarray(x, np.float64).reshape(  # noqa: E731
+        (batch * rows, residues, heads, dim))
+    wanted = [np.einsum("bhqk,bkhd->bqhd", d_scores, fold(k)) / np.sqrt(dim),
+              np.einsum("bhqk,bqhd->bkhd", d_scores, fold(q)) / np.sqrt(dim),
+              np.einsum("bhqk,bqhd->bkhd", probabilities, d_attention)]
+    wanted = [x.reshape(shape) for x in wanted] + [d_gate, d_pair_bias]
+    for name, grad, want in zip(("dq", "dk", "dv", "dgate", "dpair_bias"), grads, wanted):
+        assert grad.shape == want.shape, name
+        # (bf16 gradients: RMS error within 2 % of the gradient's RMS)
+        error = np.sqrt(np.mean((np.asarray(grad, np.float64) - want) ** 2))
+        assert error <= 0.02 * np.sqrt(np.mean(want ** 2)), (name, error)
+
+
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("causal", [False, True], ids=["bidirectional", "causal"])
 def test_t5_tables_train_on_the_mosaic_backward(backend, causal, monkeypatch):

@@ -30,7 +30,7 @@ SUPPORTED = ["noop", "causal", "sliding_window", "sliding_window_bidirectional",
              "alibi_causal", "softcap_causal", "softcap_approx", "relative_position",
              "t5_bias"]
 # Supported through mosaic_eligibility.contiguous_reads (reads at q_idx / kv_idx as slices;
-# a bias tensor's [q, kv] blocks, the forward only: `test_bias_tensor_blocks`).
+# a bias tensor's [q, kv] blocks: `test_bias_tensor_blocks`).
 SLICED = ["document", "document_causal_wrapper"]
 # (dtype, layout, q_len, kv_len, head dim), cycled over the variants.
 SHAPES = [(jnp.bfloat16, "MHA", 256, 256, 64), (jnp.float16, "GQA4", 128, 384, 128),
@@ -154,7 +154,7 @@ def test_contiguous_reads_recognizes_index_reads_only():
     reads = mosaic_eligibility.contiguous_reads(make_mod_program(shifted, SCORE))
     assert sorted(reads.values()) == [(0, 1, "kv"), (0, 1, "q")]
 
-    # Blocks of a bias tensor at (q_idx, kv_idx), for the forward only: float arrays, q
+    # Blocks of a bias tensor at (q_idx, kv_idx) (`blocks=True`): float arrays, q
     # before kv (the tile's order), other indices of b and h.
     bias, keep = jnp.zeros((2, 4, 64, 64), jnp.bfloat16), jnp.ones((2, 64, 64), bool)
 
@@ -269,10 +269,7 @@ def test_bias_tensor_blocks(backend, dtype, layout, q_len, kv_len, dim, bias_sha
             choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
                                 backend=backend)
             assert "forward: mosaic_forward" in choice, choice
-        # The backward is the Triton kernel's: the Mosaic backward says why not.
-        with pytest.raises(ValueError, match="bias tensor"):
-            pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
-                       kernel_options={**options, "backward_kernel": "mosaic"})
+        # (the backward's blocks: tests/kernels/test_backward_mosaic.py)
         out, lse = pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
                                 backend=backend, return_lse=True, kernel_options=options)
         _check_forward(out, lse, q, k, v, mask_mod, score_mod)
