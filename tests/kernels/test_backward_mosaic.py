@@ -22,7 +22,8 @@ from pallas_flex.kernels.config import resolve_options
 from pallas_flex.masks.mod_program import SCORE, make_mod_program
 from tests.conftest import dense_low_precision, random_qkv
 from tests.kernels.test_forward_mosaic import (HEAD_DIM_CASES, SHAPES, SLICED, SUPPORTED,
-                                              _check_forward, _mods, heads_of, layout_id)
+                                              _check_forward, _mods, bias_block_call,
+                                              heads_of, layout_id)
 from tests.test_backward import _assert_gradient_close, _cotangent, _golden_gradients
 
 MOSAIC = {"forward_kernel": "mosaic", "backward_kernel": "mosaic"}
@@ -253,12 +254,8 @@ _BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, 
                          _BIAS_BLOCK_CASES)
 def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_len, dim,
                                             bias_shape, bias_dtype, causal, fused_launches):
-    q_heads, kv_heads = heads_of(layout, backend)
-    q, k, v = random_qkv(3, 2, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
-    shape = (bias_shape[0] if bias_shape[0] == 1 else 2,
-             1 if bias_shape[1] == 1 else q_heads, q_len, kv_len)
-    bias = (jax.random.normal(jax.random.key(7), shape) * 2).astype(bias_dtype)
-    score_mod = masks.bias_lookup(bias)
+    q, k, v, score_mod = bias_block_call(backend, dtype, layout, q_len, kv_len, dim,
+                                         bias_shape, bias_dtype)
     mask_mod = masks.causal_mask if causal else None
     choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
                         kernel_options=MOSAIC)
@@ -313,7 +310,8 @@ def test_bias_tensor_blocks_dispatch():
     assert stages(128, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) is None
 
 
-def test_pair_bias_gradient_from_the_batch_loop(fused_launches):
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_pair_bias_gradient_from_the_batch_loop(backend, fused_launches):
     """Evoformer's gated row attention (`pf.variants.gated_self_attention`: a pair bias
     shared by the 4 rows of each MSA, read as blocks at b // 4) on the Mosaic backward:
     dQ, dK, dV from its kernels, the pair bias's gradient from the Triton backward's
@@ -327,7 +325,7 @@ def test_pair_bias_gradient_from_the_batch_loop(fused_launches):
 
     def ours(q, k, v, gate, pair_bias):
         return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
-                                                backend="interpret", kernel_options=MOSAIC)
+                                                backend=backend, kernel_options=MOSAIC)
     args = (q, k, v, gate, pair_bias)
     loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * d_out)  # noqa: E731
     assert "flex_attention_backward_batch_loop" in str(
