@@ -23,7 +23,7 @@ backward of `pallas_flex.attention` (`choose_backward`), in the same way:
 |----------------------------------------------------------------|------------------|
 | backward_kernel "triton"                                       | triton_backward  |
 | backend "xla", or "interpret" with backward_kernel "auto"      | triton_backward (interpreted) |
-| backward_kernel "auto" and the score_mod reads a bias tensor at (q_idx, kv_idx) (`mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT`) | triton_backward |
+| backward_kernel "auto", and head dim 32 or a score_mod reading a bias tensor at (q_idx, kv_idx) (`mosaic_eligibility.awaiting_measurement`) | triton_backward |
 | the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only (`captured_gradient_unsupported_reason`) or summed by the batch loop (`backward.batch_loop_positions`: a pair bias shared by an MSA's rows) | mosaic_backward  |
 | otherwise (backward_kernel "mosaic" then raises a ValueError)  | triton_backward  |
 
@@ -36,8 +36,8 @@ positions) reads vectors precomputed over the rows and columns instead, where th
 the Mosaic GPU kernels take it.
 
 The Mosaic GPU forward (`kernels/forward_mosaic.py`) is written for Hopper: compute
-capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {64, 80, 96,
-128, 192, 256} (the backward: 64 to 128; pages: 64 and 128), 128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a
+capability 9.0 with its full shared memory, bfloat16/float16, D = Dv in {32, 64, 80,
+96, 128, 192, 256} (the backward: 32 to 128; pages: 64 and 128), 128x128 BlockMask blocks, mods its tile interpreter lowers, and for paged K/V pages of a
 multiple of 8 rows dividing 128 or a multiple of 128. `explain` says which kernel a call
 gets and why.
 """
@@ -313,12 +313,12 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
                                                         wanted_const_grads)
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
             score_program, kernel_positions)
-    if (reason is None and not named
-            and not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
-            and mosaic_eligibility.reads_bias_blocks(score_program)):
-        return Choice("triton_backward", "the score_mod reads a bias tensor at (q_idx, "
-                                         "kv_idx): the Mosaic backward's bias blocks run "
-                                         "when kernel_options name it")
+    if reason is None and not named:
+        waiting = mosaic_eligibility.awaiting_measurement(score_program, q.shape[3])
+        if waiting is not None:
+            return Choice("triton_backward", f"{waiting}: the Mosaic GPU backward takes it "
+                                             "when kernel_options name it (not yet timed on "
+                                             "the GPU)")
     if reason is None:
         return Choice("mosaic_backward", "the Mosaic GPU backward takes it (Hopper, "
                                          "warp-specialized, wgmma)")

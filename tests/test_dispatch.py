@@ -150,6 +150,31 @@ def test_the_explanation_names_the_query_blocks_per_program(plan_as):
     assert "3 query blocks per program" in given.reason
 
 
+def test_backward_auto_waits_for_gpu_timings_of_d32_and_bias_blocks(plan_as):
+    """On Hopper, backward_kernel "auto" keeps the Triton backward for what the Mosaic
+    backward takes but has not been timed on the GPU (`awaiting_measurement`: head dim
+    32, a bias tensor read at (q_idx, kv_idx)), saying so; named, the Mosaic one runs."""
+    plan_as(H100)
+    def backward(dim, score_mod=None, kernel_options=None):
+        q = _shape(dim=dim)
+        block_mask = build_block_mask(masks.causal_mask, 1, q.shape[2], q.shape[1],
+                                      q.shape[1], kernel_options)
+        with pf.api.lowering_for_gpu():
+            block_mask, program, (backend, _, options) = _prepare(
+                q, q, q, score_mod, block_mask, None, "pallas", kernel_options)
+        return dispatch.choose_backward(q, q, q, block_mask, program, backend=backend,
+                                        options=options)
+    assert backward(64).kernel == "mosaic_backward"
+    for dim, score_mod, waiting in ((32, None, "head dim 32"),
+                                    (64, masks.bias_lookup(jnp.zeros(
+                                        (1, 1, 1024, 1024), jnp.bfloat16)), "bias tensor")):
+        choice = backward(dim, score_mod)
+        assert choice.kernel == "triton_backward" and waiting in choice.reason, choice
+        assert "not yet timed" in choice.reason
+        assert backward(dim, score_mod, {"backward_kernel": "mosaic"}).kernel == (
+            "mosaic_backward")
+
+
 @pytest.mark.parametrize("capability,reason", [
     (A100, "compute capability 8.0"), (NO_GPU, "no GPU")])
 def test_why_the_mosaic_kernel_is_not_taken(capability, reason, plan_as):

@@ -168,7 +168,8 @@ def _mosaic_case(case):
     on Hopper: forwards (GQA and a ragged length, head dims 64-256, float16, bias-tensor
     blocks, a document mask's id vectors, sinks with an output gate and the row max),
     forward+backward (D 64's fused dQ, D 128's two kernels, the deterministic backward,
-    captured arrays' gradients: ALiBi slopes fused at D 64, a T5 table), paged prefills
+    captured arrays' gradients: ALiBi slopes fused at D 64, a T5 table; bias-tensor
+    blocks at D 32, 64 and 96), paged prefills
     and the latent (MLA) decode, contiguous and on pages of 64."""
     import jax
     import jax.numpy as jnp
@@ -228,6 +229,17 @@ def _mosaic_case(case):
                 pf.masks.causal_mask, pf.scores.bias_lookup(bias))(q, k, v)
                 .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         return fwd_bwd, gqa(384, dim)
+    if case == "backward_d32_pair_bias":
+        # (a fixed pair bias: its gradient's batch loop is a Triton kernel, which does
+        # not lower here)
+        def gated_grad(q, k, v, gate, pair_bias):
+            def loss(*args):
+                return pf.variants.gated_self_attention(
+                    *args[:4], pair_bias=pair_bias, backend="pallas",
+                    kernel_options=mosaic).astype(jnp.float32).sum()
+            return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, gate)
+        msa = shape(1, 8, 256, 4, 32)
+        return gated_grad, (msa, msa, msa, msa, shape(1, 4, 256, 256))
     if case in ("backward_d64_causal", "backward_d128_causal"):
         dim = 64 if case.endswith("d64_causal") else 128
         def fwd_bwd(q, k, v):
@@ -269,7 +281,7 @@ def _mosaic_case(case):
     ("forward_gqa_ragged_alibi", 1), ("forward_d256_softcap_float16", 1),
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
     ("forward_d32_bias_blocks", 1), ("backward_d64_bias_blocks", 2),
-    ("backward_d96_bias_blocks", 3),
+    ("backward_d96_bias_blocks", 3), ("backward_d32_pair_bias", 3),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
     ("paged_prefill_d128_page64", 1), ("latent_decode", 1),

@@ -115,9 +115,9 @@ assert Q_TILE == ROWS_PER_WARPGROUP == TILE
 # Tiles in flight per program by head dim, within the shared memory left next to each
 # kernel's resident tiles (dQ: Q and dO [128, D], then K and V [128, D] per stage; dK/dV:
 # K and V [128, D], then Q and dO [64, D] per stage): D 96 dQ 48 + 3 x 48 KiB, dK/dV
-# 48 + 4 x 24 KiB. Tiles of D 80 and 96 take a narrower swizzle
+# 48 + 4 x 24 KiB. Tiles of D 32, 80 and 96 take a narrower swizzle
 # (`forward_mosaic.tile_transforms`), as in the forward.
-_DQ_STAGES = {64: 4, 80: 3, 96: 3, 128: 2}
+_DQ_STAGES = {32: 4, 64: 4, 80: 3, 96: 3, 128: 2}
 # The dK/dV kernel that computes dQ too (`mosaic_eligibility.fuses_dq`) keeps dS^T and
 # DQ_STAGING float32 [64, 64] dQ tiles per warpgroup in shared memory as well.
 _FUSED_STAGES = {64: 4}
@@ -132,7 +132,7 @@ _REGISTERS = (240, 24)
 # At D 128 the dK/dV kernel's stages hardly matter (H100, fwd+bwd, paired rounds, ms, 3 /
 # 4 / 2 stages: B4 S4096 noop 4.017 / 4.023 / 4.024, causal 2.243 / 2.248 / 2.233; B1
 # S16384 noop 15.20 / 15.24 / 15.22, causal 8.30 / 8.24 / 8.22): the stream is ahead.
-_DKV_STAGES = {64: 4, 80: 4, 96: 4, 128: 3}
+_DKV_STAGES = {32: 4, 64: 4, 80: 4, 96: 4, 128: 3}
 # A T5 table's dumped tiles summed by TMA reduce-adds in the dK/dV kernel, one [64, 64]
 # tile a (batch, head, offset) (`captured_gradients_mosaic.ReducedDump`), instead of one
 # a key tile summed after the kernel (~200 MB written and read at B8 H16 S2048 D64). The

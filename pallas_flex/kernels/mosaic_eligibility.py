@@ -25,9 +25,9 @@ from pallas_flex.kernels.tile_mods import (
 # / 0.414 / 0.344; Evoformer gated R256 S256 H8 (pair-bias blocks) 0.163 / 0.169 (XLA
 # 1.071), its fwd+bwd 0.789 / 0.792 (the Triton backward's and batch loop's time).
 HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
-# The backward kernels and the paged forward keep the two head dims their tiles were
-# sized and measured for.
-BACKWARD_HEAD_DIMS = (64, 80, 96, 128)
+# The backward kernels and the paged forward keep the head dims their tiles were sized
+# and measured for.
+BACKWARD_HEAD_DIMS = (32, 64, 80, 96, 128)
 PAGED_HEAD_DIMS = (64, 128)
 # The Mosaic GPU backward reduces a captured array's gradient over (batch, head) pairs
 # by a compare-and-select sum (`backward.fixed_order_scatter_sum`): tables up to this size.
@@ -320,14 +320,26 @@ def mod_unsupported_reason(program, blocks: bool = False):
     return None
 
 
-# Whether backward_kernel "auto" runs the Mosaic GPU backward on score_mods reading bias
-# tensors at (q_idx, kv_idx) (its dQ kernel copies [128, 128] blocks beside the K/V
-# tiles, its dK/dV kernel [128 keys, 64 queries] blocks of the transposed array beside
-# the query tiles; a pair bias's gradient from the Triton batch loop). Checked on the
-# CPU (interpret mode against float64, and lowering for Hopper); until it is timed on
-# the GPU against the Triton backward, "auto" keeps the Triton backward there and
-# kernel_options {"backward_kernel": "mosaic"} runs it.
+# What the Mosaic GPU backward takes but backward_kernel "auto" does not give it yet:
+# checked on the CPU (interpret mode against float64, and lowering for Hopper), not yet
+# timed on the GPU against the Triton backward; kernel_options {"backward_kernel":
+# "mosaic"} runs them (`awaiting_measurement`). Score_mods reading bias tensors at
+# (q_idx, kv_idx) (the dQ kernel copies [128, 128] blocks beside its K/V stages, the
+# dK/dV kernel [128 keys, 64 queries] blocks of the transposed array beside its query
+# stages; a pair bias's gradient from the Triton batch loop), and head dim 32 (4 stages
+# of 64-byte swizzled rows in both kernels).
 BACKWARD_BIAS_BLOCKS_BY_DEFAULT = False
+BACKWARD_NAMED_ONLY_HEAD_DIMS = (32,)
+
+
+def awaiting_measurement(score_program, head_dim: int):
+    """None, or why backward_kernel "auto" keeps the Triton backward for a call the
+    Mosaic GPU backward takes (see BACKWARD_NAMED_ONLY_HEAD_DIMS)."""
+    if head_dim in BACKWARD_NAMED_ONLY_HEAD_DIMS:
+        return f"head dim {head_dim}"
+    if not BACKWARD_BIAS_BLOCKS_BY_DEFAULT and reads_bias_blocks(score_program):
+        return "a score_mod reading a bias tensor at (q_idx, kv_idx)"
+    return None
 
 
 def reads_bias_blocks(score_program) -> bool:

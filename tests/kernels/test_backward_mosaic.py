@@ -117,22 +117,23 @@ def test_gallery_on_gpu(variant, dtype, layout, q_len, kv_len, dim):
     _check_gradients(variant, dtype, layout, 4 * q_len, 4 * kv_len, dim, "pallas")
 
 
-# Head dims 80 and 96 (tiles swizzled by 32 and 64 bytes, `forward_mosaic.tile_transforms`;
-# stages by head dim): the interpreter does not model the shared-memory layouts they
-# change, so one case each on the CPU and every case on the GPU.
-BACKWARD_HEAD_DIM_CASES = [c for c in HEAD_DIM_CASES if c[0] in (80, 96)]
+# Head dims 32, 80 and 96 (tiles swizzled by 64, 32 and 64 bytes,
+# `forward_mosaic.tile_transforms`; stages by head dim): the interpreter does not model
+# the shared-memory layouts they change, so one case each on the CPU and every case on
+# the GPU.
+BACKWARD_HEAD_DIM_CASES = [c for c in HEAD_DIM_CASES if c[0] in (32, 80, 96)]
 
 
 # In interpret mode the 300 x 300 case runs at 200 x 200: 2 x 2 tiles with partial tails
 # instead of 3 x 3 (the interpreter's time grows with the tiles).
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
     ("interpret",) + tuple(200 if x == 300 else x for x in BACKWARD_HEAD_DIM_CASES[index])
-    for index in (0, 3)
+    for index in (0, 2, 5)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in BACKWARD_HEAD_DIM_CASES])
-def test_head_dims_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend):
-    """The Mosaic backward at D 80 and 96 against the float64 golden gradients, and the
-    Mosaic forward's output and lse from the same jax.vjp against the float64 golden (in
-    interpret mode the D 80 case is the forward's own D 80 case,
+def test_head_dims_32_80_and_96(dim, variant, dtype, layout, q_len, kv_len, backend):
+    """The Mosaic backward at D 32, 80 and 96 against the float64 golden gradients, and
+    the Mosaic forward's output and lse from the same jax.vjp against the float64 golden
+    (in interpret mode the D 32 and 80 cases are the forward's own,
     tests/kernels/test_forward_mosaic.py). One batch row in interpret mode, as in the
     gallery (no mod here reads b; the kernels' batch offsets are the same code at every
     head dim); two on the GPU."""
@@ -276,7 +277,7 @@ def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_le
 
 def test_bias_tensor_blocks_dispatch():
     """`backward_kernel` "auto" keeps the Triton backward for bias blocks until they are
-    timed on the GPU (`BACKWARD_BIAS_BLOCKS_BY_DEFAULT`); named, the Mosaic one takes them
+    timed on the GPU (`awaiting_measurement`); named, the Mosaic one takes them
     where their rings fit shared memory beside at least two stages of each kernel
     (`stages_beside_bias_blocks`): not at D 128 (the dQ kernel's [128, 128] K and V
     tiles), nor float32 blocks at D 64."""
@@ -287,13 +288,10 @@ def test_bias_tensor_blocks_dispatch():
     program = make_mod_program(masks.bias_lookup(bias), SCORE)
     assert mosaic_eligibility.reads_bias_blocks(program)
     assert not mosaic_eligibility.reads_bias_blocks(make_mod_program(masks.alibi(8), SCORE))
+    # (what "auto" does on Hopper: tests/test_dispatch.py)
     assert not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
-    q, k, v = random_qkv(0, 1, 256, 256, 2, 2, 64, 64, jnp.bfloat16)
-    block_mask = pf.create_block_mask(masks.causal_mask, None, None, 256, 256)
-    choice = dispatch.choose_backward(q, k, v, block_mask, program, backend="interpret",
-                                      options=resolve_options({"forward_kernel": "mosaic",
-                                                               "backward_kernel": "auto"}, 64))
-    assert choice.kernel == "triton_backward"
+    assert "bias tensor" in mosaic_eligibility.awaiting_measurement(program, 64)
+    assert mosaic_eligibility.awaiting_measurement(None, 64) is None
     with pytest.raises(ValueError, match="do not fit the backward's shared memory"):
         _choice(masks.bias_lookup(bias), dim=128, backend="interpret",
                 backward_kernel="mosaic")
@@ -310,14 +308,20 @@ def test_bias_tensor_blocks_dispatch():
     assert stages(128, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) is None
 
 
+@pytest.mark.parametrize("dim", [32, 64])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_pair_bias_gradient_from_the_batch_loop(backend, fused_launches):
+def test_pair_bias_gradient_from_the_batch_loop(backend, dim, fused_launches, monkeypatch):
     """Evoformer's gated row attention (`pf.variants.gated_self_attention`: a pair bias
     shared by the 4 rows of each MSA, read as blocks at b // 4) on the Mosaic backward:
     dQ, dK, dV from its kernels, the pair bias's gradient from the Triton backward's
     batch loop (`backward.batch_loop_positions`), the gate's from XLA; all against plain
-    float64 JAX. A ragged residue count reads the blocks' edge padding."""
-    batch, rows, residues, heads, dim = 1, 4, 130, 2, 64
+    float64 JAX. A ragged residue count reads the blocks' edge padding. D 64 runs the
+    fused dK/dV kernel, D 32 (Evoformer's) the dQ and dK/dV kernels."""
+    from pallas_flex.kernels import backward_mosaic
+    calls, backward = [], backward_mosaic.flex_attention_backward_mosaic
+    monkeypatch.setattr(backward_mosaic, "flex_attention_backward_mosaic",
+                        lambda *args, **kwargs: calls.append(1) or backward(*args, **kwargs))
+    batch, rows, residues, heads = 1, 4, 130, 2
     shape = (batch, rows, residues, heads, dim)
     q, k, v, gate = (_cotangent(shape, seed).astype(jnp.bfloat16) for seed in range(4))
     pair_bias = _cotangent((batch, heads, residues, residues), 4).astype(jnp.bfloat16)
@@ -331,7 +335,7 @@ def test_pair_bias_gradient_from_the_batch_loop(backend, fused_launches):
     assert "flex_attention_backward_batch_loop" in str(
         jax.make_jaxpr(jax.grad(loss(ours), tuple(range(5))))(*args))
     grads = jax.grad(loss(ours), tuple(range(5)))(*args)
-    assert fused_launches  # dQ, dK and dV from the Mosaic backward (fused at D 64)
+    assert calls and len(fused_launches) == (dim == 64)  # dQ, dK, dV: the Mosaic backward
 
     def plain(q, k, v, gate, pair_bias):
         q, k, v, gate, pair_bias = (np.asarray(x, np.float64)

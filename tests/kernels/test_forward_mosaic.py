@@ -820,19 +820,20 @@ HEAD_DIM_CASES = [(32, "causal", jnp.bfloat16, "GQA4", 300, 300),
 
 
 # The interpreter does not model shared-memory layouts (what these head dims change):
-# one case a head dim on the CPU, every case on the GPU. D 80's (case 2, at 200 x 200)
-# runs in tests/kernels/test_backward_mosaic.py's test_head_dims_80_and_96, whose
-# jax.vjp's forward output and lse are checked against the float64 golden as here (one
-# batch row; batch 2 runs at D 96, 192 and 256 here).
+# one case a head dim on the CPU, every case on the GPU. D 32's and 80's (cases 0 and 2,
+# at 200 x 200) run in tests/kernels/test_backward_mosaic.py's
+# test_head_dims_32_80_and_96, whose jax.vjp's forward output and lse are checked
+# against the float64 golden as here (one batch row; batch 2 runs at D 96, 192 and 256
+# here).
 @pytest.mark.parametrize("backend,dim,variant,dtype,layout,q_len,kv_len", [
-    ("interpret",) + HEAD_DIM_CASES[index] for index in (0, 6, 8, 10)
+    ("interpret",) + HEAD_DIM_CASES[index] for index in (6, 8, 10)
 ] + [pytest.param("pallas", *case, marks=pytest.mark.gpu) for case in HEAD_DIM_CASES])
 def test_head_dims_32_80_96_192_256(dim, variant, dtype, layout, q_len, kv_len, backend):
     """Head dims whose rows are not a whole 128-byte swizzle (80: 32-byte, 32 and 96:
     64-byte swizzles, `forward_mosaic.tile_transforms`), 192 and 256 (64-key K/V tiles,
     `forward_mosaic._PARTS_PER_BLOCK`; 256 one item a program): the gallery's check against the float64 golden;
-    the backward of 80 and 96 is the Mosaic one too (tests/kernels/test_backward_mosaic.py),
-    of 32, 192 and 256 the Triton one."""
+    the backward of 32 (when named), 80 and 96 is the Mosaic one too
+    (tests/kernels/test_backward_mosaic.py), of 192 and 256 the Triton one."""
     _check(variant, dtype, layout, *interpret_lengths(q_len, kv_len, backend), dim, backend)
 
 
@@ -843,8 +844,8 @@ def test_head_dims_the_mosaic_backward_and_paged_forward_keep():
     assert dispatch.choose_forward(q, k, v, block_mask, None, backend="interpret",
                                    options=options).kernel == "mosaic_forward"
     assert mosaic_eligibility.backward_unsupported_reason(None, 192) == (
-        "head dim 192 (the Mosaic backward takes D in (64, 80, 96, 128))")
-    for dim in (64, 80, 96, 128):
+        "head dim 192 (the Mosaic backward takes D in (32, 64, 80, 96, 128))")
+    for dim in (32, 64, 80, 96, 128):
         assert mosaic_eligibility.backward_unsupported_reason(None, dim) is None
     with pytest.raises(ValueError, match="head dim 192"):
         dispatch.choose_backward(q, k, v, block_mask, None, backend="interpret",
