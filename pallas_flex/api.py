@@ -281,8 +281,10 @@ def _forward_row_sums(q, k, v, block_mask, score_program, config, wanted, with_m
     backend, _, options = config
     # (not those the batch loop sums: a pair bias)
     _, positions = dispatch.split_gradient_positions(q, score_program, options, wanted)
-    relative = mosaic_eligibility.relative_positions(score_program, positions)
-    positions = tuple(position for position in positions if position not in relative)
+    # (nor those read at kv_idx - q_idx or as [q, kv] blocks: the dK/dV kernel's)
+    elsewhere = (mosaic_eligibility.relative_positions(score_program, positions)
+                 + mosaic_eligibility.block_positions(score_program, positions))
+    positions = tuple(position for position in positions if position not in elsewhere)
     if not positions or not mosaic_eligibility.captured_row_sums(q.shape[-1]):
         return ()
     if dispatch.choose_forward(q, k, v, block_mask, score_program, backend=backend,

@@ -24,7 +24,7 @@ backward of `pallas_flex.attention` (`choose_backward`), in the same way:
 | backward_kernel "triton"                                       | triton_backward  |
 | backend "xla", or "interpret" with backward_kernel "auto"      | triton_backward (interpreted) |
 | backward_kernel "auto", and head dim 32 or a score_mod reading a bias tensor at (q_idx, kv_idx) (`mosaic_eligibility.awaiting_measurement`) | triton_backward |
-| the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only (`captured_gradient_unsupported_reason`) or summed by the batch loop (`backward.batch_loop_positions`: a pair bias shared by an MSA's rows) | mosaic_backward  |
+| the Mosaic GPU forward would take the call, and the captured arrays whose gradients are wanted are read once at indices of b and h only, of kv_idx - q_idx or as [q, kv] blocks of a bias tensor (`captured_gradient_unsupported_reason`), or summed by the batch loop (backward_batch_sum "loop": `backward.batch_loop_positions`) | mosaic_backward  |
 | otherwise (backward_kernel "mosaic" then raises a ValueError)  | triton_backward  |
 
 The ragged op (`paged.paged_attention`) has one kernel of its own.
@@ -313,6 +313,10 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
                                                         wanted_const_grads)
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
             score_program, kernel_positions)
+        if (reason is None and options.backward_deterministic
+                and mosaic_eligibility.block_positions(score_program, kernel_positions)):
+            reason = ("backward_deterministic with the gradient of a bias tensor read at "
+                      "(q_idx, kv_idx) (summed by reduce-adds in varying order)")
     if reason is None and not named:
         waiting = mosaic_eligibility.awaiting_measurement(score_program, q.shape[3])
         if waiting is not None:
@@ -329,13 +333,18 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
 
 
 def split_gradient_positions(q, score_program, options: KernelOptions, wanted_const_grads):
-    """(the positions of the captured arrays whose gradients the batch loop sums
-    (`backward.batch_loop_positions`), those the Mosaic backward's kernels sum) among
-    the differentiated ones."""
+    """(the positions of the captured arrays whose gradients the batch loop sums, those
+    the Mosaic backward's kernels sum) among the differentiated ones. The kernels take a
+    bias tensor read as blocks (`mosaic_eligibility.block_positions`: TMA reduce-adds of
+    each tile's dS' g, in an order that varies run to run); with backward_batch_sum
+    "loop" the batch loop sums one shared by many batch rows instead
+    (`backward.batch_loop_positions`), and with backward_deterministic it says whether
+    it can (a ValueError for a large table)."""
     positions = mosaic_eligibility.differentiated_positions(score_program, wanted_const_grads)
-    looped = batch_loop_positions(score_program, wanted_const_grads, q.shape[0],
-                                  options.backward_batch_sum,
-                                  options.backward_deterministic) if positions else ()
+    looped = ()
+    if positions and (options.backward_batch_sum == "loop" or options.backward_deterministic):
+        looped = batch_loop_positions(score_program, wanted_const_grads, q.shape[0], "loop",
+                                      options.backward_deterministic)
     return looped, tuple(p for p in positions if p not in looped)
 
 

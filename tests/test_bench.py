@@ -591,6 +591,27 @@ def test_ab_times_kernel_options_side_by_side(tmp_path):
         ab.main(["--quick", "--arm", "a={}", "--arm", "a={}"])
 
 
+def test_ab_times_the_gated_variant(tmp_path):
+    """`bench.ab --gated`: Evoformer's gated row attention under each arm's options
+    (here the pair bias's gradient by the Triton backward's atomics or its batch loop),
+    forward+backward with the pair bias and gate differentiated; a case that is not a
+    gated one is a clear error."""
+    from pallas_flex.bench import ab
+
+    out = tmp_path / "ab.json"
+    assert ab.main(["--quick", "--gated", "gated_tiny", "--mode", "fwd_bwd", "--rounds", "2",
+                    "--iters", "1", "--arm", 'loop={"backward_batch_sum": "loop"}',
+                    "--arm", 'atomic={"backward_batch_sum": "atomic"}',
+                    "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["case"] == "gated gated_tiny" and list(row["arms"]) == ["loop", "atomic"]
+    assert row["arms"]["atomic"]["max_difference"] < 2e-2  # (0: the same sums, in order)
+    assert len(row["arms"]["atomic"]["rounds_ms"]) == 2 and row["arms"]["loop"]["ratio"] == 1
+    assert "backward: triton_backward" in row["arms"]["atomic"]["kernels"]
+    with pytest.raises(SystemExit):
+        ab.main(["--quick", "--gated", "sinks_tiny", "--arm", "a={}"])
+
+
 def test_shapes_and_cases_that_run_only_when_named():
     """A suite run without --shapes leaves out `cases.EXTRA_ATTENTION_SHAPES` and the
     `extra` variant cases; naming one runs it (and only what was named)."""

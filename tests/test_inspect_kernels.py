@@ -169,7 +169,7 @@ def _mosaic_case(case):
     blocks, a document mask's id vectors, sinks with an output gate and the row max),
     forward+backward (D 64's fused dQ, D 128's two kernels, the deterministic backward,
     captured arrays' gradients: ALiBi slopes fused at D 64, a T5 table; bias-tensor
-    blocks at D 32, 64 and 96), paged prefills
+    blocks at D 32, 64 and 96, and a bias's gradient), paged prefills
     and the latent (MLA) decode, contiguous and on pages of 64."""
     import jax
     import jax.numpy as jnp
@@ -229,6 +229,9 @@ def _mosaic_case(case):
                 pf.masks.causal_mask, pf.scores.bias_lookup(bias))(q, k, v)
                 .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         return fwd_bwd, gqa(384, dim)
+    if case == "backward_d64_trained_bias":  # (its gradient by TMA reduce-adds)
+        grad, bias = gradients(pf.scores.bias_lookup, shape(1, 8, 384, 384))
+        return grad, (*gqa(384, 64), bias)
     if case == "backward_d32_pair_bias":
         # (a fixed pair bias: its gradient's batch loop is a Triton kernel, which does
         # not lower here)
@@ -282,6 +285,7 @@ def _mosaic_case(case):
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
     ("forward_d32_bias_blocks", 1), ("backward_d64_bias_blocks", 2),
     ("backward_d96_bias_blocks", 3), ("backward_d32_pair_bias", 3),
+    ("backward_d64_trained_bias", 3),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
     ("paged_prefill_d128_page64", 1), ("latent_decode", 1),

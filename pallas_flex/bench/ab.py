@@ -2,13 +2,18 @@
 
     python -m pallas_flex.bench.ab --shapes b4_s4096_d128 --variants causal --mode fwd_bwd \
         --arm default={} --arm triton='{"backward_kernel": "triton"}' [--out ab.json]
+    python -m pallas_flex.bench.ab --gated gated_r256_s256_d32 --mode fwd_bwd \
+        --arm default={} --arm mosaic='{"backward_kernel": "mosaic"}'
 
 Each arm is `pf.attention` on the same inputs with its own `kernel_options`; all arms of
 a case are compiled first, then timed in `time_paired`'s rounds (every arm once a round,
 every other round in reverse order: the GPU clock drifts under load), so their ratios
 compare like with like. Each row also gives each arm's largest difference from the first
 arm's output (and gradients), relative to its largest value (bf16: ~1e-2 or less between
-kernels that agree), and the kernels `pf.explain` says it runs. A maintainer tool for
+kernels that agree), and the kernels `pf.explain` says it runs. `--gated` times
+Evoformer's gated row attention instead (`pf.variants.gated_self_attention` at the
+variants suite's gated cases; fwd_bwd differentiates the pair bias and the gate too).
+A maintainer tool for
 the device machine: the question a throwaway probe script would answer, in one command.
 `--quick` runs the tiny CPU shape on the interpret backend (its test).
 """
@@ -24,7 +29,7 @@ import jax
 import pallas_flex as pf
 from pallas_flex.bench import cases
 from pallas_flex.bench.cli import _pick, suite_shapes
-from pallas_flex.bench.jax_suites import _bf16, _difference, _step, mods
+from pallas_flex.bench.jax_suites import _bf16, _difference, _grad_step, _step, mods
 from pallas_flex.bench.timing import time_paired
 
 
@@ -42,9 +47,63 @@ def parse_arm(text: str) -> tuple[str, dict]:
     return name, parsed
 
 
+def _gated_calls(case, arms, backend, mode):
+    """({arm: (jitted step, its arguments)}, {arm: pf.explain of the folded call}) of a
+    gated variant case: the MSA's rows folded into the batch, the pair bias read at
+    b // rows, as `pf.variants.gated_self_attention` calls `pf.attention`."""
+    shape, rows = case.shape, case.rows
+    msa = (shape.batch, rows, shape.seq_len, shape.q_heads, shape.head_dim)
+    q, k, v, gate, d_out = _bf16(*(cases.normal(msa, i) for i in range(5)))
+    pair_bias = jax.numpy.asarray(cases.normal(
+        (shape.batch, shape.q_heads, shape.seq_len, shape.seq_len), 5), jax.numpy.bfloat16)
+    folded = q.reshape((shape.batch * rows,) + q.shape[2:])
+
+    def pair_biased(score, b, h, q_idx, kv_idx):
+        return score + pair_bias[b // rows, h, q_idx, kv_idx]
+    calls, explained = {}, {}
+    for name, options in arms.items():
+        def gated(q, k, v, gate, pair_bias, options=options):
+            return pf.variants.gated_self_attention(
+                q, k, v, gate, pair_bias=pair_bias, scale=shape.scale, backend=backend,
+                kernel_options=options)
+        calls[name] = (_grad_step(gated, mode, tuple(range(5))),
+                       (q, k, v, gate, pair_bias, d_out))
+        explained[name] = pf.explain(folded, folded, folded, score_mod=pair_biased,
+                                     scale=shape.scale, backend=backend,
+                                     kernel_options=options)
+    return calls, explained
+
+
+def _row(case, arms, calls, explained, args) -> dict:
+    """Each arm's timing (paired rounds), ratio to the first arm, largest difference from
+    its output (and gradients), kernels and options."""
+    outputs = {name: jax.block_until_ready(fn(*call_args))
+               for name, (fn, call_args) in calls.items()}
+    first = next(iter(outputs.values()))
+    differences = {name: _difference(out, first) for name, out in outputs.items()}
+    timed = time_paired(calls, rounds=args.rounds, iters=args.iters)
+    base = timed[next(iter(arms))]["ms"]
+    row = {"case": case, "mode": args.mode,
+           "arms": {name: {**timed[name], "ratio": timed[name]["ms"] / base,
+                           "max_difference": differences[name],
+                           "kernels": explained[name], "options": arms[name]}
+                    for name in arms}}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def run(args) -> list[dict]:
     backend = "interpret" if args.quick else args.backend
     arms = dict(args.arm)
+    if args.gated:
+        gated_cases = [case for case in suite_shapes("variants", args.gated, args.quick)
+                       if case.kind == "gated"]
+        if len(gated_cases) != len(args.gated.split(",")):
+            raise SystemExit(f"--gated takes the variants suite's gated cases, got "
+                             f"{args.gated!r}")
+        return [_row(f"gated {case.name}", arms,
+                     *_gated_calls(case, arms, backend, args.mode), args)
+                for case in gated_cases]
     rows = []
     for shape in suite_shapes("forward", args.shapes, args.quick):
         q, k, v, d_out = _bf16(*cases.inputs(shape))
@@ -60,19 +119,7 @@ def run(args) -> list[dict]:
                 explained[name] = pf.explain(q, k, v, mask_mod=mask_mod,
                                              score_mod=score_mod, scale=shape.scale,
                                              backend=backend, kernel_options=options)
-            outputs = {name: jax.block_until_ready(fn(*call_args))
-                       for name, (fn, call_args) in calls.items()}
-            first = next(iter(outputs.values()))
-            differences = {name: _difference(out, first) for name, out in outputs.items()}
-            timed = time_paired(calls, rounds=args.rounds, iters=args.iters)
-            base = timed[next(iter(arms))]["ms"]
-            row = {"case": f"{shape.name} {variant.name}", "mode": args.mode,
-                   "arms": {name: {**timed[name], "ratio": timed[name]["ms"] / base,
-                                   "max_difference": differences[name],
-                                   "kernels": explained[name], "options": arms[name]}
-                            for name in arms}}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(_row(f"{shape.name} {variant.name}", arms, calls, explained, args))
     return rows
 
 
@@ -83,6 +130,8 @@ def main(argv=None) -> int:
                         help="name=kernel_options JSON (the first arm is the baseline)")
     parser.add_argument("--shapes", help="comma-separated shape names or indices (default: all)")
     parser.add_argument("--variants", help="comma-separated variant names or indices (default: all)")
+    parser.add_argument("--gated", help="comma-separated gated cases of the variants suite "
+                        "(instead of --shapes and --variants)")
     parser.add_argument("--mode", choices=("fwd", "fwd_bwd"), default="fwd")
     parser.add_argument("--backend", default=None, help="default: the device's best")
     parser.add_argument("--rounds", type=int, default=9)

@@ -44,10 +44,13 @@ are copied by the memory warpgroups as blocks, as in the forward
 the dK/dV kernel's [128 keys, 64 queries] of the array transposed (one XLA transpose
 before the launch) beside each query stage, so each compute warpgroup loads its 64 rows
 in its tiles' layout; their rings take stages from the tiles
-(`stages_beside_bias_blocks`). Their gradients are not the kernels': a bias shared by
-many batch rows (Evoformer's pair bias) is summed by the Triton backward's batch loop
-(`backward.batch_loop_only`) after them; per-row biases stay on the Triton backward
-(`dispatch.choose_backward`).
+(`stages_beside_bias_blocks`). A bias's gradient is the dK/dV kernel's: each tile's dS' g
+(keys on rows) is TMA-reduce-added in float32 into the transposed gradient at the
+read's place, so rows and heads that share the bias (Evoformer's pair bias, read at
+b // rows) are summed by the reduce-adds (not bitwise reproducible: not with
+`backward_deterministic`); with KernelOptions.backward_batch_sum "loop" a bias shared by
+many batch rows is summed by the Triton backward's batch loop after the kernels instead
+(`backward.batch_loop_only`).
 
 Relative reads (T5 buckets) take their values from runs (`mosaic_tiles.RunsTile`), or
 where `relative_reads.diagonal_blocks` covers them and `dense_diagonals_in_backward`
@@ -93,7 +96,7 @@ from pallas_flex.kernels.forward_mosaic import (
     SHARED_MEMORY_BYTES, bias_block_reads, block_transforms, diagonal_inputs,
     tile_transforms)
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, block_dtypes, fuses_dq, relative_positions, tile_reads)
+    BLOCK, block_dtypes, block_positions, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
     ROWS_PER_WARPGROUP, Affine, Vector, apply_mask, constant_value, diagonal_readers,
     evaluate, index_vector, issue, load_vector, materialize, padded_for_slices,
@@ -102,6 +105,7 @@ from pallas_flex.kernels.mosaic_tiles import (
     vector_layout, with_accumulators)
 from pallas_flex.kernels.padding import pad_axis
 from pallas_flex.kernels.relative_reads import TILE, entry_count, entry_tables
+from pallas_flex.kernels.tile_mods import unpadded_gradient
 from pallas_flex.masks.mod_program import (
     constant_output, with_read_derivatives, with_score_derivative)
 
@@ -150,13 +154,16 @@ _SUMS_MARGIN = 4 * 1024
 
 
 def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
-                              dkv_block_dtypes=(), *, fused: bool = False):
+                              dkv_block_dtypes=(), *, fused: bool = False,
+                              gradient_tiles: int = 0):
     """(dQ kernel stages, dK/dV kernel stages): `_DQ_STAGES` and `_DKV_STAGES` (fused:
     `_FUSED_STAGES`, and no dQ kernel: None), fewer where the rings of bias tensors
     read at (q_idx, kv_idx) (`forward_mosaic.bias_block_reads`; one dtype per read)
     take shared memory beside the tiles: a [128, 128] block per dQ stage, a [128 keys,
-    64 queries] one per dK/dV stage. At least two stages each; None if they do not fit
-    (at D 128 the dQ kernel's [128, 128] K and V tiles leave no room for two)."""
+    64 queries] one per dK/dV stage, and `gradient_tiles` bias gradients' double-buffered
+    float32 [64, 64] staging tiles per dK/dV compute warpgroup. At least two stages each;
+    None if they do not fit (at D 128 the dQ kernel's [128, 128] K and V tiles leave no
+    room for two)."""
     itemsize = jnp.dtype(dtype).itemsize
     budget = SHARED_MEMORY_BYTES - _SUMS_MARGIN
 
@@ -184,6 +191,7 @@ def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
         if fused:
             fixed += (COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE
                       * (itemsize + DQ_STAGING * 4))
+        fixed += gradient_tiles * COMPUTE_WARPGROUPS * 2 * ROWS_PER_WARPGROUP * Q_TILE * 4
         dkv_stages = fitted(dkv_stages, fixed,
                             2 * Q_TILE * head_dim * itemsize + 2 * Q_TILE * 4
                             + ring_bytes(dkv_block_dtypes, BLOCK, Q_TILE))
@@ -244,7 +252,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  score_program, scale, group, num_stages, q_len, kv_len, broadcast_batch,
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
                  dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
-                 before_from_totals=(), reduced_dump=None, bias_blocks=()):
+                 before_from_totals=(), reduced_dump=None, bias_blocks=(),
+                 block_gradients=()):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -269,7 +278,14 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     warpgroup copies each one's [128 keys, 64 queries] block (two copies, one per compute
     warpgroup's keys, on the stage's barrier) into a ring of its own ([stages, 2, 64,
     64], the last shared-memory buffers), which each compute warpgroup loads keys on
-    rows, as its tiles are."""
+    rows, as its tiles are.
+    block_gradients: per bias block read whose gradient is wanted (not with fuse_dq),
+    (its number among bias_blocks, its read derivative's among the score program's
+    derivatives): each tile's dS' g (keys on rows) goes to a double-buffered float32
+    staging tile (the shared-memory buffers before the rings) and is TMA-reduce-added
+    into the read's place of its float32 accumulator, the array transposed (after the
+    other accumulators); in interpret mode, which has no reductions, written to the
+    (batch, head)'s own slice of it."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
@@ -284,8 +300,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     assert fuse_dq or not pair_sites
     row_sums_ref = rest[position] if pair_sites else None
     position += bool(pair_sites)
-    # The float32 dQ the kernel adds into comes after its outputs.
-    outputs_end = len(rest) - 1 - fuse_dq - (reduced_dump is not None)
+    # The float32 dQ the kernel adds into comes after its outputs, then the bias blocks'
+    # gradients.
+    gradient_refs = rest[len(rest) - 1 - len(block_gradients):len(rest) - 1]
+    outputs_end = (len(rest) - 1 - fuse_dq - (reduced_dump is not None)
+                   - len(block_gradients))
     dq_ref = rest[outputs_end] if fuse_dq else None
     dk_ref, dv_ref = rest[position:position + 2]
     run_sums_refs = rest[position + 2:position + 2 + summed_sites]
@@ -296,6 +315,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     (k_smem2, v_smem2, q_smem, do_smem, lse_smem, delta_smem, *entry_smem), barriers = scratch
     block_rings = entry_smem[len(entry_smem) - len(bias_blocks):]
     entry_smem = entry_smem[:len(entry_smem) - len(bias_blocks)]
+    gradient_staging = entry_smem[len(entry_smem) - len(block_gradients):]
+    entry_smem = entry_smem[:len(entry_smem) - len(block_gradients)]
+    assert not (fuse_dq and block_gradients)
     if fuse_dq:
         ds_smem, dq_staging, *entry_smem = entry_smem
     if pair_sites:  # per stage, the forward's row sums of the query tile
@@ -421,10 +443,42 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             issue(d_k, d_scores_t_weighted.astype(dtype), q_tile, interpret=interpret)
             # While dK's wgmma runs (after it: 4.64 against 4.58 ms at B4 S4096 D128).
             sums_of_sites()
+            add_block_gradients(d_scores_t, read_derivatives, step, head, q_start)
             # The slot is released once dK's wgmma has read it: reading the accumulators
             # at the end of `with_accumulators` waits for every wgmma of the step.
             result(d_k, in_flight_after=0, interpret=interpret)
             plgpu.barrier_arrive(consumed.at[slot])
+
+        def add_block_gradients(d_scores_t, read_derivatives, step, head, q_start):
+            """dS' g of each bias block read whose gradient is wanted, reduce-added into
+            its place in the transposed gradient (see block_gradients)."""
+            if not block_gradients:
+                return
+            buffer = lax.rem(step, jnp.int32(2))
+            # This step's copies reuse the buffers of two steps ago: those copies (the
+            # previous step's may still run) have read them.
+            plgpu.wait_smem_to_gmem(len(block_gradients), wait_read_only=True)
+            sources = bias_block_sources(
+                [bias_blocks[number] for number, _ in block_gradients],
+                [ref.at[batch, head] if interpret else ref for ref in gradient_refs],
+                batch, head)
+            for (number, derivative_number), staging_tile, (target, index, q_axis, kv_axis) in zip(
+                    block_gradients, gradient_staging, sources):
+                derivative = materialize(read_derivatives[derivative_number], tile)
+                gradient = d_scores_t
+                if constant_value(derivative) != 1.0:
+                    gradient = gradient * to_tile(derivative, tile)
+                staging_tile.at[warpgroup, buffer][...] = gradient
+                plgpu.commit_smem()
+                at = list(index)  # (q_axis holds the keys, kv_axis the queries)
+                at[q_axis] = pl.ds(kv_start, ROWS_PER_WARPGROUP)
+                at[kv_axis] = pl.ds(q_start, Q_TILE)
+                if interpret:  # each (batch, head) its own slice: no reductions there
+                    plgpu.copy_smem_to_gmem(staging_tile.at[warpgroup, buffer],
+                                            target.at[tuple(at)])
+                else:
+                    plgpu.copy_smem_to_gmem(staging_tile.at[warpgroup, buffer],
+                                            target.at[tuple(at)], reduction_op="add")
 
         def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start,
                              pair_terms):
@@ -839,7 +893,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
     """(dq, dk, dv, const_grads) of FlexAttention, as `backward.flex_attention_backward`,
     only for calls the Mosaic GPU forward takes. const_grads: per captured array of the
     score_mod, its gradient for those at `gradient_positions` (each read once at indices
-    of b and h only, or of kv_idx - q_idx:
+    of b and h only, of kv_idx - q_idx, or as [q, kv] blocks:
     `mosaic_eligibility.captured_gradient_unsupported_reason`), else None.
     deterministic: every gradient bitwise reproducible run to run (no dQ fused into the
     dK/dV kernel, `mosaic_eligibility.fuses_dq`). row_sums: () or, per position read at
@@ -856,7 +910,9 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
               block_mask.q_num_blocks, block_mask.q_indices)
     gradient_positions = tuple(gradient_positions)
     relative = relative_positions(score_program, gradient_positions)
-    pair_positions = tuple(p for p in gradient_positions if p not in relative)
+    blocks = block_positions(score_program, gradient_positions)
+    pair_positions = tuple(p for p in gradient_positions
+                           if p not in relative and p not in blocks)
     padded_q_len, padded_kv_len = launch.q.shape[1], launch.k.shape[1]
     entries = [entry_tables(score_program, tile_reads(score_program), position,
                             q.shape[0], q.shape[2], padded_q_len, padded_kv_len)
@@ -875,7 +931,7 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
             dump is not None and constant_output(derivatives, 2 + i) == 1.0
             for i, dump in enumerate(dumps))
     fuse_dq = fuses_dq(q.shape[3], gradient_positions, deterministic, relative,
-                       forward_row_sums=bool(row_sums))
+                       forward_row_sums=bool(row_sums), block_positions=blocks)
     reduced = None
     if REDUCED_DUMPS and not interpret and not deterministic and len(dumped_reads) == 1:
         reduced = ReducedDump(batch=dumped_reads[0].entries.shape[0],
@@ -893,7 +949,8 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         relative_positions=relative,
         dump_offsets=tuple(None if dump is None else (dump.first_offset, dump.count)
                            for dump in dumps),
-        before_from_totals=before_from_totals, fuse_dq=fuse_dq, reduced_dump=reduced))
+        before_from_totals=before_from_totals, fuse_dq=fuse_dq, reduced_dump=reduced,
+        block_positions=blocks))
     d_q, d_k, d_v, *sums = run(launch.q, launch.k, launch.v, launch.d_out, launch.lse_log2,
                                launch.delta, padded_d_lse,
                                tuple(t.astype(jnp.int32) for t in tables),
@@ -902,10 +959,24 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
                                      for tables, _, _ in entries),
                                block_mask.mask_mod, score_program, stacked_row_sums)
     const_grads = [None] * (len(score_program.consts) if score_program is not None else 0)
-    # After dq, dk, dv: the dQ kernel's row sums (two kernels, where any array's gradient
-    # is wanted), then the dK/dV kernel's sums per relative read, per read at b and h
-    # (fused), then one dump per relative read that has one.
-    rows = sums.pop(0) if gradient_positions and not fuse_dq else None
+    # After dq, dk, dv: the dQ kernel's row sums (two kernels, where the gradient of an
+    # array read at b and h or at kv_idx - q_idx is wanted), then the dK/dV kernel's
+    # sums per relative read, per read at b and h (fused), then one dump per relative
+    # read that has one; last, the bias blocks' gradients.
+    axes_of = {position: axes for _, position, axes, _ in bias_block_reads(
+        score_program, tile_reads(score_program, blocks=True))}
+    for position, gradient in zip(blocks, sums[len(sums) - len(blocks):]):
+        original = score_program.consts[position]
+        # Past the sequences, the kernel's tiles hold whatever the padded keys' scores
+        # gave (the dK/dV kernel does not mask them: their rows are sliced off): zeros
+        # there, then the entries past the array's end (clamped reads) fold into its last.
+        for axis, length in zip(axes_of[position], (q.shape[1], k.shape[1])):
+            inside = lax.broadcasted_iota(jnp.int32, gradient.shape, axis) < length
+            gradient = jnp.where(inside, gradient, 0.0)
+        const_grads[position] = unpadded_gradient(gradient, jnp.shape(original)).astype(
+            original.dtype)
+    sums = sums[:len(sums) - len(blocks)]
+    rows = sums.pop(0) if (pair_positions or relative) and not fuse_dq else None
     run_sums = sums[:len(relative)]
     pair_sums = sums[len(relative):len(relative) + len(pair_positions)] if fuse_dq else []
     dumped = iter(sums[len(relative) + len(pair_sums):])
@@ -980,7 +1051,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        scratch, num_smem, accumulator=accumulator)
+        scratch, num_smem, accumulators=(accumulator,))
     d_q = accumulator[...]
     if interpret:
         d_q = d_q.sum(axis=(0, 1))
@@ -1022,15 +1093,16 @@ class _Sites:
 def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_program,
             score_program, row_sums, *, q_len, kv_len, scale, interpret, masked_first,
             pair_positions, relative_positions, dump_offsets, fuse_dq=False,
-            before_from_totals=(), reduced_dump=None):
+            before_from_totals=(), reduced_dump=None, block_positions=()):
     """The two kernels (or with fuse_dq the dK/dV one computing dQ too, `_launch_fused`) on
     block-padded operands (`backward.prepare_operands`): (dq, dk, dv), then the dQ
     kernel's row sums where any gradient of a captured array is wanted, then per array
     at `relative_positions` the dK/dV kernel's sums per entry (its `entry_tables_`),
     then the tiles dumped for those with `dump_offsets` (`Dump`'s (first_offset,
-    count) or None per array). d_lse: padded, or None (zero or no relative positions).
-    row_sums: the forward's row sums of the reads at b and h, [B, Hq, n, S] (padded), or
-    None."""
+    count) or None per array), then per array at `block_positions` (bias tensors read as
+    blocks) its float32 gradient, of the (edge-padded) array's shape. d_lse: padded, or
+    None (zero or no relative positions). row_sums: the forward's row sums of the reads
+    at b and h, [B, Hq, n, S] (padded), or None."""
     batch, padded_q_len, q_heads, head_dim = q.shape
     padded_kv_len, kv_heads, value_dim = k.shape[1], k.shape[2], v.shape[3]
     num_q_blocks, num_kv_blocks = padded_q_len // BLOCK, padded_kv_len // BLOCK
@@ -1043,7 +1115,9 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         # Fused, the dK/dV kernel takes those at b and h too (`pair_gradients`).
         dq_program = (with_read_derivatives(score_program, pair_positions)
                       if pair_positions else with_score_derivative(score_program))
-        dkv_positions = relative_positions + (pair_positions if fuse_dq else ())
+        # The dK/dV kernel sums the bias blocks' gradients (their derivatives last).
+        dkv_positions = (relative_positions + (pair_positions if fuse_dq else ())
+                         + block_positions)
         dkv_program = (with_read_derivatives(score_program, dkv_positions)
                        if dkv_positions else with_score_derivative(score_program))
     mask_reads = tile_reads(mask_program)
@@ -1052,9 +1126,15 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     dkv_reads = tile_reads(dkv_program, blocks=True)
     dq_blocks = bias_block_reads(dq_program, dq_reads)
     dkv_blocks = bias_block_reads(dkv_program, dkv_reads)
+    # Per bias block gradient: its read among dkv_blocks, its derivative's number.
+    block_gradients = tuple(
+        (next(number for number, (_, position_, _, _) in enumerate(dkv_blocks)
+              if position_ == position), len(dkv_positions) - len(block_positions) + index)
+        for index, position in enumerate(block_positions))
     stages = stages_beside_bias_blocks(
         head_dim, q.dtype, block_dtypes(dq_program, dq_reads),
-        block_dtypes(dkv_program, dkv_reads), fused=fuse_dq)
+        block_dtypes(dkv_program, dkv_reads), fused=fuse_dq,
+        gradient_tiles=len(block_gradients))
     if stages is None:
         raise ValueError(f"bias tensors read at (q_idx, kv_idx) whose blocks do not fit "
                          f"the Mosaic backward's shared memory at head dim {head_dim}")
@@ -1115,21 +1195,23 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         return buffers + barriers, len(buffers)
 
     def call(kernel, operands, kernel_tables, captured, out_type, grid, scratch, num_smem,
-             accumulator=None):
-        """`kernel` launched on the operands, tables and captured arrays; `accumulator`:
-        a mutable float32 array (`jax.new_ref`) it adds into, after its outputs."""
+             accumulators=()):
+        """`kernel` launched on the operands, tables and captured arrays; `accumulators`:
+        mutable float32 arrays (`jax.new_ref`) it adds into, after its outputs."""
         num_inputs = len(operands) + len(kernel_tables) + len(captured)
+        count = len(accumulators)
 
         def entry(*refs):
-            if accumulator is not None:  # the kernel takes it after its outputs
-                refs = refs[:num_inputs] + refs[num_inputs + 1:] + refs[num_inputs:][:1]
+            if count:  # the kernel takes them after its outputs
+                refs = (refs[:num_inputs] + refs[num_inputs + count:]
+                        + refs[num_inputs:num_inputs + count])
 
             def scoped(*buffers):
                 kernel(*refs, (buffers[:num_smem], buffers[num_smem:]))
             pl.run_scoped(scoped, *scratch, collective_axes="warpgroup")
 
         names = tuple(grid)
-        if accumulator is None:
+        if not count:
             return plgpu.kernel(
                 entry, out_type=out_type, grid=tuple(grid[name] for name in names),
                 grid_names=names, num_threads=COMPUTE_WARPGROUPS + 1, thread_name="warpgroup",
@@ -1144,7 +1226,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
             entry, out_type=out_type, mesh=mesh,
             compiler_params=plgpu.CompilerParams(approx_math=True),
             interpret=plgpu.InterpretGPUParams() if interpret else False,
-        )(*operands, *kernel_tables, *captured, accumulator)
+        )(*operands, *kernel_tables, *captured, *accumulators)
 
     relative_entries = tuple(entry_count(score_program, position)
                              for position in relative_positions)
@@ -1203,19 +1285,36 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                             relative_entries=relative_entries,
                             dump_offsets=dump_offsets,
                             before_from_totals=before_from_totals,
-                            reduced_dump=reduced_dump, bias_blocks=dkv_blocks, **settings)
-    accumulator = None
+                            reduced_dump=reduced_dump, bias_blocks=dkv_blocks,
+                            block_gradients=block_gradients, **settings)
+    accumulators = []
     if reduced_dump is not None:  # the one dumped array's tiles, reduce-added
         (count,) = [count for _, count in filter(None, dump_offsets)]
-        accumulator = jax.new_ref(jnp.zeros((reduced_dump.batch * q_heads * count, Q_TILE,
-                                             Q_TILE), jnp.float32))
+        accumulators.append(jax.new_ref(jnp.zeros(
+            (reduced_dump.batch * q_heads * count, Q_TILE, Q_TILE), jnp.float32)))
+    # Each bias block gradient's, of the transposed array's shape (in interpret mode one
+    # per (batch, head), summed here).
+    gradient_shapes = [tuple(dkv_captured[len(dkv_captured) - len(dkv_blocks) + number].shape)
+                       for number, _ in block_gradients]
+    gradient_accumulators = [
+        jax.new_ref(jnp.zeros(((batch, q_heads) if interpret else ()) + shape, jnp.float32))
+        for shape in gradient_shapes]
     d_k, d_v, *run_sums = call(
         dkv, (q, k, v, d_out, lse_log2, delta), q_tables,
         (*dkv_captured, *sites.tables),
         (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
-        *dkv_scratch(dkv_stages, sites.smem), accumulator=accumulator)
-    if accumulator is not None:
-        run_sums.append(accumulator[...])
-    return (d_q, d_k, d_v, *rows, *run_sums)
+        *dkv_scratch(dkv_stages, sites.smem + tuple(
+            plgpu.SMEM((COMPUTE_WARPGROUPS, 2, Q_TILE, Q_TILE), jnp.float32,
+                       transforms=_FLOAT32_TRANSFORMS) for _ in block_gradients)),
+        accumulators=(*accumulators, *gradient_accumulators))
+    if accumulators:
+        run_sums.append(accumulators[0][...])
+    block_grads = []
+    for accumulator, (number, _) in zip(gradient_accumulators, block_gradients):
+        gradient = accumulator[...]
+        if interpret:
+            gradient = gradient.sum(axis=(0, 1))
+        block_grads.append(jnp.swapaxes(gradient, *dkv_blocks[number][2]))
+    return (d_q, d_k, d_v, *rows, *run_sums, *block_grads)

@@ -141,7 +141,7 @@ FUSE_CAPTURED_GRADIENTS = True
 
 
 def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
-             forward_row_sums=False) -> bool:
+             forward_row_sums=False, block_positions=()) -> bool:
     """Whether the Mosaic GPU backward computes dQ in its dK/dV kernel (dS^T through
     shared memory, dQ += dS K per 64-key tile, float32 pieces TMA-reduce-added into a
     zeroed dQ: 5 matmuls per tile pair) instead of a dQ kernel of its own (which
@@ -176,7 +176,8 @@ def fuses_dq(head_dim, gradient_positions, deterministic, relative_positions=(),
     spilled 304 B and lost at every shape, fwd+bwd ms, two kernels / it / cuDNN: B4
     S4096 noop 3.93 / 4.64 / 3.71, causal 2.10 / 2.62 / 2.12; B1 S16384 noop 14.96 /
     16.47 / 13.84 (docs/gpu-notes.md)."""
-    if head_dim != 64 or deterministic or tuple(relative_positions):
+    if (head_dim != 64 or deterministic or tuple(relative_positions)
+            or tuple(block_positions)):  # (the two kernels' dK/dV one sums those)
         return False
     return not tuple(gradient_positions) or (FUSE_CAPTURED_GRADIENTS and forward_row_sums)
 
@@ -326,8 +327,8 @@ def mod_unsupported_reason(program, blocks: bool = False):
 # "mosaic"} runs them (`awaiting_measurement`). Score_mods reading bias tensors at
 # (q_idx, kv_idx) (the dQ kernel copies [128, 128] blocks beside its K/V stages, the
 # dK/dV kernel [128 keys, 64 queries] blocks of the transposed array beside its query
-# stages; a pair bias's gradient from the Triton batch loop), and head dim 32 (4 stages
-# of 64-byte swizzled rows in both kernels).
+# stages; their gradients by TMA reduce-adds of each dK/dV tile), and head dim 32 (4
+# stages of 64-byte swizzled rows in both kernels).
 BACKWARD_BIAS_BLOCKS_BY_DEFAULT = False
 BACKWARD_NAMED_ONLY_HEAD_DIMS = (32,)
 
@@ -385,6 +386,17 @@ def differentiated_positions(score_program, wanted) -> tuple:
         if flag and jnp.issubdtype(jnp.result_type(const), jnp.floating))
 
 
+def block_positions(score_program, positions) -> tuple:
+    """Those of `positions` whose array the score_mod reads as [q, kv] blocks of a bias
+    tensor (`contiguous_reads`' blocks): the Mosaic dK/dV kernel reduce-adds each tile's
+    dS' g into their gradients (`backward_mosaic`)."""
+    if not positions:
+        return ()
+    read = {position for position, _, kind in tile_reads(score_program, blocks=True).values()
+            if kind == "block"}
+    return tuple(position for position in positions if position in read)
+
+
 def relative_positions(score_program, positions) -> tuple:
     """Those of `positions` whose array the score_mod reads at indices of kv_idx - q_idx
     (`relative_reads`: T5 buckets); the others it reads at indices of b and h only."""
@@ -398,23 +410,28 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
     """None if the Mosaic GPU backward computes the gradients of the captured arrays at
     `positions` (`differentiated_positions`), else why not. It takes arrays the mod
     reads once, at indices of b and h only (learnable ALiBi slopes, a per-head bias or
-    temperature) or at indices of kv_idx - q_idx (a T5 table: `relative_reads`) reaching
+    temperature), at indices of kv_idx - q_idx (a T5 table: `relative_reads`) reaching
     at most RELATIVE_GRADIENT_ENTRIES entries a (b, h) pair (all such arrays together),
-    of at most GRADIENT_TABLE_ENTRIES entries; the Triton backward sums the others
-    (reads per element at other indices: a pair bias, q_idx or kv_idx alone)."""
+    of at most GRADIENT_TABLE_ENTRIES entries, or as [q, kv] blocks (a bias tensor,
+    shared by batch rows or not: `block_positions`); the Triton backward sums the others
+    (reads per element at other indices: q_idx or kv_idx alone, gathers)."""
     if not positions:
         return None
     read_positions = captured_read_positions(score_program)
     varying = captured_read_varying_axes(score_program)
     relative = relative_positions(score_program, positions)
+    blocks = block_positions(score_program, positions)
     for position in positions:
         sites = [site for site, read in enumerate(read_positions) if read == position]
         what = f"score_mod {score_program.name!r} captured array #{position}"
         if len(sites) != 1:
             return f"gradients of {what}, read {len(sites)} times (it takes one read)"
+        if blocks and position in blocks:
+            continue
         if position not in relative and any(varying[sites[0]]):
             return (f"gradients of {what}, read at indices computed from q_idx or kv_idx "
-                    "other than through kv_idx - q_idx (the Triton backward sums those)")
+                    "other than through kv_idx - q_idx or as [q, kv] blocks (the Triton "
+                    "backward sums those)")
         if jnp.size(score_program.consts[position]) > GRADIENT_TABLE_ENTRIES:
             return (f"gradients of {what}, of more than {GRADIENT_TABLE_ENTRIES} entries")
     entries = sum(entry_count(score_program, position) for position in relative)
@@ -425,7 +442,7 @@ def captured_gradient_unsupported_reason(score_program, positions) -> str | None
         program = with_read_derivatives(score_program, positions)
     except ValueError as error:
         return f"gradients of captured arrays: {error}"
-    return mod_unsupported_reason(program)
+    return mod_unsupported_reason(program, blocks=True)
 
 
 # A score_mod reading a bias tensor at (q_idx, kv_idx) (`contiguous_reads`' blocks: a

@@ -540,24 +540,42 @@ class ExactIndices:
     """The variables of a mod's jaxpr that equal q_idx or kv_idx exactly ("q" / "kv" in
     `kind`), through an integer `x + 0` / `x - 0` (`ids[q_idx + offset]` with offset 0)
     and jnp indexing's negative-index wrap `select_n(i < 0, i, i + n)`: the kernels'
-    indices are never negative, so that select is the index itself."""
+    indices are never negative, so that select is the index itself; and through
+    `jnp.clip(i, lower <= 0, upper)`, exact up to `upper` (`bound`): a read of an array
+    whose axis ends at or before `upper` clamps there anyway (`exact_index_reads`), as
+    `mod_program.with_read_derivatives`' traced reads do (`TracedReads`)."""
 
     def __init__(self, program):
         first_index = 2 if program.kind == "mask" else 3
         invars = program.jaxpr.invars
         self.kind = {invars[first_index]: "q", invars[first_index + 1]: "kv"}
+        self.bound = {}  # var: the upper bound a clip put on it
         self._never_true = set()
 
     def of(self, atom):
         """"q", "kv" or None for an equation input."""
         return self.kind.get(atom) if isinstance(atom, jex_core.Var) else None
 
+    def bound_of(self, atom):
+        """The upper bound a clip put on an exact index (None: none)."""
+        return self.bound.get(atom) if isinstance(atom, jex_core.Var) else None
+
+    def _pass(self, source, target):
+        self.kind[target] = self.kind[source]
+        if source in self.bound:
+            self.bound[target] = self.bound[source]
+
     def follow(self, equation) -> bool:
         """Records what `equation` makes exact (or never true); whether it did."""
         name, inputs = equation.primitive.name, equation.invars
         kept = _integer_identity(equation)
         if kept is not None and self.of(inputs[kept]):
-            self.kind[equation.outvars[0]] = self.of(inputs[kept])
+            self._pass(inputs[kept], equation.outvars[0])
+            return True
+        upper = _clip_upper_bound(equation)
+        if upper is not None and self.of(inputs[0]):
+            self._pass(inputs[0], equation.outvars[0])
+            self.bound[equation.outvars[0]] = min(upper, self.bound.get(inputs[0], upper))
             return True
         if (name == "lt" and self.of(inputs[0]) and isinstance(inputs[1], jex_core.Literal)
                 and inputs[1].val <= 0):
@@ -566,9 +584,23 @@ class ExactIndices:
         if (name == "select_n" and len(inputs) == 3
                 and isinstance(inputs[0], jex_core.Var) and inputs[0] in self._never_true
                 and self.of(inputs[1])):
-            self.kind[equation.outvars[0]] = self.of(inputs[1])
+            self._pass(inputs[1], equation.outvars[0])
             return True
         return False
+
+
+def _clip_upper_bound(equation):
+    """`upper` for `jnp.clip(x, lower, upper)` of an integer x (a call named clip whose
+    bounds are literals, lower <= 0), else None."""
+    if (equation.primitive.name not in ("pjit", "jit")
+            or equation.params.get("name") != "clip" or len(equation.invars) != 3
+            or not jnp.issubdtype(equation.outvars[0].aval.dtype, jnp.integer)):
+        return None
+    lower, upper = equation.invars[1:]
+    if not all(isinstance(atom, jex_core.Literal) and np.ndim(atom.val) == 0
+               for atom in (lower, upper)) or lower.val > 0:
+        return None
+    return int(upper.val)
 
 
 def exact_index_reads(program):
@@ -597,7 +629,10 @@ def exact_index_reads(program):
             pass
         elif (name == "dynamic_slice" and is_var(inputs[0]) and inputs[0] in positions
               and all(size == 1 for size in equation.params["slice_sizes"])):
-            kinds = [exact.of(atom) for atom in inputs[1:]]
+            # (an index clipped below the axis's end is not exact: it stops early)
+            kinds = [exact.of(atom) if (exact.bound_of(atom) is None
+                                        or exact.bound_of(atom) >= size - 1) else None
+                     for atom, size in zip(inputs[1:], inputs[0].aval.shape)]
             uniform = not any(is_var(atom) and atom in depends_on_tile
                               for atom, kind in zip(inputs[1:], kinds) if kind is None)
             yield equation, positions[inputs[0]], kinds, uniform

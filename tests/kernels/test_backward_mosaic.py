@@ -243,8 +243,10 @@ def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward(
 # Bias tensors read at (q_idx, kv_idx) (`bias_lookup`, [B, H, Sq, Skv], B and H shared
 # or not): the dQ kernel copies [128, 128] blocks beside its K/V stages, the dK/dV kernel
 # [128 keys, 64 queries] blocks of the transposed array beside its query tiles. D 64
-# runs the fused dK/dV kernel, D 80 and 96 the two kernels; ragged lengths and Sq != Skv
-# read the edge padding, which no kept score uses.
+# runs the fused dK/dV kernel (the two kernels where the bias trains), D 80 and 96 the
+# two kernels; ragged lengths and Sq != Skv read the edge padding, which no kept score
+# uses. The bias's gradient: each dK/dV tile's dS' reduce-added into it (in interpret
+# mode summed per (batch, head)), shared rows and heads summed there.
 _BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True),
                      (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, False),
                      (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True)]
@@ -253,26 +255,33 @@ _BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim,bias_shape,bias_dtype,causal",
                          _BIAS_BLOCK_CASES)
+@pytest.mark.parametrize("train_bias", [False, True], ids=["fixed", "trained"])
 def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_len, dim,
-                                            bias_shape, bias_dtype, causal, fused_launches):
-    q, k, v, score_mod = bias_block_call(backend, dtype, layout, q_len, kv_len, dim,
-                                         bias_shape, bias_dtype)
+                                            bias_shape, bias_dtype, causal, train_bias,
+                                            fused_launches):
+    q, k, v, bias = bias_block_call(backend, dtype, layout, q_len, kv_len, dim, bias_shape,
+                                    bias_dtype)
     mask_mod = masks.causal_mask if causal else None
-    choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod, backend=backend,
-                        kernel_options=MOSAIC)
+    choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=masks.bias_lookup(bias),
+                        backend=backend, kernel_options=MOSAIC)
     assert "backward: mosaic_backward" in choice, choice
     d_out = _cotangent(q.shape, 9).astype(dtype)
 
-    def ours(q, k, v):
-        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=score_mod,
+    def ours(q, k, v, bias):
+        return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=masks.bias_lookup(bias),
                             backend=backend, kernel_options=MOSAIC)
-    grads = jax.vjp(ours, q, k, v)[1](d_out)
-    assert len(fused_launches) == (dim == 64)
-    expected = _golden_gradients(q, k, v, d_out, mask_mod or masks.noop_mask, score_mod)
-    _, dense_vjp = jax.vjp(lambda q, k, v: dense_low_precision(q, k, v, mask_mod, score_mod),
-                           q, k, v)
-    for name, grad, golden_grad, baseline in zip("qkv", grads, expected, dense_vjp(d_out)):
-        _assert_gradient_close(grad, golden_grad, baseline, name=f"d{name}")
+    argnums = (0, 1, 2, 3) if train_bias else (0, 1, 2)
+    grads = jax.vjp(lambda *args: ours(*args, *[bias][len(args) - 3:]),
+                    *(q, k, v, bias)[:len(argnums)])[1](d_out)
+    assert len(fused_launches) == (dim == 64 and not train_bias)
+    expected = _golden_gradients(q, k, v, d_out, lambda bias: mask_mod or masks.noop_mask,
+                                 masks.bias_lookup, argnums=argnums, extra=(bias,))
+    _, dense_vjp = jax.vjp(
+        lambda *args: dense_low_precision(*args[:3], mask_mod, masks.bias_lookup(
+            args[3] if train_bias else bias)), *(q, k, v, bias)[:len(argnums)])
+    for name, grad, golden_grad, baseline in zip(("dq", "dk", "dv", "dbias"), grads,
+                                                 expected, dense_vjp(d_out)):
+        _assert_gradient_close(grad, golden_grad, baseline, name=name)
 
 
 def test_bias_tensor_blocks_dispatch():
@@ -288,6 +297,17 @@ def test_bias_tensor_blocks_dispatch():
     program = make_mod_program(masks.bias_lookup(bias), SCORE)
     assert mosaic_eligibility.reads_bias_blocks(program)
     assert not mosaic_eligibility.reads_bias_blocks(make_mod_program(masks.alibi(8), SCORE))
+    # Its gradient too (the dK/dV kernel's reduce-adds, in varying order: not with
+    # backward_deterministic, which refuses so large a table).
+    assert _choice(masks.bias_lookup(bias), wanted=(True,), backend="interpret",
+                   backward_kernel="mosaic").kernel == "mosaic_backward"
+    with pytest.raises(ValueError, match="backward_deterministic"):
+        _choice(masks.bias_lookup(bias), wanted=(True,), backend="interpret",
+                backward_kernel="mosaic", backward_deterministic=True)
+    small = jnp.zeros((1, 1, 8, 8), jnp.bfloat16)  # (a table the one-hot sums could take)
+    with pytest.raises(ValueError, match="backward_deterministic"):
+        _choice(masks.bias_lookup(small), wanted=(True,), backend="interpret",
+                backward_kernel="mosaic", backward_deterministic=True)
     # (what "auto" does on Hopper: tests/test_dispatch.py)
     assert not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
     assert "bias tensor" in mosaic_eligibility.awaiting_measurement(program, 64)
@@ -308,15 +328,17 @@ def test_bias_tensor_blocks_dispatch():
     assert stages(128, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) is None
 
 
-@pytest.mark.parametrize("dim", [32, 64])
+@pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "auto"), (64, "loop")])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_pair_bias_gradient_from_the_batch_loop(backend, dim, fused_launches, monkeypatch):
+def test_pair_bias_gradient_on_the_mosaic_backward(backend, dim, batch_sum, fused_launches,
+                                                  monkeypatch):
     """Evoformer's gated row attention (`pf.variants.gated_self_attention`: a pair bias
     shared by the 4 rows of each MSA, read as blocks at b // 4) on the Mosaic backward:
-    dQ, dK, dV from its kernels, the pair bias's gradient from the Triton backward's
-    batch loop (`backward.batch_loop_positions`), the gate's from XLA; all against plain
-    float64 JAX. A ragged residue count reads the blocks' edge padding. D 64 runs the
-    fused dK/dV kernel, D 32 (Evoformer's) the dQ and dK/dV kernels."""
+    dQ, dK, dV from its kernels, the pair bias's gradient from its dK/dV kernel's
+    reduce-adds or, with backward_batch_sum "loop", from the Triton backward's batch loop
+    (`backward.batch_loop_positions`, after the fused dK/dV kernel at D 64), the gate's
+    from XLA; all against plain float64 JAX. A ragged residue count reads the blocks'
+    edge padding."""
     from pallas_flex.kernels import backward_mosaic
     calls, backward = [], backward_mosaic.flex_attention_backward_mosaic
     monkeypatch.setattr(backward_mosaic, "flex_attention_backward_mosaic",
@@ -328,14 +350,16 @@ def test_pair_bias_gradient_from_the_batch_loop(backend, dim, fused_launches, mo
     d_out = _cotangent(shape, 7)
 
     def ours(q, k, v, gate, pair_bias):
-        return pf.variants.gated_self_attention(q, k, v, gate, pair_bias=pair_bias,
-                                                backend=backend, kernel_options=MOSAIC)
+        return pf.variants.gated_self_attention(
+            q, k, v, gate, pair_bias=pair_bias, backend=backend,
+            kernel_options={**MOSAIC, "backward_batch_sum": batch_sum})
     args = (q, k, v, gate, pair_bias)
     loss = lambda f: lambda *a: jnp.sum(f(*a).astype(jnp.float32) * d_out)  # noqa: E731
-    assert "flex_attention_backward_batch_loop" in str(
+    looped = "flex_attention_backward_batch_loop" in str(
         jax.make_jaxpr(jax.grad(loss(ours), tuple(range(5))))(*args))
+    assert looped == (batch_sum == "loop")
     grads = jax.grad(loss(ours), tuple(range(5)))(*args)
-    assert calls and len(fused_launches) == (dim == 64)  # dQ, dK, dV: the Mosaic backward
+    assert calls and len(fused_launches) == looped  # dQ, dK, dV: the Mosaic backward
 
     def plain(q, k, v, gate, pair_bias):
         q, k, v, gate, pair_bias = (np.asarray(x, np.float64)

@@ -250,14 +250,14 @@ _BLOCK_SHAPES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, 1),
 
 
 def bias_block_call(backend, dtype, layout, q_len, kv_len, dim, bias_shape, bias_dtype):
-    """(q, k, v, score_mod) of a batch-2 call reading a bias tensor `bias_lookup` of
-    shape [B, H, q_len, kv_len] (B and H 1 where bias_shape's entries are 1)."""
+    """(q, k, v, bias) of a batch-2 call reading a bias tensor (`bias_lookup`) of shape
+    [B, H, q_len, kv_len] (B and H 1 where bias_shape's entries are 1)."""
     q_heads, kv_heads = heads_of(layout, backend)
     q, k, v = random_qkv(3, 2, q_len, kv_len, q_heads, kv_heads, dim, dim, dtype)
     shape = (bias_shape[0] if bias_shape[0] == 1 else 2,
              1 if bias_shape[1] == 1 else q_heads, q_len, kv_len)
     bias = (jax.random.normal(jax.random.key(7), shape) * 2).astype(bias_dtype)
-    return q, k, v, masks.bias_lookup(bias)
+    return q, k, v, bias
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -265,8 +265,9 @@ def bias_block_call(backend, dtype, layout, q_len, kv_len, dim, bias_shape, bias
                          _BLOCK_SHAPES)
 def test_bias_tensor_blocks(backend, dtype, layout, q_len, kv_len, dim, bias_shape,
                             bias_dtype, items):
-    q, k, v, score_mod = bias_block_call(backend, dtype, layout, q_len, kv_len, dim,
-                                         bias_shape, bias_dtype)
+    q, k, v, bias = bias_block_call(backend, dtype, layout, q_len, kv_len, dim, bias_shape,
+                                    bias_dtype)
+    score_mod = masks.bias_lookup(bias)
     options = {**MOSAIC, "forward_items_per_program": items}
     for mask_mod in (None, masks.causal_mask):
         choice = pf.explain(q, k, v, mask_mod=mask_mod, score_mod=score_mod,

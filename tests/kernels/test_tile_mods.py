@@ -293,3 +293,28 @@ def test_small_tables_read_per_element_are_selected_not_gathered(monkeypatch):
         want = pf.attention(q, k, v, score_mod=score_mod, backend="reference")
         np.testing.assert_allclose(out, want, rtol=2e-5, atol=2e-5)
         assert bool(selected) == expect_select and all(s == (2, 32) for s in selected)
+
+
+def test_clipped_exact_indices_are_exact_up_to_the_axis_end():
+    """`jnp.clip(q_idx, 0, upper)` reads exactly q_idx where the array's axis ends at or
+    before upper (the read clamps there anyway): a block read, as in the traced reads of
+    `with_read_derivatives`; clipped earlier it stops short of the axis's end, a gather."""
+    from pallas_flex.masks.mod_program import with_read_derivatives
+    bias = jnp.zeros((2, 200, 256))
+
+    def kinds(score_mod):
+        program = make_mod_program(score_mod, SCORE)
+        return [kinds for _, _, kinds, _ in tile_mods.exact_index_reads(program)]
+
+    assert kinds(lambda s, b, h, q, kv: s + bias[h, jnp.clip(q, 0, 199), kv]) == [
+        [None, "q", "kv"]]
+    assert kinds(lambda s, b, h, q, kv: s + bias[h, q, jnp.clip(kv, 0, 300)]) == [
+        [None, "q", "kv"]]
+    assert kinds(lambda s, b, h, q, kv: s + bias[h, jnp.clip(q, 0, 99), kv]) == [
+        [None, None, "kv"]]
+    assert kinds(lambda s, b, h, q, kv: s + bias[h, jnp.clip(q, 5, 199), kv]) == [
+        [None, None, "kv"]]
+    derivatives = with_read_derivatives(make_mod_program(masks.bias_lookup(bias[None]),
+                                                         SCORE), (0,))
+    assert [kinds for _, _, kinds, _ in tile_mods.exact_index_reads(derivatives)] == [
+        [None, None, "q", "kv"]]
