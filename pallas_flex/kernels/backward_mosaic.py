@@ -40,7 +40,7 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 
 Bias tensors the score_mod reads at (q_idx, kv_idx) (a pair bias, `scores.bias_lookup`)
 are copied by the memory warpgroups as blocks, as in the forward
-(`forward_mosaic.bias_block_reads`): the dQ kernel's [128, 128] beside each K/V stage,
+(`bias_blocks_mosaic.bias_block_reads`): the dQ kernel's [128, 128] beside each K/V stage,
 the dK/dV kernel's [128 keys, 64 queries] of the array transposed (one XLA transpose
 before the launch) beside each query stage, so each compute warpgroup loads its 64 rows
 in its tiles' layout; their rings take stages from the tiles
@@ -92,9 +92,10 @@ from pallas_flex.kernels.captured_gradients_mosaic import (
     TILES_PER_BLOCK, accumulate_pair, accumulate_rows, accumulate_rows_from_forward,
     ReducedDump, accumulate_runs, captured_gradients, clear_rows, exact_delta, over_keys,
     pair_gradients, relative_gradient, relative_totals)
+from pallas_flex.kernels.bias_blocks_mosaic import (
+    bias_block_reads, bias_block_sources, block_at, copy_block, ring, with_ring_readers)
 from pallas_flex.kernels.forward_mosaic import (
-    SHARED_MEMORY_BYTES, bias_block_reads, block_transforms, diagonal_inputs,
-    tile_transforms)
+    SHARED_MEMORY_BYTES, diagonal_inputs, tile_transforms)
 from pallas_flex.kernels.mosaic_eligibility import (
     BLOCK, block_dtypes, block_positions, fuses_dq, relative_positions, tile_reads)
 from pallas_flex.kernels.mosaic_tiles import (
@@ -158,7 +159,7 @@ def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
                               gradient_tiles: int = 0):
     """(dQ kernel stages, dK/dV kernel stages): `_DQ_STAGES` and `_DKV_STAGES` (fused:
     `_FUSED_STAGES`, and no dQ kernel: None), fewer where the rings of bias tensors
-    read at (q_idx, kv_idx) (`forward_mosaic.bias_block_reads`; one dtype per read)
+    read at (q_idx, kv_idx) (`bias_blocks_mosaic.bias_block_reads`; one dtype per read)
     take shared memory beside the tiles: a [128, 128] block per dQ stage, a [128 keys,
     64 queries] one per dK/dV stage, and `gradient_tiles` bias gradients' double-buffered
     float32 [64, 64] staging tiles per dK/dV compute warpgroup. At least two stages each;
@@ -273,7 +274,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     1, 64] (`accumulate_pair`); C, each row's sum P g from the forward, comes in
     row_sums_ref [B, Hq, pair_sites, S] (the last input).
     bias_blocks: the score program's reads of bias tensors at (q_idx, kv_idx)
-    (`forward_mosaic.bias_block_reads`), whose arrays, their q and kv axes swapped,
+    (`bias_blocks_mosaic.bias_block_reads`), whose arrays, their q and kv axes swapped,
     follow the dense diagonals' inputs: with each stage's query tile the memory
     warpgroup copies each one's [128 keys, 64 queries] block (two copies, one per compute
     warpgroup's keys, on the stage's barrier) into a ring of its own ([stages, 2, 64,
@@ -470,15 +471,15 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     gradient = gradient * to_tile(derivative, tile)
                 staging_tile.at[warpgroup, buffer][...] = gradient
                 plgpu.commit_smem()
-                at = list(index)  # (q_axis holds the keys, kv_axis the queries)
-                at[q_axis] = pl.ds(kv_start, ROWS_PER_WARPGROUP)
-                at[kv_axis] = pl.ds(q_start, Q_TILE)
+                # (q_axis holds the keys, kv_axis the queries)
+                at = block_at(index, (q_axis, kv_axis), kv_start, ROWS_PER_WARPGROUP,
+                              q_start, Q_TILE)
                 if interpret:  # each (batch, head) its own slice: no reductions there
                     plgpu.copy_smem_to_gmem(staging_tile.at[warpgroup, buffer],
-                                            target.at[tuple(at)])
+                                            target.at[at])
                 else:
                     plgpu.copy_smem_to_gmem(staging_tile.at[warpgroup, buffer],
-                                            target.at[tuple(at)], reduction_op="add")
+                                            target.at[at], reduction_op="add")
 
         def accumulate_sites(d_scores_t, read_derivatives, states, head, q_start,
                              pair_terms):
@@ -615,54 +616,17 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                     row_sums_ref.at[batch, head, :, pl.ds(q_start, Q_TILE)],
                     row_sums_smem.at[slot], ready.at[slot])
             # Each bias block: the transposed array's [keys, queries] rows of both
-            # compute warpgroups' keys.
-            for (source, index, q_axis, kv_axis), ring in zip(
+            # compute warpgroups' keys (its q axis holds the keys, its kv axis the
+            # queries).
+            for source, ring_ref in zip(
                     bias_block_sources(bias_blocks, transposed_biases, batch, head),
                     block_rings):
-                for half in range(COMPUTE_WARPGROUPS):
-                    at = list(index)  # (q_axis holds the keys, kv_axis the queries)
-                    at[q_axis] = pl.ds(kv_block * BLOCK + half * ROWS_PER_WARPGROUP,
-                                       ROWS_PER_WARPGROUP)
-                    at[kv_axis] = pl.ds(q_start, Q_TILE)
-                    plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
-                                            ready.at[slot])
+                copy_block(source, kv_block * BLOCK, q_start, Q_TILE, ring_ref, slot,
+                           ready.at[slot])
             return carry
 
         num_steps, _ = walk(fetch, ())
         _drain((consumed,), num_steps, num_stages)
-
-
-def bias_block_sources(bias_blocks, sources, batch, head):
-    """Per bias block read (`forward_mosaic.bias_block_reads`), (its array's ref,
-    `sources`' entry for the read, its index on every axis for (batch, head): None on the
-    q and kv axes, q axis, kv axis)."""
-    found = []
-    for (_, _, (q_axis, kv_axis), indices_of), source in zip(bias_blocks, sources):
-        index = [None if i is None else jnp.clip(jnp.asarray(i, jnp.int32), 0, size - 1)
-                 for i, size in zip(indices_of(batch, head), source.shape)]
-        found.append((source, index, q_axis, kv_axis))
-    return found
-
-
-def with_ring_readers(readers, bias_blocks, rings, slot, warpgroup, barriers, interpret):
-    """`readers` (the dense diagonal reads', or None) with a reader per bias block read:
-    the warpgroup's rows of the ring's `slot` (a [64, columns] tile in the scores'
-    layout), once its copy has landed (barriers: per ring, or None where the caller
-    has waited for the stage)."""
-    if not bias_blocks:
-        return readers
-    readers = dict(readers or {})
-    for (key, *_), ring, barrier in zip(bias_blocks, rings, barriers or [None] * len(rings)):
-        def read(captured, indices, ring=ring, barrier=barrier):
-            del captured, indices  # (the memory warpgroup addressed the copy)
-            if barrier is not None:
-                plgpu.barrier_wait(barrier.at[slot])
-            rows = ring.at[slot, warpgroup]
-            if interpret:
-                return rows[...]
-            return plgpu.load(rows, layout=plgpu.Layout.WGMMA)
-        readers[key] = read
-    return readers
 
 
 def _drain(consumed, num_steps, num_stages):
@@ -689,7 +653,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     [B, Hq, n, S]): then the rows are sum P dP if row_count is n + 1, and per array
     sum P dP (g - C) (`accumulate_rows_from_forward`, `pair_gradients`).
     bias_blocks: the score program's reads of bias tensors at (q_idx, kv_idx)
-    (`forward_mosaic.bias_block_reads`): the memory warpgroup copies each K/V tile's
+    (`bias_blocks_mosaic.bias_block_reads`): the memory warpgroup copies each K/V tile's
     [128, 128] block of each by TMA into a ring of its own ([stages, 2, 64, 128], the
     last shared-memory buffers; a barrier per stage, the last barriers) after the tile's
     K, whose release follows the mod's read; each compute warpgroup loads its 64 rows."""
@@ -866,15 +830,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
 
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
             # (the ring's slot is released with K's, after the mod has read it)
-            for (source, index, q_axis, kv_axis), ring, barrier in zip(
-                    block_sources, block_rings, block_barriers):
-                for half in range(COMPUTE_WARPGROUPS):
-                    at = list(index)
-                    at[q_axis] = pl.ds(q_block * BLOCK + half * ROWS_PER_WARPGROUP,
-                                       ROWS_PER_WARPGROUP)
-                    at[kv_axis] = pl.ds(kv_block * BLOCK, BLOCK)
-                    plgpu.copy_gmem_to_smem(source.at[tuple(at)], ring.at[slot, half],
-                                            barrier.at[slot])
+            for source, ring_ref, barrier in zip(block_sources, block_rings, block_barriers):
+                copy_block(source, q_block * BLOCK, kv_block * BLOCK, BLOCK, ring_ref, slot,
+                           barrier.at[slot])
 
             @pl.when(step >= num_stages)
             def _():
@@ -1174,9 +1132,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
 
     def rings(program, reads, stages, columns):
         """A [stages, 2, 64, columns] ring per bias block read of the program."""
-        return tuple(plgpu.SMEM((stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, columns),
-                                t, transforms=block_transforms(columns, t))
-                     for t in block_dtypes(program, reads))
+        return tuple(ring(stages, columns, t) for t in block_dtypes(program, reads))
 
     def dkv_scratch(stages, extra_smem=(), ready_arrivals=4):
         """The dK/dV kernel's shared memory (K and V of its keys, then Q, dO, lse and

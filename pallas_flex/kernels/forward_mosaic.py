@@ -50,9 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_flex.kernels import fma_exp2, online_softmax
+from pallas_flex.kernels.bias_blocks_mosaic import (
+    bias_block_reads, bias_block_sources, copy_block, ring as bias_ring, with_ring_readers)
 from pallas_flex.kernels.config import SHORT_KEYS
 from pallas_flex.kernels.mosaic_eligibility import (
-    BLOCK, BLOCK_DTYPES, block_dtypes, block_indices, exp2_fma_share, hand_over_early,
+    BLOCK, BLOCK_DTYPES, block_dtypes, exp2_fma_share, hand_over_early,
     named_turn_barriers, tile_reads)
 from pallas_flex.kernels.device import multiprocessor_count
 from pallas_flex.kernels.kv_tiles import in_pool, page_table_row
@@ -349,26 +351,11 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
                     plgpu.commit_smem()  # before the wgmma reads the tile
 
         def block_readers(slot):
-            """The bias blocks' readers on the tile in `slot`: this warpgroup's 64 rows
-            of the block its ring holds there, once its copy has landed; and the dense
+            """The bias blocks' readers on the tile in `slot` (this warpgroup's 64 rows
+            of the block its ring holds there, once its copy has landed) and the dense
             relative reads' wrappers of their runs (`diagonal_loads`)."""
-            def load_rows(ring, barrier):
-                plgpu.barrier_wait(barrier.at[slot])
-                rows = ring.at[slot, warpgroup]
-                if interpret:
-                    return rows[...]
-                return plgpu.load(rows, layout=plgpu.Layout.WGMMA)
-
-            def reader(ring, barrier):
-                def read(captured, indices):
-                    del captured, indices  # (the memory warpgroup addressed the copy)
-                    return load_rows(ring, barrier)
-                return read
-
-            readers = {key: reader(ring, barrier) for (key, *_), ring, barrier
-                       in zip(bias_blocks, block_rings, block_barriers)}
-            readers.update(dense_readers or {})
-            return readers
+            return with_ring_readers(dense_readers, bias_blocks, block_rings, slot,
+                                     warpgroup, block_barriers, interpret)
 
         def visit(step, carry, masked):
             block_start = None
@@ -581,33 +568,15 @@ def _kernel(q_ref, k_ref, v_ref, full_num_ref, full_indices_ref, partial_num_ref
             head, q_block, batch, _, num_steps, kv_block_of = item_at(local)
             kv_head = lax.div(head, jnp.int32(group))
             # Each bias block's indices on its other axes: the item's, for every tile.
-            block_sources = []
-            for (_, position, (q_axis, kv_axis), indices_of), ring, barrier in zip(
-                    bias_blocks, block_rings, block_barriers):
-                source = score_refs[position]
-                index = [None if i is None else jnp.clip(jnp.asarray(i, jnp.int32), 0,
-                                                         size - 1)
-                         for i, size in zip(indices_of(batch, head), source.shape)]
-                block_sources.append((source, index, q_axis, kv_axis, ring, barrier))
-
-            def copy_halves(block_of_half, ring, barrier, slot):
-                """A K/V tile's [128, keys] block as two 64-row copies (one per compute
-                warpgroup's rows) into the ring's slot, arriving on the slot's barrier."""
-                for half in range(COMPUTE_WARPGROUPS):
-                    plgpu.copy_gmem_to_smem(block_of_half(half), ring.at[slot, half],
-                                            barrier.at[slot])
+            block_sources = bias_block_sources(
+                bias_blocks, [score_refs[position] for _, position, _, _ in bias_blocks],
+                batch, head)
 
             def copy_blocks(location, part, slot):
-                """The K/V tile's block of each bias tensor."""
-                for source, index, q_axis, kv_axis, ring, barrier in block_sources:
-                    def bias_rows(half, source=source, index=index, q_axis=q_axis,
-                                  kv_axis=kv_axis):
-                        at = list(index)
-                        at[q_axis] = pl.ds(q_block * BLOCK + half * ROWS_PER_WARPGROUP,
-                                           ROWS_PER_WARPGROUP)
-                        at[kv_axis] = pl.ds(location * BLOCK + part * tile_rows, tile_rows)
-                        return source.at[tuple(at)]
-                    copy_halves(bias_rows, ring, barrier, slot)
+                """The K/V tile's [128, keys] block of each bias tensor."""
+                for source, ring, barrier in zip(block_sources, block_rings, block_barriers):
+                    copy_block(source, q_block * BLOCK, location * BLOCK + part * tile_rows,
+                               tile_rows, ring, slot, barrier.at[slot])
 
             def copy_tile(source_ref, location, part, destination, barrier):
                 if paged:
@@ -804,16 +773,6 @@ def tile_transforms(head_dim: int, contraction_rows: int | None = None):
     return (plgpu.TilingTransform((8, swizzle // 2)), plgpu.SwizzleTransform(swizzle))
 
 
-def bias_block_reads(score_program, score_reads):
-    """`_kernel`'s bias_blocks (and the Mosaic backward's): (key, captured position, (q axis, kv axis), other indices
-    of (b, h)) per read `tile_reads` calls a block."""
-    if score_program is None:
-        return ()
-    equations = {id(equation): equation for equation in score_program.jaxpr.eqns}
-    return tuple((key, position, axes, block_indices(score_program, equations[key]))
-                 for key, (position, axes, kind) in score_reads.items() if kind == "block")
-
-
 # Whether relative reads that `diagonal_blocks` covers take their dense block diagonals
 # from their tiles and one side value elsewhere (`diagonal_inputs`); False: the runs
 # everywhere (what the tests compare with). H200, paired rounds, ms, dense + sides /
@@ -843,15 +802,6 @@ def diagonal_inputs(score_program, score_reads, *, paged, batch, heads, q_length
              if number in found and jnp.dtype(found[number].tiles.dtype) in BLOCK_DTYPES]
     return (tuple((key, blocks.first, blocks.count) for key, blocks in reads),
             [blocks.tiles for _, blocks in reads], [blocks.sides for _, blocks in reads])
-
-
-def block_transforms(columns: int, dtype):
-    """The shared-memory layout of a bias block's [64, columns] rows: 128-byte rows of 8
-    swizzled by 128 bytes (16-bit: 64 columns a tile row; float32: 32), as the compute
-    warpgroups load them in the scores' wgmma layout."""
-    row_elements = 128 // jnp.dtype(dtype).itemsize
-    assert columns % row_elements == 0, (columns, dtype)
-    return (plgpu.TilingTransform((8, row_elements)), plgpu.SwizzleTransform(128))
 
 
 # What the forward's shared memory holds at most (the H100's and H200's 227 KiB, less a
@@ -1074,9 +1024,7 @@ def _launch(q, k, v, tables, paging, mask_program, score_program, sinks, gate, *
               for _ in range(row_buffers)],
             *([plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, head_dim), q.dtype,
                           transforms=transforms)] if persistent else []),
-            *[plgpu.SMEM((num_stages, COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, tile_rows),
-                         dtype, transforms=block_transforms(tile_rows, dtype))
-              for dtype in bias_dtypes],
+            *[bias_ring(num_stages, tile_rows, dtype) for dtype in bias_dtypes],
             plgpu.Barrier(num_barriers=COMPUTE_WARPGROUPS),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
             plgpu.Barrier(num_arrivals=arrivals_per_tile, num_barriers=num_stages),
