@@ -305,12 +305,13 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
                                          "Pallas's interpreter")
     reason = mosaic_unsupported_reason(q, k, v, block_mask, score_program, options=options,
                                        interpret=interpret)
+    _, kernel_positions = split_gradient_positions(q, score_program, options,
+                                                    wanted_const_grads)
     if reason is None:
-        reason = mosaic_eligibility.backward_unsupported_reason(score_program, q.shape[3],
-                                                                q.dtype)
+        reason = mosaic_eligibility.backward_unsupported_reason(
+            score_program, q.shape[3], q.dtype, gradient_tiles=len(
+                mosaic_eligibility.block_positions(score_program, kernel_positions)))
     if reason is None:
-        _, kernel_positions = split_gradient_positions(q, score_program, options,
-                                                        wanted_const_grads)
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
             score_program, kernel_positions)
         if (reason is None and options.backward_deterministic

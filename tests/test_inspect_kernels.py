@@ -220,18 +220,21 @@ def _mosaic_case(case):
     if case in ("forward_d64_bias_blocks", "forward_d32_bias_blocks"):
         bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
         return attend(None, pf.scores.bias_lookup(bias)), gqa(384, 32 if "d32" in case else 64)
-    if case in ("backward_d64_bias_blocks", "backward_d96_bias_blocks"):
-        # (D 64: the fused dK/dV kernel; D 96: the dQ and dK/dV kernels)
-        dim = 64 if "d64" in case else 96
+    if case in ("backward_d64_bias_blocks", "backward_d96_bias_blocks",
+                "backward_d128_bias_blocks"):
+        # (D 64: the fused dK/dV kernel; D 96: the dQ and dK/dV kernels; D 128: the dQ
+        # kernel on 64-key tiles)
+        dim = int(case.split("_")[1][1:])
         bias = jnp.zeros((1, 8, 384, 384), jnp.bfloat16)
         def fwd_bwd(q, k, v):
             return jax.grad(lambda q, k, v: attend(
                 pf.masks.causal_mask, pf.scores.bias_lookup(bias))(q, k, v)
                 .astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
         return fwd_bwd, gqa(384, dim)
-    if case == "backward_d64_trained_bias":  # (its gradient by TMA reduce-adds)
+    if case in ("backward_d64_trained_bias", "backward_d128_trained_bias"):
+        # (its gradient by TMA reduce-adds; at D 128 from one staging buffer)
         grad, bias = gradients(pf.scores.bias_lookup, shape(1, 8, 384, 384))
-        return grad, (*gqa(384, 64), bias)
+        return grad, (*gqa(384, 128 if "d128" in case else 64), bias)
     if case == "backward_d32_pair_bias":
         # (a fixed pair bias: its gradient's batch loop is a Triton kernel, which does
         # not lower here)
@@ -285,7 +288,8 @@ def _mosaic_case(case):
     ("forward_d80_documents", 1), ("forward_d64_bias_blocks", 1),
     ("forward_d32_bias_blocks", 1), ("backward_d64_bias_blocks", 2),
     ("backward_d96_bias_blocks", 3), ("backward_d32_pair_bias", 3),
-    ("backward_d64_trained_bias", 3),
+    ("backward_d64_trained_bias", 3), ("backward_d128_bias_blocks", 3),
+    ("backward_d128_trained_bias", 3),
     ("backward_d64_causal", 2), ("backward_d128_causal", 3),
     ("backward_d128_alibi_slopes", 3), ("backward_d64_t5_table", 3),
     ("paged_prefill_d128_page64", 1), ("latent_decode", 1),

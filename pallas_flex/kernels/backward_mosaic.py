@@ -40,7 +40,8 @@ ms), so the two-kernel scheme's 7 matmuls keep its fwd+bwd ~5 % behind cuDNN's 5
 
 Bias tensors the score_mod reads at (q_idx, kv_idx) (a pair bias, `scores.bias_lookup`)
 are copied by the memory warpgroups as blocks, as in the forward
-(`bias_blocks_mosaic.bias_block_reads`): the dQ kernel's [128, 128] beside each K/V stage,
+(`bias_blocks_mosaic.bias_block_reads`): the dQ kernel's [128, keys] beside each K/V stage
+(at D 128 on 64-key tiles: `BackwardLayout`),
 the dK/dV kernel's [128 keys, 64 queries] of the array transposed (one XLA transpose
 before the launch) beside each query stage, so each compute warpgroup loads its 64 rows
 in its tiles' layout; their rings take stages from the tiles
@@ -79,6 +80,7 @@ gradient); before it, with the query-only part of the derivative on row sums, 10
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -154,17 +156,29 @@ REDUCED_DUMPS = True
 _SUMS_MARGIN = 4 * 1024
 
 
+class BackwardLayout(typing.NamedTuple):
+    """How the backward kernels' shared memory is spent (`stages_beside_bias_blocks`):
+    dQ kernel stages (None where the dK/dV kernel computes dQ), K/V tiles a BlockMask
+    block is walked in by the dQ kernel (its tiles then [128 / parts, D]), dK/dV kernel
+    stages, and staging buffers per bias gradient in the dK/dV kernel."""
+    dq_stages: int | None
+    dq_parts: int
+    dkv_stages: int
+    gradient_buffers: int
+
+
 def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
                               dkv_block_dtypes=(), *, fused: bool = False,
                               gradient_tiles: int = 0):
-    """(dQ kernel stages, dK/dV kernel stages): `_DQ_STAGES` and `_DKV_STAGES` (fused:
-    `_FUSED_STAGES`, and no dQ kernel: None), fewer where the rings of bias tensors
-    read at (q_idx, kv_idx) (`bias_blocks_mosaic.bias_block_reads`; one dtype per read)
-    take shared memory beside the tiles: a [128, 128] block per dQ stage, a [128 keys,
-    64 queries] one per dK/dV stage, and `gradient_tiles` bias gradients' double-buffered
-    float32 [64, 64] staging tiles per dK/dV compute warpgroup. At least two stages each;
-    None if they do not fit (at D 128 the dQ kernel's [128, 128] K and V tiles leave no
-    room for two)."""
+    """The kernels' `BackwardLayout`: `_DQ_STAGES` and `_DKV_STAGES` (fused:
+    `_FUSED_STAGES`) of whole blocks, fewer where the rings of bias tensors read at
+    (q_idx, kv_idx) (`bias_blocks_mosaic.bias_block_reads`; one dtype per read) take
+    shared memory beside the tiles: a [128, keys] block per dQ stage (at D 128, 64-key
+    tiles: 128-key K and V tiles leave no room for two stages beside 128-key blocks), a
+    [128 keys, 64 queries] one per dK/dV stage, and `gradient_tiles` bias gradients'
+    float32 [64, 64] staging tiles per dK/dV compute warpgroup (double-buffered, or single
+    where two stages would not fit beside two buffers). At least two stages each; None
+    if nothing fits."""
     itemsize = jnp.dtype(dtype).itemsize
     budget = SHARED_MEMORY_BYTES - _SUMS_MARGIN
 
@@ -177,28 +191,38 @@ def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
     def ring_bytes(dtypes, rows, columns):
         return sum(rows * columns * jnp.dtype(t).itemsize for t in dtypes)
 
-    dq_stages = None
+    dq_stages, dq_parts = None, 1
     if not fused:
         dq_stages = _DQ_STAGES[head_dim]
-        if dq_block_dtypes:  # Q and dO, lse and delta; K and V per stage
-            dq_stages = fitted(dq_stages, 2 * BLOCK * head_dim * itemsize + 2 * BLOCK * 4,
-                               2 * BLOCK * head_dim * itemsize
-                               + ring_bytes(dq_block_dtypes, BLOCK, BLOCK))
-            if dq_stages is None:
-                return None
+        for dq_parts in (1, 2) if dq_block_dtypes else (1,):
+            keys = BLOCK // dq_parts  # Q and dO, lse and delta; K, V and blocks per stage
+            dq_stages = fitted(_DQ_STAGES[head_dim] * dq_parts,
+                               2 * BLOCK * head_dim * itemsize + 2 * BLOCK * 4,
+                               2 * keys * head_dim * itemsize
+                               + ring_bytes(dq_block_dtypes, BLOCK, keys))
+            if dq_stages is not None:
+                break
+        if dq_stages is None:
+            return None
     dkv_stages = (_FUSED_STAGES if fused else _DKV_STAGES)[head_dim]
+    buffers = 2
     if dkv_block_dtypes:  # K and V (fused: dS^T, dQ staging); Q, dO, lse, delta per stage
         fixed = 2 * BLOCK * head_dim * itemsize
         if fused:
             fixed += (COMPUTE_WARPGROUPS * ROWS_PER_WARPGROUP * Q_TILE
                       * (itemsize + DQ_STAGING * 4))
-        fixed += gradient_tiles * COMPUTE_WARPGROUPS * 2 * ROWS_PER_WARPGROUP * Q_TILE * 4
-        dkv_stages = fitted(dkv_stages, fixed,
-                            2 * Q_TILE * head_dim * itemsize + 2 * Q_TILE * 4
-                            + ring_bytes(dkv_block_dtypes, BLOCK, Q_TILE))
-        if dkv_stages is None:
+        per_stage = (2 * Q_TILE * head_dim * itemsize + 2 * Q_TILE * 4
+                     + ring_bytes(dkv_block_dtypes, BLOCK, Q_TILE))
+        for buffers in (2, 1):
+            staging = (gradient_tiles * COMPUTE_WARPGROUPS * buffers * ROWS_PER_WARPGROUP
+                       * Q_TILE * 4)
+            stages = fitted(dkv_stages, fixed + staging, per_stage)
+            if stages is not None:
+                break
+        if stages is None:
             return None
-    return dq_stages, dkv_stages
+        dkv_stages = stages
+    return BackwardLayout(dq_stages, dq_parts, dkv_stages, buffers)
 
 
 def _scores_to_logits(raw, *, score_program, score_reads, score_refs, scale, batch, head,
@@ -254,7 +278,7 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                  broadcast_heads, mask_reads, score_reads, masked_first, relative_entries,
                  dump_offsets, interpret, fuse_dq=False, pair_sites=0, diagonal_reads=(),
                  before_from_totals=(), reduced_dump=None, bias_blocks=(),
-                 block_gradients=()):
+                 block_gradients=(), gradient_buffers=2):
     """relative_entries: per captured array read at indices of kv_idx - q_idx whose
     gradient is wanted (the score program's read derivatives g, in order), how many
     entries a (b, h) pair reaches: per key, dS' g summed by entry over the walk
@@ -282,8 +306,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
     rows, as its tiles are.
     block_gradients: per bias block read whose gradient is wanted (not with fuse_dq),
     (its number among bias_blocks, its read derivative's among the score program's
-    derivatives): each tile's dS' g (keys on rows) goes to a double-buffered float32
-    staging tile (the shared-memory buffers before the rings) and is TMA-reduce-added
+    derivatives): each tile's dS' g (keys on rows) goes to a float32 staging tile (one of
+    `gradient_buffers` in turn: the shared-memory buffers before the rings) and is
+    TMA-reduce-added
     into the read's place of its float32 accumulator, the array transposed (after the
     other accumulators); in interpret mode, which has no reductions, written to the
     (batch, head)'s own slice of it."""
@@ -455,10 +480,11 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
             its place in the transposed gradient (see block_gradients)."""
             if not block_gradients:
                 return
-            buffer = lax.rem(step, jnp.int32(2))
-            # This step's copies reuse the buffers of two steps ago: those copies (the
-            # previous step's may still run) have read them.
-            plgpu.wait_smem_to_gmem(len(block_gradients), wait_read_only=True)
+            buffer = lax.rem(step, jnp.int32(gradient_buffers))
+            # This step's copies reuse the buffers of `gradient_buffers` steps ago: those
+            # copies (with two buffers, the previous step's may still run) have read them.
+            plgpu.wait_smem_to_gmem(len(block_gradients) * (gradient_buffers - 1),
+                                    wait_read_only=True)
             sources = bias_block_sources(
                 [bias_blocks[number] for number, _ in block_gradients],
                 [ref.at[batch, head] if interpret else ref for ref in gradient_refs],
@@ -643,7 +669,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                full_indices_ref, partial_num_ref, partial_indices_ref, *refs, mask_program,
                score_program, scale, group, num_stages, num_q_blocks, q_len, kv_len,
                broadcast_batch, broadcast_heads, mask_reads, score_reads, masked_first,
-               row_count, interpret, forward_sites=0, diagonal_reads=(), bias_blocks=()):
+               row_count, interpret, forward_sites=0, diagonal_reads=(), bias_blocks=(),
+               parts_per_block=1):
     """row_count: 0; 1 (sum P dP, the exact deltas only); or 2 + 2 n for the n captured
     arrays read at indices of b and h whose gradients the program accumulates (the score
     program's read derivatives g):
@@ -656,7 +683,9 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
     (`bias_blocks_mosaic.bias_block_reads`): the memory warpgroup copies each K/V tile's
     [128, 128] block of each by TMA into a ring of its own ([stages, 2, 64, 128], the
     last shared-memory buffers; a barrier per stage, the last barriers) after the tile's
-    K, whose release follows the mod's read; each compute warpgroup loads its 64 rows."""
+    K, whose release follows the mod's read; each compute warpgroup loads its 64 rows.
+    parts_per_block: K/V tiles a BlockMask block is walked in (`BackwardLayout.dq_parts`:
+    2 beside D 128's bias blocks); the walk's steps are those tiles."""
     mask_refs, score_refs, rest = split_tile_refs(
         refs, mask_program, mask_reads, score_program, score_reads)
     readers, rest = diagonal_readers(diagonal_reads, rest, interpret=interpret)
@@ -685,6 +714,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
         second = second_indices[table + (jnp.clip(step - num_first, 0, last_listed),)]
         return jnp.where(step < num_first, first, second)
 
+    keys = BLOCK // parts_per_block  # a K/V tile's
+
+    def first_key(tile_step):
+        """The first key of the walk's K/V tile `tile_step`."""
+        if parts_per_block == 1:
+            return kv_block_of(tile_step) * BLOCK
+        return (kv_block_of(lax.div(tile_step, jnp.int32(parts_per_block))) * BLOCK
+                + lax.rem(tile_step, jnp.int32(parts_per_block)) * keys)
+
     warpgroup = lax.axis_index("warpgroup")
 
     @pl.when(warpgroup < COMPUTE_WARPGROUPS)
@@ -705,7 +743,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                 forward_sums_ref.at[batch, head, :, pl.ds(q_start, ROWS_PER_WARPGROUP)],
                 forward_sums_smem.at[warpgroup], barrier)
         plgpu.barrier_wait(barrier)
-        tile = (ROWS_PER_WARPGROUP, BLOCK)
+        tile = (ROWS_PER_WARPGROUP, keys)
         # Row vectors, spread over each tile where used (as tiles they would hold 64
         # registers a thread each for the whole walk).
         lse_log2 = load_vector(lse_smem2.at[warpgroup], 0, interpret)
@@ -746,10 +784,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.barrier_wait(v_ready.at[slot])
             issue(d_probabilities_ref, do_smem, v_tile, transpose_b=True, interpret=interpret)
             scores = result(scores_ref, in_flight_after=1, interpret=interpret)
-            kv_start = kv_block_of(step) * BLOCK
+            kv_start = first_key(step)
             kv_idx = kv_position = None
             if needs_kv_idx[masked]:
-                kv_position = index_vector(kv_start, BLOCK, 1)
+                kv_position = index_vector(kv_start, keys, 1)
                 # The unclamped positions mask the key tail: one iota for both.
                 kv_idx = (Vector(jnp.minimum(kv_position.value, kv_len - 1), 1)
                           if clamps_key_tail else kv_position)
@@ -793,9 +831,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
                               vector_layout(0))
             for _ in range(row_count))
         carry = (d_q, *row_sums)
-        carry = lax.fori_loop(0, num_first, functools.partial(visit, masked=masked_first),
-                              carry)
-        d_q, *row_sums = lax.fori_loop(num_first, num_steps,
+        carry = lax.fori_loop(0, num_first * parts_per_block,
+                              functools.partial(visit, masked=masked_first), carry)
+        d_q, *row_sums = lax.fori_loop(num_first * parts_per_block,
+                                       num_steps * parts_per_block,
                                        functools.partial(visit, masked=not masked_first),
                                        carry)
         q_smem[...] = (d_q * scale).astype(dtype)
@@ -818,11 +857,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             bias_blocks, [score_refs[position] for _, position, _, _ in bias_blocks],
             batch, head)
 
-        @pl.loop(0, num_steps)
+        @pl.loop(0, num_steps * parts_per_block)
         def _fetch(step):
             slot = lax.rem(step, jnp.int32(num_stages))
-            kv_block = kv_block_of(step)
-            rows = (batch, pl.ds(kv_block * BLOCK, BLOCK), kv_head)
+            start = first_key(step)
+            rows = (batch, pl.ds(start, keys), kv_head)
 
             @pl.when(step >= num_stages)
             def _():
@@ -831,7 +870,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
             plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
             # (the ring's slot is released with K's, after the mod has read it)
             for source, ring_ref, barrier in zip(block_sources, block_rings, block_barriers):
-                copy_block(source, q_block * BLOCK, kv_block * BLOCK, BLOCK, ring_ref, slot,
+                copy_block(source, q_block * BLOCK, start, keys, ring_ref, slot,
                            barrier.at[slot])
 
             @pl.when(step >= num_stages)
@@ -840,7 +879,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_ref,
 
             plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
 
-        _drain((k_consumed, v_consumed), num_steps, num_stages)
+        _drain((k_consumed, v_consumed), num_steps * parts_per_block, num_stages)
 
 
 def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
@@ -1089,14 +1128,14 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
         (next(number for number, (_, position_, _, _) in enumerate(dkv_blocks)
               if position_ == position), len(dkv_positions) - len(block_positions) + index)
         for index, position in enumerate(block_positions))
-    stages = stages_beside_bias_blocks(
+    layout = stages_beside_bias_blocks(
         head_dim, q.dtype, block_dtypes(dq_program, dq_reads),
         block_dtypes(dkv_program, dkv_reads), fused=fuse_dq,
         gradient_tiles=len(block_gradients))
-    if stages is None:
+    if layout is None:
         raise ValueError(f"bias tensors read at (q_idx, kv_idx) whose blocks do not fit "
                          f"the Mosaic backward's shared memory at head dim {head_dim}")
-    dq_stages, dkv_stages = stages
+    dq_stages, dq_parts, dkv_stages = layout.dq_stages, layout.dq_parts, layout.dkv_stages
 
     def captured_for(program, reads, keys_on_rows=False):
         """(the kernel's diagonal_reads, its inputs for the mods followed by the dense
@@ -1205,6 +1244,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
     dq = functools.partial(_dq_kernel, num_stages=dq_stages, num_q_blocks=num_q_blocks,
                            score_program=dq_program, score_reads=dq_reads,
                            diagonal_reads=dq_diagonal_reads, bias_blocks=dq_blocks,
+                           parts_per_block=dq_parts,
                            row_count=row_count, forward_sites=forward_sites, **settings)
     rows_type = ((jax.ShapeDtypeStruct((row_count, batch, q_heads, padded_q_len),
                                        jnp.float32),) if row_count else ())
@@ -1221,8 +1261,9 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          smem((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, value_dim)),
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
          vectors(COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP),
-         smem((dq_stages, BLOCK, head_dim)), smem((dq_stages, BLOCK, value_dim)),
-         *rows_smem, *rings(dq_program, dq_reads, dq_stages, BLOCK),
+         smem((dq_stages, BLOCK // dq_parts, head_dim)),
+         smem((dq_stages, BLOCK // dq_parts, value_dim)),
+         *rows_smem, *rings(dq_program, dq_reads, dq_stages, BLOCK // dq_parts),
          plgpu.Barrier(num_arrivals=4 + bool(forward_sites), num_barriers=COMPUTE_WARPGROUPS),
          plgpu.Barrier(num_barriers=dq_stages), plgpu.Barrier(num_barriers=dq_stages),
          plgpu.Barrier(num_arrivals=COMPUTE_WARPGROUPS, num_barriers=dq_stages),
@@ -1242,7 +1283,8 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
                             dump_offsets=dump_offsets,
                             before_from_totals=before_from_totals,
                             reduced_dump=reduced_dump, bias_blocks=dkv_blocks,
-                            block_gradients=block_gradients, **settings)
+                            block_gradients=block_gradients,
+                            gradient_buffers=layout.gradient_buffers, **settings)
     accumulators = []
     if reduced_dump is not None:  # the one dumped array's tiles, reduce-added
         (count,) = [count for _, count in filter(None, dump_offsets)]
@@ -1262,8 +1304,9 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
         *dkv_scratch(dkv_stages, sites.smem + tuple(
-            plgpu.SMEM((COMPUTE_WARPGROUPS, 2, Q_TILE, Q_TILE), jnp.float32,
-                       transforms=_FLOAT32_TRANSFORMS) for _ in block_gradients)),
+            plgpu.SMEM((COMPUTE_WARPGROUPS, layout.gradient_buffers, Q_TILE, Q_TILE),
+                       jnp.float32, transforms=_FLOAT32_TRANSFORMS)
+            for _ in block_gradients)),
         accumulators=(*accumulators, *gradient_accumulators))
     if accumulators:
         run_sums.append(accumulators[0][...])

@@ -325,7 +325,7 @@ def mod_unsupported_reason(program, blocks: bool = False):
 # checked on the CPU (interpret mode against float64, and lowering for Hopper), not yet
 # timed on the GPU against the Triton backward; kernel_options {"backward_kernel":
 # "mosaic"} runs them (`awaiting_measurement`). Score_mods reading bias tensors at
-# (q_idx, kv_idx) (the dQ kernel copies [128, 128] blocks beside its K/V stages, the
+# (q_idx, kv_idx) (the dQ kernel copies [128, keys] blocks beside its K/V stages, the
 # dK/dV kernel [128 keys, 64 queries] blocks of the transposed array beside its query
 # stages; their gradients by TMA reduce-adds of each dK/dV tile), and head dim 32 (4
 # stages of 64-byte swizzled rows in both kernels).
@@ -350,13 +350,14 @@ def reads_bias_blocks(score_program) -> bool:
         kind == "block" for _, _, kind in tile_reads(score_program, blocks=True).values())
 
 
-def backward_unsupported_reason(score_program, head_dim: int = 128, dtype=jnp.bfloat16):
+def backward_unsupported_reason(score_program, head_dim: int = 128, dtype=jnp.bfloat16,
+                                gradient_tiles: int = 0):
     """None if the Mosaic GPU backward takes a call the Mosaic forward takes: its head
     dim, the score_mod's derivative (traced with `mod_program.with_score_derivative`)
     in what the kernels run, and the rings of the bias tensors it reads at (q_idx,
-    kv_idx) in shared memory beside the tiles
-    (`backward_mosaic.stages_beside_bias_blocks`, for either dK/dV kernel); else why
-    not."""
+    kv_idx) in shared memory beside the tiles (`backward_mosaic.stages_beside_bias_blocks`,
+    for either dK/dV kernel; `gradient_tiles`: how many of them train, see
+    `block_positions`); else why not."""
     if head_dim not in BACKWARD_HEAD_DIMS:
         return f"head dim {head_dim} (the Mosaic backward takes D in {BACKWARD_HEAD_DIMS})"
     if score_program is None:
@@ -368,8 +369,9 @@ def backward_unsupported_reason(score_program, head_dim: int = 128, dtype=jnp.bf
     if dtypes:
         from pallas_flex.kernels import backward_mosaic  # (which imports this module)
         for fused in (False, True) if head_dim == 64 else (False,):  # (`fuses_dq`)
-            if backward_mosaic.stages_beside_bias_blocks(head_dim, dtype, dtypes, dtypes,
-                                                         fused=fused) is None:
+            if backward_mosaic.stages_beside_bias_blocks(
+                    head_dim, dtype, dtypes, dtypes, fused=fused and not gradient_tiles,
+                    gradient_tiles=gradient_tiles) is None:
                 return (f"score_mod {score_program.name!r} reading bias tensors at "
                         f"(q_idx, kv_idx) whose blocks do not fit the backward's shared "
                         f"memory at head dim {head_dim}")

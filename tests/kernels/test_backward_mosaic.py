@@ -243,13 +243,15 @@ def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward(
 # Bias tensors read at (q_idx, kv_idx) (`bias_lookup`, [B, H, Sq, Skv], B and H shared
 # or not): the dQ kernel copies [128, 128] blocks beside its K/V stages, the dK/dV kernel
 # [128 keys, 64 queries] blocks of the transposed array beside its query tiles. D 64
-# runs the fused dK/dV kernel (the two kernels where the bias trains), D 80 and 96 the
-# two kernels; ragged lengths and Sq != Skv read the edge padding, which no kept score
-# uses. The bias's gradient: each dK/dV tile's dS' reduce-added into it (in interpret
+# runs the fused dK/dV kernel (the two kernels where the bias trains), D 80, 96 and 128
+# the two kernels (D 128's dQ kernel on 64-key tiles, its float32 bias fixed only: a
+# trained one does not fit); ragged lengths and Sq != Skv read the edge padding, which
+# no kept score uses. The bias's gradient: each dK/dV tile's dS' reduce-added into it (in interpret
 # mode summed per (batch, head)), shared rows and heads summed there.
 _BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True),
                      (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, False),
-                     (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True)]
+                     (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True),
+                     (jnp.bfloat16, "MHA", 200, 256, 128, (2, 1), jnp.float32, False)]
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
@@ -270,6 +272,12 @@ def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_le
     def ours(q, k, v, bias):
         return pf.attention(q, k, v, mask_mod=mask_mod, score_mod=masks.bias_lookup(bias),
                             backend=backend, kernel_options=MOSAIC)
+    if train_bias and dim == 128:
+        with pytest.raises(ValueError, match="do not fit"):
+            pf.explain(q, k, v, mask_mod=mask_mod, score_mod=masks.bias_lookup(bias),
+                       backend=backend, kernel_options=MOSAIC)  # (untrained: it fits)
+            jax.grad(lambda bias: ours(q, k, v, bias).astype(jnp.float32).sum())(bias)
+        return
     argnums = (0, 1, 2, 3) if train_bias else (0, 1, 2)
     grads = jax.vjp(lambda *args: ours(*args, *[bias][len(args) - 3:]),
                     *(q, k, v, bias)[:len(argnums)])[1](d_out)
@@ -288,8 +296,8 @@ def test_bias_tensor_blocks_dispatch():
     """`backward_kernel` "auto" keeps the Triton backward for bias blocks until they are
     timed on the GPU (`awaiting_measurement`); named, the Mosaic one takes them
     where their rings fit shared memory beside at least two stages of each kernel
-    (`stages_beside_bias_blocks`): not at D 128 (the dQ kernel's [128, 128] K and V
-    tiles), nor float32 blocks at D 64."""
+    (`stages_beside_bias_blocks`: at D 128 the dQ kernel walks 64-key tiles, and a
+    trained float32 bias does not fit there at all)."""
     from pallas_flex.kernels import backward_mosaic, mosaic_eligibility
     bias = jnp.zeros((1, 2, 256, 256), jnp.bfloat16)
     assert _choice(masks.bias_lookup(bias), backend="interpret",
@@ -312,20 +320,26 @@ def test_bias_tensor_blocks_dispatch():
     assert not mosaic_eligibility.BACKWARD_BIAS_BLOCKS_BY_DEFAULT
     assert "bias tensor" in mosaic_eligibility.awaiting_measurement(program, 64)
     assert mosaic_eligibility.awaiting_measurement(None, 64) is None
+    float_bias = masks.bias_lookup(bias.astype(jnp.float32))
+    for dim in (64, 128):
+        assert _choice(float_bias, dim=dim, backend="interpret",
+                       backward_kernel="mosaic").kernel == "mosaic_backward"
     with pytest.raises(ValueError, match="do not fit the backward's shared memory"):
-        _choice(masks.bias_lookup(bias), dim=128, backend="interpret",
+        _choice(float_bias, dim=128, wanted=(True,), backend="interpret",
                 backward_kernel="mosaic")
-    with pytest.raises(ValueError, match="do not fit the backward's shared memory"):
-        _choice(masks.bias_lookup(bias.astype(jnp.float32)), backend="interpret",
-                backward_kernel="mosaic")
-    # The stages: fewer beside the rings, the fused kernel's own, none left at D 128.
-    stages = backward_mosaic.stages_beside_bias_blocks
-    assert stages(64, jnp.bfloat16) == (backward_mosaic._DQ_STAGES[64],
-                                        backward_mosaic._DKV_STAGES[64])
-    assert stages(64, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) == (2, 4)
-    assert stages(64, jnp.bfloat16, (), [jnp.bfloat16], fused=True) == (None, 3)
-    assert stages(96, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) == (2, 4)
-    assert stages(128, jnp.bfloat16, [jnp.bfloat16], [jnp.bfloat16]) is None
+    # The layouts: fewer stages beside the rings (the fused kernel's own), 64-key dQ
+    # tiles where 128-key ones leave room for less than two stages, one staging buffer
+    # a bias gradient where two leave no room.
+    layout, b16, f32 = (backward_mosaic.stages_beside_bias_blocks, jnp.bfloat16,
+                        jnp.float32)
+    assert layout(64, b16) == (backward_mosaic._DQ_STAGES[64], 1,
+                               backward_mosaic._DKV_STAGES[64], 2)
+    assert layout(64, b16, [b16], [b16]) == (2, 1, 4, 2)
+    assert layout(64, b16, (), [b16], fused=True) == (None, 1, 3, 2)
+    assert layout(64, b16, [f32], [f32]) == (3, 2, 3, 2)
+    assert layout(128, b16, [b16], [b16]) == (3, 2, 3, 2)
+    assert layout(128, b16, [b16], [b16], gradient_tiles=1) == (3, 2, 2, 1)
+    assert layout(128, b16, [f32], [f32], gradient_tiles=1) is None
 
 
 @pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "auto"), (64, "loop")])
