@@ -342,7 +342,8 @@ def test_bias_tensor_blocks_dispatch():
     assert layout(128, b16, [f32], [f32], gradient_tiles=1) is None
 
 
-@pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "auto"), (64, "loop")])
+@pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "auto"), (64, "loop"),
+                                           (128, "auto")])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_pair_bias_gradient_on_the_mosaic_backward(backend, dim, batch_sum, fused_launches,
                                                   monkeypatch):
@@ -352,7 +353,7 @@ def test_pair_bias_gradient_on_the_mosaic_backward(backend, dim, batch_sum, fuse
     reduce-adds or, with backward_batch_sum "loop", from the Triton backward's batch loop
     (`backward.batch_loop_positions`, after the fused dK/dV kernel at D 64), the gate's
     from XLA; all against plain float64 JAX. A ragged residue count reads the blocks'
-    edge padding."""
+    edge padding. D 128: the dQ kernel's 64-key tiles, one staging buffer."""
     from pallas_flex.kernels import backward_mosaic
     calls, backward = [], backward_mosaic.flex_attention_backward_mosaic
     monkeypatch.setattr(backward_mosaic, "flex_attention_backward_mosaic",
