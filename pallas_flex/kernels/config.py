@@ -73,6 +73,9 @@ class KernelOptions:
       program instead of one per row. "auto": "loop" where at least
       BATCH_LOOP_MIN_SHARING rows share each entry (by the table's extent along the
       axes indexed by b). Reads whose per-element indices depend on b stay "atomic".
+      On the Mosaic GPU backward a bias tensor read as [q, kv] blocks takes its
+      gradient from the dK/dV kernel's TMA reduce-adds unless this is "loop" (then the
+      batch loop runs after its kernels).
     backward_batch_block_q, backward_batch_block_kv, backward_batch_num_warps,
       backward_batch_num_stages: the tiles and launch parameters of that launch.
     forward_kernel: which forward kernel runs on the GPU. "auto": the warp-specialized
