@@ -292,6 +292,33 @@ def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_le
         _assert_gradient_close(grad, golden_grad, baseline, name=name)
 
 
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_a_trained_bias_beside_trained_slopes(backend):
+    """A bias tensor read as blocks and ALiBi slopes read at h, both trained: the slopes'
+    gradient from the forward's row sums and the dQ kernel (D 64: the two kernels, the
+    bias's tiles reduce-added by the dK/dV kernel), against float64."""
+    q, k, v = random_qkv(3, 2, 200, 200, 2, 2, 64, 64, jnp.bfloat16)
+    bias = jax.random.normal(jax.random.key(7), (1, 2, 200, 200)).astype(jnp.bfloat16)
+    slopes = jnp.asarray([0.1, 0.05], jnp.float32)
+    d_out = _cotangent(q.shape, 9).astype(jnp.bfloat16)
+
+    def score_mod(bias, slopes):
+        return lambda s, b, h, i, j: s + bias[0, h, i, j] - slopes[h] * jnp.abs(i - j)
+
+    def ours(q, k, v, bias, slopes):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask,
+                            score_mod=score_mod(bias, slopes), backend=backend,
+                            kernel_options=MOSAIC)
+    grads = jax.vjp(ours, q, k, v, bias, slopes)[1](d_out)
+    expected = _golden_gradients(q, k, v, d_out, lambda *_: masks.causal_mask, score_mod,
+                                 argnums=(0, 1, 2, 3, 4), extra=(bias, slopes))
+    _, dense_vjp = jax.vjp(lambda q, k, v, bias, slopes: dense_low_precision(
+        q, k, v, masks.causal_mask, score_mod(bias, slopes)), q, k, v, bias, slopes)
+    for name, grad, golden_grad, baseline in zip(("dq", "dk", "dv", "dbias", "dslopes"),
+                                                 grads, expected, dense_vjp(d_out)):
+        _assert_gradient_close(grad, golden_grad, baseline, name=name)
+
+
 def test_bias_tensor_blocks_dispatch():
     """`backward_kernel` "auto" keeps the Triton backward for bias blocks until they are
     timed on the GPU (`awaiting_measurement`); named, the Mosaic one takes them
