@@ -489,8 +489,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, d_out_ref, lse_ref, delta_ref, full_num_re
                 [bias_blocks[number] for number, _ in block_gradients],
                 [ref.at[batch, head] if interpret else ref for ref in gradient_refs],
                 batch, head)
-            for (number, derivative_number), staging_tile, (target, index, q_axis, kv_axis) in zip(
+            for (_, derivative_number), staging_tile, source in zip(
                     block_gradients, gradient_staging, sources):
+                target, index, q_axis, kv_axis = source
                 derivative = materialize(read_derivatives[derivative_number], tile)
                 gradient = d_scores_t
                 if constant_value(derivative) != 1.0:
