@@ -248,16 +248,24 @@ def test_the_dispatcher_sends_per_element_captured_reads_to_the_triton_backward(
 # trained one does not fit); ragged lengths and Sq != Skv read the edge padding, which
 # no kept score uses. The bias's gradient: each dK/dV tile's dS' reduce-added into it (in interpret
 # mode summed per (batch, head)), shared rows and heads summed there.
-_BIAS_BLOCK_CASES = [(jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True),
-                     (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, False),
-                     (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True),
-                     (jnp.bfloat16, "MHA", 200, 256, 128, (2, 1), jnp.float32, False)]
+# Fixed biases where that takes another path (D 64's fused kernel; D 128's float32 bias,
+# which does not fit trained), trained ones where the two kernels run either way.
+_BIAS_BLOCK_CASES = [
+    (jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True, False),
+    (jnp.bfloat16, "GQA4", 200, 300, 64, (2, 4), jnp.bfloat16, True, True),
+    (jnp.bfloat16, "MHA", 128, 192, 96, (1, 4), jnp.bfloat16, False, True),
+    (jnp.float16, "GQA4", 256, 130, 80, (1, 1), jnp.float16, True, True),
+    (jnp.bfloat16, "MHA", 200, 256, 128, (2, 1), jnp.float32, False, False),
+    (jnp.bfloat16, "MHA", 200, 256, 128, (2, 1), jnp.float32, False, True)]
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-@pytest.mark.parametrize("dtype,layout,q_len,kv_len,dim,bias_shape,bias_dtype,causal",
-                         _BIAS_BLOCK_CASES)
-@pytest.mark.parametrize("train_bias", [False, True], ids=["fixed", "trained"])
+@pytest.mark.parametrize(
+    "dtype,layout,q_len,kv_len,dim,bias_shape,bias_dtype,causal,train_bias",
+    [pytest.param(*case, id=f"d{case[4]}-{jnp.dtype(case[6]).name}-bias{case[5][0]}x"
+                            f"{case[5][1]}-{'causal' if case[7] else 'noop'}-"
+                            f"{'trained' if case[8] else 'fixed'}")
+     for case in _BIAS_BLOCK_CASES])
 def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_len, dim,
                                             bias_shape, bias_dtype, causal, train_bias,
                                             fused_launches):
@@ -369,15 +377,15 @@ def test_bias_tensor_blocks_dispatch():
     assert layout(128, b16, [f32], [f32], gradient_tiles=1) is None
 
 
-@pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "auto"), (64, "loop"),
-                                           (128, "auto")])
+@pytest.mark.parametrize("dim,batch_sum", [(32, "auto"), (64, "loop"), (128, "auto")])
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_pair_bias_gradient_on_the_mosaic_backward(backend, dim, batch_sum, fused_launches,
                                                   monkeypatch):
     """Evoformer's gated row attention (`pf.variants.gated_self_attention`: a pair bias
     shared by the 4 rows of each MSA, read as blocks at b // 4) on the Mosaic backward:
     dQ, dK, dV from its kernels, the pair bias's gradient from its dK/dV kernel's
-    reduce-adds or, with backward_batch_sum "loop", from the Triton backward's batch loop
+    reduce-adds (D 64's: test_bias_tensor_blocks_in_the_backward) or, with
+    backward_batch_sum "loop", from the Triton backward's batch loop
     (`backward.batch_loop_positions`, after the fused dK/dV kernel at D 64), the gate's
     from XLA; all against plain float64 JAX. A ragged residue count reads the blocks'
     edge padding. D 128: the dQ kernel's 64-key tiles, one staging buffer."""
