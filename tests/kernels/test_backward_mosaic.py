@@ -301,6 +301,38 @@ def test_bias_tensor_blocks_in_the_backward(backend, dtype, layout, q_len, kv_le
 
 
 @pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_trained_slopes_beside_a_key_bias(backend):
+    """Learnable ALiBi slopes beside a fixed key bias `kb[b, kv_idx]`: the slopes'
+    derivative program reads the key bias through clamped indices
+    (`with_read_derivatives`), exact up to the array's end (`tile_mods.ExactIndices`),
+    so it stays a slice read and the call trains on the Mosaic backward."""
+    q, k, v = random_qkv(3, 2, 200, 200, 2, 2, 64, 64, jnp.bfloat16)
+    key_bias = jax.random.normal(jax.random.key(5), (2, 200))
+    slopes = jnp.asarray([0.1, 0.05], jnp.float32)
+    d_out = _cotangent(q.shape, 9).astype(jnp.bfloat16)
+
+    def score_mod(slopes):
+        return lambda s, b, h, i, j: s + key_bias[b, j] - slopes[h] * jnp.abs(i - j)
+    program = make_mod_program(score_mod(slopes), SCORE)
+    wanted = tuple(const is slopes for const in program.consts)  # (the slopes only)
+    assert sum(wanted) == 1 and _choice(score_mod(slopes), wanted=wanted,
+                                        backend="interpret",
+                                        backward_kernel="mosaic").kernel == "mosaic_backward"
+
+    def ours(q, k, v, slopes):
+        return pf.attention(q, k, v, mask_mod=masks.causal_mask, score_mod=score_mod(slopes),
+                            backend=backend, kernel_options=MOSAIC)
+    grads = jax.vjp(ours, q, k, v, slopes)[1](d_out)
+    expected = _golden_gradients(q, k, v, d_out, lambda *_: masks.causal_mask, score_mod,
+                                 argnums=(0, 1, 2, 3), extra=(slopes,))
+    _, dense_vjp = jax.vjp(lambda q, k, v, slopes: dense_low_precision(
+        q, k, v, masks.causal_mask, score_mod(slopes)), q, k, v, slopes)
+    for name, grad, golden_grad, baseline in zip(("dq", "dk", "dv", "dslopes"), grads,
+                                                 expected, dense_vjp(d_out)):
+        _assert_gradient_close(grad, golden_grad, baseline, name=name)
+
+
+@pytest.mark.parametrize("backend", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
 def test_a_trained_bias_beside_trained_slopes(backend):
     """A bias tensor read as blocks and ALiBi slopes read at h, both trained: the slopes'
     gradient from the forward's row sums and the dQ kernel (D 64: the two kernels, the
