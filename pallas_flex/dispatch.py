@@ -307,15 +307,15 @@ def choose_backward(q, k, v, block_mask, score_program, *, backend: str,
                                        interpret=interpret)
     _, kernel_positions = split_gradient_positions(q, score_program, options,
                                                     wanted_const_grads)
+    trained_blocks = ()
     if reason is None:
+        trained_blocks = mosaic_eligibility.block_positions(score_program, kernel_positions)
         reason = mosaic_eligibility.backward_unsupported_reason(
-            score_program, q.shape[3], q.dtype, gradient_tiles=len(
-                mosaic_eligibility.block_positions(score_program, kernel_positions)))
+            score_program, q.shape[3], q.dtype, gradient_tiles=len(trained_blocks))
     if reason is None:
         reason = mosaic_eligibility.captured_gradient_unsupported_reason(
             score_program, kernel_positions)
-        if (reason is None and options.backward_deterministic
-                and mosaic_eligibility.block_positions(score_program, kernel_positions)):
+        if reason is None and options.backward_deterministic and trained_blocks:
             reason = ("backward_deterministic with the gradient of a bias tensor read at "
                       "(q_idx, kv_idx) (summed by reduce-adds in varying order)")
     if reason is None and not named:
@@ -344,7 +344,7 @@ def split_gradient_positions(q, score_program, options: KernelOptions, wanted_co
     positions = mosaic_eligibility.differentiated_positions(score_program, wanted_const_grads)
     looped = ()
     if positions and (options.backward_batch_sum == "loop" or options.backward_deterministic):
-        looped = batch_loop_positions(score_program, wanted_const_grads, q.shape[0], "loop",
+        looped = batch_loop_positions(score_program, wanted_const_grads, q.shape[0],
                                       options.backward_deterministic)
     return looped, tuple(p for p in positions if p not in looped)
 

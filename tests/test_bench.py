@@ -565,18 +565,25 @@ def test_the_ragged_suite_pairs_each_column_with_its_own_call(monkeypatch):
     assert rows[0]["kernel_rotated_in_reads"]["max_rel_diff_vs_in_cache"] < 1e-2
 
 
+def _ab_row(tmp_path, *argv):
+    """`bench.ab` on the tiny CPU shape (2 rounds of 1 call) and its one row."""
+    from pallas_flex.bench import ab
+
+    out = tmp_path / "ab.json"
+    assert ab.main(["--quick", "--rounds", "2", "--iters", "1", *argv,
+                    "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    return row
+
+
 def test_ab_times_kernel_options_side_by_side(tmp_path):
     """`python -m pallas_flex.bench.ab`: each arm's kernel_options on the same inputs,
     timed in paired rounds; ratios against the first arm, each arm's difference from it
     and the kernels it runs. Tiles of 32 and 64 agree; a mis-set arm is a clear error."""
     from pallas_flex.bench import ab
 
-    out = tmp_path / "ab.json"
-    assert ab.main(["--quick", "--variants", "causal", "--mode", "fwd_bwd", "--rounds", "2",
-                    "--iters", "1", "--arm", "base={}",
-                    "--arm", 'small={"block_q": 32, "block_kv": 32}',
-                    "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    row = _ab_row(tmp_path, "--variants", "causal", "--mode", "fwd_bwd", "--arm", "base={}",
+                  "--arm", 'small={"block_q": 32, "block_kv": 32}')
     assert row["case"] == "tiny_gqa causal" and list(row["arms"]) == ["base", "small"]
     base, small = row["arms"]["base"], row["arms"]["small"]
     assert base["ratio"] == 1.0 and len(small["rounds_ms"]) == 2
@@ -598,12 +605,9 @@ def test_ab_times_the_gated_variant(tmp_path):
     gated one is a clear error."""
     from pallas_flex.bench import ab
 
-    out = tmp_path / "ab.json"
-    assert ab.main(["--quick", "--gated", "gated_tiny", "--mode", "fwd_bwd", "--rounds", "2",
-                    "--iters", "1", "--arm", 'loop={"backward_batch_sum": "loop"}',
-                    "--arm", 'atomic={"backward_batch_sum": "atomic"}',
-                    "--out", str(out)]) == 0
-    (row,) = json.loads(out.read_text())["rows"]
+    row = _ab_row(tmp_path, "--gated", "gated_tiny", "--mode", "fwd_bwd",
+                  "--arm", 'loop={"backward_batch_sum": "loop"}',
+                  "--arm", 'atomic={"backward_batch_sum": "atomic"}')
     assert row["case"] == "gated gated_tiny" and list(row["arms"]) == ["loop", "atomic"]
     assert row["arms"]["atomic"]["max_difference"] < 2e-2  # (0: the same sums, in order)
     assert len(row["arms"]["atomic"]["rounds_ms"]) == 2 and row["arms"]["loop"]["ratio"] == 1

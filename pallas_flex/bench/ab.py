@@ -31,6 +31,7 @@ from pallas_flex.bench import cases
 from pallas_flex.bench.cli import _pick, suite_shapes
 from pallas_flex.bench.jax_suites import _bf16, _difference, _grad_step, _step, mods
 from pallas_flex.bench.timing import time_paired
+from pallas_flex.variants.gated import folded_call
 
 
 def parse_arm(text: str) -> tuple[str, dict]:
@@ -49,17 +50,14 @@ def parse_arm(text: str) -> tuple[str, dict]:
 
 def _gated_calls(case, arms, backend, mode):
     """({arm: (jitted step, its arguments)}, {arm: pf.explain of the folded call}) of a
-    gated variant case: the MSA's rows folded into the batch, the pair bias read at
-    b // rows, as `pf.variants.gated_self_attention` calls `pf.attention`."""
-    shape, rows = case.shape, case.rows
-    msa = (shape.batch, rows, shape.seq_len, shape.q_heads, shape.head_dim)
+    gated variant case (the `pf.attention` call `gated.folded_call` gives)."""
+    shape = case.shape
+    msa = (shape.batch, case.rows, shape.seq_len, shape.q_heads, shape.head_dim)
     q, k, v, gate, d_out = _bf16(*(cases.normal(msa, i) for i in range(5)))
     pair_bias = jax.numpy.asarray(cases.normal(
         (shape.batch, shape.q_heads, shape.seq_len, shape.seq_len), 5), jax.numpy.bfloat16)
-    folded = q.reshape((shape.batch * rows,) + q.shape[2:])
-
-    def pair_biased(score, b, h, q_idx, kv_idx):
-        return score + pair_bias[b // rows, h, q_idx, kv_idx]
+    folded = folded_call(q, k, v, gate, pair_bias=pair_bias)
+    del folded["output_gate"]  # (explain takes no gate)
     calls, explained = {}, {}
     for name, options in arms.items():
         def gated(q, k, v, gate, pair_bias, options=options):
@@ -68,8 +66,7 @@ def _gated_calls(case, arms, backend, mode):
                 kernel_options=options)
         calls[name] = (_grad_step(gated, mode, tuple(range(5))),
                        (q, k, v, gate, pair_bias, d_out))
-        explained[name] = pf.explain(folded, folded, folded, score_mod=pair_biased,
-                                     scale=shape.scale, backend=backend,
+        explained[name] = pf.explain(**folded, scale=shape.scale, backend=backend,
                                      kernel_options=options)
     return calls, explained
 

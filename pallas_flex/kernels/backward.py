@@ -336,17 +336,17 @@ def _site_plans(score_program, wanted=None, deterministic=False, batch=1,
     return tuple(plans)
 
 
-def batch_loop_positions(score_program, wanted, batch: int, batch_sum: str,
+def batch_loop_positions(score_program, wanted, batch: int,
                          deterministic: bool = False) -> tuple:
     """The positions of the score_mod's captured arrays whose gradients (`wanted`: one
-    bool per captured array, None for all) the batch loop sums, every read of them a
-    "batch_loop" site (`_site_plans`, `batch_loop_gradients`) for `batch` rows and
-    KernelOptions.backward_batch_sum `batch_sum`: the Mosaic GPU backward hands these to
-    the same launch."""
-    if score_program is None or batch_sum == "atomic":
+    bool per captured array, None for all) the batch loop sums under
+    KernelOptions.backward_batch_sum "loop", every read of them a "batch_loop" site
+    (`_site_plans`, `batch_loop_gradients`) for `batch` rows: the Mosaic GPU backward
+    hands these to `batch_loop_only`."""
+    if score_program is None:
         return ()
     plans = _site_plans(score_program, wanted, deterministic, batch=batch,
-                        batch_sum=batch_sum)
+                        batch_sum="loop")
     looped = {plan.position for plan in plans if plan.mode == "batch_loop"}
     return tuple(sorted(position for position in looped
                         if all(plan.mode == "batch_loop" for plan in plans
@@ -362,7 +362,7 @@ def batch_loop_only(q, k, v, out, lse, d_out, d_lse, block_mask, score_program, 
                               scale)
     wanted = [position in positions for position in range(len(score_program.consts))]
     plans = tuple(plan for plan in _site_plans(
-        score_program, wanted, batch=q.shape[0], batch_sum=options.backward_batch_sum)
+        score_program, wanted, batch=q.shape[0], batch_sum="loop")
         if plan.mode == "batch_loop")
     return batch_loop_gradients(launch, plans, options=options, interpret=interpret)
 

@@ -130,6 +130,13 @@ _DQ_STAGES = {32: 4, 64: 4, 80: 3, 96: 3, 128: 2}
 _FUSED_STAGES = {64: 4}
 DQ_STAGING = 2
 _FLOAT32_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def _float32_staging(buffers: int):
+    """Per compute warpgroup, `buffers` float32 [64, 64] tiles that TMA reduce-adds read
+    (the fused dQ's, a bias gradient's)."""
+    return plgpu.SMEM((COMPUTE_WARPGROUPS, buffers, Q_TILE, Q_TILE), jnp.float32,
+                      transforms=_FLOAT32_TRANSFORMS)
 # Registers a thread of a compute / the memory warpgroup (setmaxnreg): 8 more for the
 # compute warpgroups than the forward's (232, 40). H100, paired rounds, ms, 240 / 232:
 # fused D 64 fwd+bwd (B8 H16 S2048) 1.235 / 1.287; two kernels at D 128 B4 H16 S4096
@@ -191,10 +198,9 @@ def stages_beside_bias_blocks(head_dim: int, dtype, dq_block_dtypes=(),
     def ring_bytes(dtypes, rows, columns):
         return sum(rows * columns * jnp.dtype(t).itemsize for t in dtypes)
 
-    dq_stages, dq_parts = None, 1
-    if not fused:
-        dq_stages = _DQ_STAGES[head_dim]
-        for dq_parts in (1, 2) if dq_block_dtypes else (1,):
+    dq_stages, dq_parts = (None if fused else _DQ_STAGES[head_dim]), 1
+    if not fused and dq_block_dtypes:
+        for dq_parts in (1, 2):
             keys = BLOCK // dq_parts  # Q and dO, lse and delta; K, V and blocks per stage
             dq_stages = fitted(_DQ_STAGES[head_dim] * dq_parts,
                                2 * BLOCK * head_dim * itemsize + 2 * BLOCK * 4,
@@ -969,8 +975,9 @@ def flex_attention_backward_mosaic(q, k, v, out, lse, d_out, d_lse, block_mask,
         # gave (the dK/dV kernel does not mask them: their rows are sliced off): zeros
         # there, then the entries past the array's end (clamped reads) fold into its last.
         for axis, length in zip(axes_of[position], (q.shape[1], k.shape[1])):
-            inside = lax.broadcasted_iota(jnp.int32, gradient.shape, axis) < length
-            gradient = jnp.where(inside, gradient, 0.0)
+            if gradient.shape[axis] > length:
+                inside = lax.broadcasted_iota(jnp.int32, gradient.shape, axis) < length
+                gradient = jnp.where(inside, gradient, 0.0)
         const_grads[position] = unpadded_gradient(gradient, jnp.shape(original)).astype(
             original.dtype)
     sums = sums[:len(sums) - len(blocks)]
@@ -1023,8 +1030,7 @@ def _launch_fused(call, dkv_scratch, q, k, v, d_out, lse_log2, delta, q_tables,
     extra_smem = (
         plgpu.SMEM((COMPUTE_WARPGROUPS, ROWS_PER_WARPGROUP, Q_TILE), q.dtype,
                    transforms=tile_transforms(Q_TILE)),
-        plgpu.SMEM((COMPUTE_WARPGROUPS, DQ_STAGING, Q_TILE, Q_TILE), jnp.float32,
-                   transforms=_FLOAT32_TRANSFORMS))
+        _float32_staging(DQ_STAGING))
     # (The sites' sums take a few KiB: the stages, `stages_beside_bias_blocks`', fit
     # beside them.)
     if sites.pair_sites:  # per stage, the query tile's row sums from the forward
@@ -1305,9 +1311,7 @@ def _launch(q, k, v, d_out, lse_log2, delta, d_lse, tables, entry_tables_, mask_
          *sites.out_types),
         {"heads": kv_heads, "kv_seq": num_kv_blocks, "batch": batch},
         *dkv_scratch(dkv_stages, sites.smem + tuple(
-            plgpu.SMEM((COMPUTE_WARPGROUPS, layout.gradient_buffers, Q_TILE, Q_TILE),
-                       jnp.float32, transforms=_FLOAT32_TRANSFORMS)
-            for _ in block_gradients)),
+            _float32_staging(layout.gradient_buffers) for _ in block_gradients)),
         accumulators=(*accumulators, *gradient_accumulators))
     if accumulators:
         run_sums.append(accumulators[0][...])

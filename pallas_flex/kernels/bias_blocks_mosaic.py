@@ -20,10 +20,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_flex.kernels.mosaic_eligibility import block_indices
+from pallas_flex.kernels.mosaic_eligibility import BLOCK, block_indices
 from pallas_flex.kernels.mosaic_tiles import ROWS_PER_WARPGROUP
 
-HALVES = 2  # (one per compute warpgroup)
+HALVES = BLOCK // ROWS_PER_WARPGROUP  # (one per compute warpgroup)
 
 
 def bias_block_reads(score_program, score_reads):

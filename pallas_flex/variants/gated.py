@@ -50,6 +50,21 @@ def gated_self_attention(q, k, v, gate, *, pair_bias, key_bias=None, key_mask=No
             raise ValueError(f"{name} must have shape {(batch, rows, residues)} [B, R, S], "
                              f"got {x.shape}")
 
+    folded = folded_call(q, k, v, gate, pair_bias=pair_bias, key_bias=key_bias,
+                         key_mask=key_mask)
+    # The gate joins the forward kernel's epilogue where no one differentiates the call
+    # (`pallas_flex/output_gate.py`).
+    out = attention(**folded, scale=scale, backend=backend, kernel_options=kernel_options)
+    return out.reshape(gate.shape)
+
+
+def folded_call(q, k, v, gate, *, pair_bias, key_bias=None, key_mask=None) -> dict:
+    """The `pf.attention` arguments of `gated_self_attention` (checked there): the rows
+    folded into the batch axis, the biases a score_mod (the pair bias read at b // R),
+    the key mask a mask_mod, the gate the output gate. `pallas_flex.bench.ab` explains
+    the call from them."""
+    batch, rows, residues = q.shape[:3]
+
     def fold(x):  # rows into the batch axis: [B * R, S, H, D]
         return x.reshape((batch * rows,) + x.shape[2:])
 
@@ -68,9 +83,5 @@ def gated_self_attention(q, k, v, gate, *, pair_bias, key_bias=None, key_mask=No
         def mask_mod(b, h, q_idx, kv_idx):
             return mask_rows[b, kv_idx]
 
-    # The gate joins the forward kernel's epilogue where no one differentiates the call
-    # (`pallas_flex/output_gate.py`).
-    out = attention(fold(q), fold(k), fold(v), mask_mod=mask_mod, score_mod=biases,
-                    scale=scale, backend=backend, kernel_options=kernel_options,
-                    output_gate=fold(gate))
-    return out.reshape(gate.shape)
+    return dict(q=fold(q), k=fold(k), v=fold(v), mask_mod=mask_mod, score_mod=biases,
+                output_gate=fold(gate))
